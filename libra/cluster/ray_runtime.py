@@ -1,0 +1,143 @@
+"""The Ray runtime: start or join a cluster, placement groups, actor creation and shutdown.
+
+Only `libra/cluster/` imports Ray. A local cluster on a CPU machine gets logical GPUs (Ray treats them as
+real resources: distinct `ray.get_gpu_ids()` and `CUDA_VISIBLE_DEVICES` per actor), its own temp dir
+(so it never picks up another cluster's address file) and token auth disabled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+log = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 60.0
+
+
+@dataclass
+class RayRuntime:
+    """A handle on the Ray cluster Libra runs on; `owned` says whether Libra started it (and must stop it)."""
+
+    address: str
+    owned: bool
+    namespace: str
+    tmp_dir: str = ""
+    _placement_groups: list[PlacementGroup] = field(default_factory=list)
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        address: str = "",
+        num_gpus: int = 0,
+        num_cpus: int | None = None,
+        namespace: str = "libra",
+        tmp_dir: str | None = None,
+        object_store_bytes: int = 256 * 1024**2,
+    ) -> RayRuntime:
+        """Join `address` when given, else start a local cluster with `num_gpus` (logical) GPUs."""
+        if ray.is_initialized():
+            ctx = ray.get_runtime_context()
+            return cls(address=ctx.gcs_address, owned=False, namespace=ctx.namespace or namespace)
+        if address:
+            ray.init(address=address, namespace=namespace, log_to_driver=False)
+            return cls(address=address, owned=False, namespace=namespace)
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        tmp = tmp_dir or tempfile.mkdtemp(prefix="libra-ray-")
+        os.makedirs(tmp, exist_ok=True)
+        os.environ["RAY_TMPDIR"] = tmp
+        ctx = ray.init(
+            num_gpus=num_gpus,
+            num_cpus=num_cpus if num_cpus is not None else max(2 * num_gpus, 4),
+            namespace=namespace,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=object_store_bytes,
+            _temp_dir=tmp,
+        )
+        log.info("started local Ray with %d logical GPUs at %s", num_gpus, ctx.address_info["gcs_address"])
+        return cls(address=ctx.address_info["gcs_address"], owned=True, namespace=namespace, tmp_dir=tmp)
+
+    def placement_group(
+        self, bundles: Sequence[dict[str, float]], strategy: str = "PACK", name: str = ""
+    ) -> PlacementGroup:
+        """Reserve `bundles` (e.g. `[{"GPU": 1, "CPU": 1}] * 4`) and wait until they are placed."""
+        pg = placement_group(list(bundles), strategy=strategy, name=name)
+        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(pg)
+            raise TimeoutError(
+                f"placement group '{name}' ({len(bundles)} bundles {bundles[0] if bundles else {}}, {strategy}) "
+                f"was not placed within {PLACEMENT_TIMEOUT_S:.0f}s; cluster resources: {ray.cluster_resources()}"
+            )
+        self._placement_groups.append(pg)
+        return pg
+
+    def release(self, pg: PlacementGroup) -> None:
+        if pg in self._placement_groups:
+            self._placement_groups.remove(pg)
+        remove_placement_group(pg)
+
+    def spawn(
+        self,
+        actor_cls: type,
+        *args: Any,
+        pg: PlacementGroup | None = None,
+        bundle_index: int = -1,
+        num_gpus: float = 0,
+        num_cpus: float = 1,
+        env: dict[str, str] | None = None,
+        name: str | None = None,
+        lifetime: str | None = None,
+        max_concurrency: int = 1,
+        **kwargs: Any,
+    ) -> Any:
+        """Create an actor of the plain class `actor_cls`, optionally pinned to one bundle of `pg`."""
+        options: dict[str, Any] = {"num_gpus": num_gpus, "num_cpus": num_cpus, "max_concurrency": max_concurrency}
+        if pg is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=bundle_index
+            )
+        if env:
+            options["runtime_env"] = {"env_vars": dict(env)}
+        if name:
+            options["name"] = name
+            options["namespace"] = self.namespace
+        if lifetime:
+            options["lifetime"] = lifetime
+        return ray.remote(actor_cls).options(**options).remote(*args, **kwargs)
+
+    @staticmethod
+    def get(refs: Any, timeout: float | None = None) -> Any:
+        return ray.get(refs, timeout=timeout)
+
+    @staticmethod
+    def kill(actor: Any) -> None:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as exc:  # an actor that is already gone is what we wanted
+            log.debug("kill actor: %s", exc)
+
+    @staticmethod
+    def cluster_gpus() -> int:
+        return int(ray.cluster_resources().get("GPU", 0))
+
+    def shutdown(self) -> None:
+        """Release placement groups; stop Ray only when Libra started it."""
+        for pg in list(self._placement_groups):
+            try:
+                remove_placement_group(pg)
+            except Exception as exc:
+                log.debug("remove placement group: %s", exc)
+        self._placement_groups.clear()
+        if self.owned and ray.is_initialized():
+            ray.shutdown()

@@ -1,0 +1,1 @@
+"""Model factories Libra owns (tiny local models for CPU runs and tests)."""
