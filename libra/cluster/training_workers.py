@@ -1,0 +1,93 @@
+"""Ray glue of the training pool: one placement group with a `{"GPU": 1, "CPU": 1}` bundle per worker, one
+actor per bundle, and collective calls that fail fast.
+
+Every training entry point is collective (all ranks must enter it), so a call goes to every actor at once and
+the results are awaited together; if any rank raises, that error is raised immediately instead of waiting for
+the other ranks, which would block in a collective forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import ray
+
+from libra.cluster.ray_runtime import RayRuntime
+
+log = logging.getLogger(__name__)
+
+FORWARDED_ENV = ("LIBRA_FORCE_CPU", "RL_TRAIN_PHASE_TRACE", "RL_TRAIN_PHASE_TRACE_DIR")
+
+
+class CollectiveCallError(RuntimeError):
+    """A collective call failed on one rank (the message names it) or timed out."""
+
+
+class TrainingWorkerGroup:
+    """`num_workers` actors of `worker_cls(*args, rank, num_workers)` pinned to one placement group."""
+
+    def __init__(self, runtime: RayRuntime, worker_cls: type, args: tuple[Any, ...], num_workers: int, name: str) -> None:
+        self.runtime = runtime
+        self.worker_cls = worker_cls
+        self.args = args
+        self.num_workers = num_workers
+        self.name = name
+        self.actors: list[Any] = []
+        self._pg: Any = None
+
+    def start(self, strategy: str = "PACK") -> None:
+        bundles = [{"GPU": 1.0, "CPU": 1.0}] * self.num_workers
+        self._pg = self.runtime.placement_group(bundles, strategy=strategy, name=f"{self.name}-pg")
+        env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+        self.actors = [
+            self.runtime.spawn(
+                self.worker_cls, *self.args, rank, self.num_workers,
+                pg=self._pg, bundle_index=rank, num_gpus=1, num_cpus=1, env=env or None,
+            )
+            for rank in range(self.num_workers)
+        ]
+
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Call `method(*args)` on every rank (large arguments travel once through the object store)."""
+        shared = [ray.put(a) if _is_large(a) else a for a in args]
+        refs = [getattr(actor, method).remote(*shared) for actor in self.actors]
+        return self._gather(method, refs, timeout)
+
+    def call_rank(self, rank: int, method: str, *args: Any, timeout: float | None = None) -> Any:
+        return self._gather(method, [getattr(self.actors[rank], method).remote(*args)], timeout)[0]
+
+    def _gather(self, method: str, refs: list[Any], timeout: float | None) -> list[Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        index = {ref: i for i, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not done:
+                ranks = sorted(index[r] for r in pending)
+                raise CollectiveCallError(f"{self.name}.{method}: ranks {ranks} did not finish within {timeout:.0f}s")
+            for ref in done:
+                try:
+                    results[index[ref]] = ray.get(ref)
+                except Exception as exc:
+                    raise CollectiveCallError(f"{self.name}.{method} failed on rank {index[ref]}: {exc}") from exc
+        return results
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            self.runtime.kill(actor)
+        self.actors = []
+        if self._pg is not None:
+            try:
+                self.runtime.release(self._pg)
+            except Exception as exc:  # already gone with the cluster
+                log.debug("release training placement group: %s", exc)
+            self._pg = None
+
+
+def _is_large(value: Any) -> bool:
+    return isinstance(value, list | tuple | dict) and len(value) > 16

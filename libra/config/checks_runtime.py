@@ -1,0 +1,180 @@
+"""Cross-field checks of the runtime planner and elastic options, rollout endpoints and weight sync."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+from libra.config.context import Finding, RuleContext
+from libra.config.fields import OptionInfo, options
+from libra.config.schema import Config
+
+GRP = "global_resource_planner"
+MASTER = f"{GRP}.runtime_dynamic_reconfiguration_enabled"
+_NEEDS_MASTER = ("runtime_online_replanning", "runtime_cluster_swap_enabled", "runtime_reconfigure_training",
+                 "runtime_training_pool_plan_only")
+
+
+def runtime_needs_master(c: RuleContext) -> Iterator[Finding]:
+    if c.planner.runtime_dynamic_reconfiguration_enabled:
+        return
+    for name in _NEEDS_MASTER:
+        if getattr(c.planner, name):
+            yield Finding(f"{GRP}.{name}", "has no effect while runtime_dynamic_reconfiguration_enabled is false",
+                          f"set {MASTER}: true, or {GRP}.{name}: false")
+
+
+def cluster_swap_strategy(c: RuleContext) -> Iterator[Finding]:
+    p = c.planner
+    if p.runtime_rollout_reconfigure_strategy == "cluster_swap" and not p.runtime_cluster_swap_enabled:
+        yield Finding(f"{GRP}.runtime_rollout_reconfigure_strategy",
+                      "cluster_swap exchanges GPUs between the pools, which runtime_cluster_swap_enabled must allow",
+                      f"set {GRP}.runtime_cluster_swap_enabled: true, or choose another strategy")
+
+
+def cluster_swap_needs_training(c: RuleContext) -> Iterator[Finding]:
+    p = c.planner
+    if p.runtime_cluster_swap_enabled and not p.runtime_reconfigure_training:
+        yield Finding(f"{GRP}.runtime_cluster_swap_enabled",
+                      "a pool exchange changes the training pool, which runtime_reconfigure_training must allow",
+                      f"set {GRP}.runtime_reconfigure_training: true")
+    if p.runtime_cluster_swap_enabled and not p.runtime_manage_rollout_processes:
+        yield Finding(f"{GRP}.runtime_cluster_swap_enabled",
+                      "a pool exchange stops and starts rollout servers, which Libra does not manage here "
+                      "(runtime_manage_rollout_processes false)",
+                      f"set {GRP}.runtime_manage_rollout_processes: true, or disable cluster swap")
+
+
+def plan_only_needs_training(c: RuleContext) -> Iterator[Finding]:
+    p = c.planner
+    if p.runtime_training_pool_plan_only and not p.runtime_reconfigure_training:
+        yield Finding(f"{GRP}.runtime_training_pool_plan_only",
+                      "records training-pool changes, but runtime_reconfigure_training is false so none are planned",
+                      f"set {GRP}.runtime_reconfigure_training: true")
+
+
+def spare_gpus_for_strategy(c: RuleContext) -> Iterator[Finding]:
+    p, cfg = c.planner, c.cfg
+    strategy = p.runtime_rollout_reconfigure_strategy
+    if not (p.runtime_dynamic_reconfiguration_enabled and c.pinned and strategy in ("blue_green", "prewarm")):
+        return
+    spare = c.total_gpus - cfg.train_gpus - cfg.rollout_gpus
+    if spare < cfg.rollout_tp_size:
+        yield Finding(f"{GRP}.runtime_rollout_reconfigure_strategy",
+                      f"{strategy} starts new rollout instances on spare GPUs first, but the pinned split leaves "
+                      f"{spare} spare GPU(s) (an instance needs rollout_tp_size = {cfg.rollout_tp_size})",
+                      "leave at least one instance's GPUs free, or use diff or cluster_swap")
+
+
+def strategy_ignored(c: RuleContext) -> Iterator[Finding]:
+    for name in ("runtime_rollout_reconfigure_strategy", "runtime_drain_before_reconfigure"):
+        if c.is_set(f"{GRP}.{name}") and not c.planner.runtime_dynamic_reconfiguration_enabled:
+            yield Finding(f"{GRP}.{name}", "is ignored while runtime_dynamic_reconfiguration_enabled is false",
+                          f"remove it or set {MASTER}: true")
+
+
+def replan_ignored(c: RuleContext) -> Iterator[Finding]:
+    for name in ("replan_interval_steps", "replan_min_gain"):
+        if c.is_set(f"{GRP}.{name}") and not c.planner.runtime_online_replanning:
+            yield Finding(f"{GRP}.{name}", "is ignored while runtime_online_replanning is false",
+                          f"remove it or set {GRP}.runtime_online_replanning: true")
+
+
+def _all_options(cls: type, prefix: str = "") -> Iterator[tuple[str, OptionInfo]]:
+    for name, info in options(cls).items():
+        yield f"{prefix}{name}", info
+        if info.is_section:
+            yield from _all_options(info.type, f"{prefix}{name}.")
+
+
+def deprecated_options(c: RuleContext) -> Iterator[Finding]:
+    for path, info in _all_options(Config):
+        if info.deprecated and c.is_set(path):
+            yield Finding(path, info.deprecated, "remove the option")
+
+
+def elastic_replica_size(c: RuleContext) -> Iterator[Finding]:
+    cfg, size = c.cfg, c.planner.elastic_hybrid_replica_size_gpus
+    unit = cfg.train_tp_size * cfg.train_ep_size * cfg.train_pp_size * cfg.train_cp_size
+    if size and size % unit:
+        yield Finding(f"{GRP}.elastic_hybrid_replica_size_gpus",
+                      f"one complete replica is TPxEPxPPxCP = {cfg.train_tp_size}x{cfg.train_ep_size}x"
+                      f"{cfg.train_pp_size}x{cfg.train_cp_size} = {unit} ranks, so the size must be a multiple of {unit}",
+                      f"set 0 (derive it) or a multiple of {unit}")
+    elif size > c.total_gpus:
+        yield Finding(f"{GRP}.elastic_hybrid_replica_size_gpus", f"exceeds the cluster ({c.total_gpus} GPUs)",
+                      "set 0 (derive it) or a smaller multiple of the replica")
+
+
+def elastic_min_rollout(c: RuleContext) -> Iterator[Finding]:
+    keep = c.planner.elastic_hybrid_min_rollout_gpus
+    limit = c.cfg.rollout_gpus if c.pinned else c.total_gpus
+    if keep > limit:
+        what = "rollout_gpus" if c.pinned else "the cluster"
+        yield Finding(f"{GRP}.elastic_hybrid_min_rollout_gpus", f"exceeds {what} ({limit} GPUs)",
+                      f"set at most {limit}")
+
+
+def decouple_needs_training(c: RuleContext) -> Iterator[Finding]:
+    if c.planner.decouple_communication_domains and not c.planner.runtime_reconfigure_training:
+        yield Finding(f"{GRP}.decouple_communication_domains",
+                      "has no effect without elastic training workers (runtime_reconfigure_training false)",
+                      f"remove it or set {GRP}.runtime_reconfigure_training: true")
+
+
+def endpoints_required(c: RuleContext) -> Iterator[Finding]:
+    if not c.managed_rollout and not c.cfg.rollout_endpoints:
+        yield Finding("rollout_endpoints",
+                      "Libra does not start rollout servers (runtime_manage_rollout_processes false), so it needs "
+                      "the addresses of existing ones", "list them, e.g. rollout_endpoints: [http://10.0.0.5:8100], "
+                      f"or set {GRP}.runtime_manage_rollout_processes: true")
+
+
+def endpoints_unmanaged_only(c: RuleContext) -> Iterator[Finding]:
+    if c.managed_rollout and c.cfg.rollout_endpoints:
+        yield Finding("rollout_endpoints",
+                      "Libra starts its own rollout servers (runtime_manage_rollout_processes true), so endpoints "
+                      "would be ignored", f"remove rollout_endpoints, or set {GRP}.runtime_manage_rollout_processes: false")
+
+
+def endpoint_format(c: RuleContext) -> Iterator[Finding]:
+    for i, endpoint in enumerate(c.cfg.rollout_endpoints):
+        url = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+        try:
+            port = url.port
+        except ValueError:
+            port = None
+        if url.scheme not in ("http", "https") or not url.hostname or port is None:
+            yield Finding(f"rollout_endpoints[{i}]", "is not an http(s)://host:port address",
+                          "write it as http://HOST:PORT", value=endpoint)
+    if len(set(c.cfg.rollout_endpoints)) != len(c.cfg.rollout_endpoints):
+        yield Finding("rollout_endpoints", "lists a server more than once", "list each server once")
+
+
+def unmanaged_rollout_resize(c: RuleContext) -> Iterator[Finding]:
+    if c.planner.runtime_dynamic_reconfiguration_enabled and not c.managed_rollout:
+        yield Finding(f"{GRP}.runtime_manage_rollout_processes",
+                      "rollout servers are external, so runtime reconfiguration never resizes the rollout pool",
+                      "set it to true to let Libra resize the rollout pool")
+
+
+def sync_mode_nccl(c: RuleContext) -> Iterator[Finding]:
+    if c.cfg.rollout_weight_sync_mode == "nccl":
+        yield Finding("rollout_weight_sync_mode", "NCCL weight broadcast to rollout engines is not implemented",
+                      "use rollout_weight_sync_mode: restart (safetensors publish + reload of all instances)")
+
+
+def offpolicy_covers_sync(c: RuleContext) -> Iterator[Finding]:
+    cfg = c.cfg
+    if cfg.max_head_offpolicyness < cfg.sync_interval - 1:
+        yield Finding("max_head_offpolicyness",
+                      f"with sync_interval {cfg.sync_interval} the rollout policy lags up to {cfg.sync_interval - 1} "
+                      f"versions, more than max_head_offpolicyness ({cfg.max_head_offpolicyness}) accepts; every "
+                      "sample would be rejected", f"set max_head_offpolicyness >= {cfg.sync_interval - 1}, "
+                      "or sync_interval: 1")
+
+
+def train_backend(c: RuleContext) -> Iterator[Finding]:
+    if c.cfg.train_backend != "megatron_core":
+        yield Finding("train_backend", "only the megatron_core training backend is implemented",
+                      "set train_backend: megatron_core")

@@ -1,0 +1,72 @@
+"""A short human summary of a resolved configuration (model, cluster, split, layout, batch geometry,
+warnings), printed by `libra validate` and at launch."""
+
+from __future__ import annotations
+
+from libra.config.schema import Config
+from planner.model_spec import ModelSpec, ModelSpecError
+
+
+def _params(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _model_line(cfg: Config) -> str:
+    try:
+        spec: ModelSpec = cfg.model_spec()
+    except (ModelSpecError, OSError, ValueError):
+        return cfg.model_dir()
+    kind = f"MoE {spec.num_experts} experts top-{spec.num_experts_per_tok}, " if spec.is_moe else ""
+    origin = " (built by the launcher)" if cfg.build_tiny_model.enabled else ""
+    return (f"{spec.name} [{spec.model_type}, {kind}{spec.num_layers} layers, hidden {spec.hidden_size}, "
+            f"{spec.num_attention_heads} heads / {spec.num_kv_heads} KV, {_params(spec.total_params)} params]"
+            f"{origin} at {cfg.model_dir()}")
+
+
+def summarize(cfg: Config) -> list[str]:
+    """Lines describing the resolved configuration."""
+    p = cfg.global_resource_planner
+    cl = cfg.cluster
+    kind = "logical GPUs" if cl.logical_gpus else "GPUs"
+    strategy = p.initial_allocation_strategy
+    split = (f"train {cfg.train_gpus or 'planner'} + rollout {cfg.rollout_gpus or 'planner'} "
+             f"of {cfg.total_gpus} (initial_allocation_strategy {strategy}"
+             + ("; the planner may change it" if strategy == "grp" else "; pinned") + ")")
+    dp = cfg.train_dp_size if cfg.train_gpus else 0
+    layout = (f"train TP{cfg.train_tp_size} PP{cfg.train_pp_size}"
+              + (f"x{cfg.train_vpp_size}v" if cfg.train_vpp_size > 1 else "")
+              + f" CP{cfg.train_cp_size} EP{cfg.train_ep_size} -> DP{dp or '?'}; "
+              f"rollout TP{cfg.rollout_tp_size} x {cfg.num_rollout_instances} instance(s)")
+    batch = f"{cfg.batch_size} prompts x {cfg.n_samples} samples = {cfg.samples_per_step} samples/step"
+    if dp:
+        per_dp = cfg.samples_per_step // dp
+        batch += (f"; {per_dp} per DP rank, micro batch {cfg.train_micro_batch_size} -> "
+                  f"{per_dp // cfg.train_micro_batch_size} micro batches")
+    if cfg.recompute_logprobs:
+        batch += f"; recompute micro batch {cfg.recompute_micro_batch_size}"
+    runtime = "off"
+    if p.runtime_dynamic_reconfiguration_enabled:
+        runtime = f"on (strategy {p.runtime_rollout_reconfigure_strategy}" + \
+            (", training pool" if p.runtime_reconfigure_training else "") + \
+            (", online re-planning" if p.runtime_online_replanning else "") + ")"
+    lines = [
+        f"name       {cfg.name} (run_dir {cfg.run_dir})",
+        f"model      {_model_line(cfg)}",
+        f"cluster    {cl.num_nodes} node(s) x {cl.gpus_per_node} {cl.gpu_type} {kind} = {cfg.total_gpus}",
+        f"split      {split}",
+        f"layout     {layout}",
+        f"batch      {batch}",
+        f"lengths    max_model_len {cfg.max_model_len}, max_new_tokens {cfg.max_new_tokens}, "
+        f"off-policy lag <= {cfg.max_head_offpolicyness}",
+        f"task       {cfg.task.name}, {cfg.total_steps} steps",
+        f"runtime    reconfiguration {runtime}",
+    ]
+    if cfg.warnings:
+        lines.append(f"warnings   {len(cfg.warnings)}:")
+        lines.extend(f"  {w}" for w in cfg.warnings)
+    else:
+        lines.append("warnings   none")
+    return lines

@@ -1,0 +1,92 @@
+"""What a controller sets up before its first tick: logging into the run directory, the tiny development
+model, the Ray runtime (local with logical GPUs, or an existing cluster), the tokenizer and the task."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Any
+
+from libra.config import Config
+from libra.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(run: RunDir, level: str, stderr_level: int = logging.WARNING) -> list[logging.Handler]:
+    """Controller log into `<run_dir>/controller.log` at `level`; only warnings and errors on stderr (the
+    console view owns stdout). Returns the handlers so they can be removed again."""
+    root = logging.getLogger()
+    file_handler = logging.FileHandler(run.controller_log, encoding="utf-8")
+    file_handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+    file_handler.setLevel(getattr(logging, level.upper(), logging.INFO))
+    err_handler = logging.StreamHandler()
+    err_handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    err_handler.setLevel(stderr_level)
+    root.addHandler(file_handler)
+    root.addHandler(err_handler)
+    root.setLevel(min(file_handler.level, stderr_level))
+    return [file_handler, err_handler]
+
+
+def remove_logging(handlers: list[logging.Handler]) -> None:
+    root = logging.getLogger()
+    for handler in handlers:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def ensure_tiny_model(cfg: Config) -> str | None:
+    """Build the tiny random model at model_path when `build_tiny_model.enabled` (reused when it exists)."""
+    tiny = cfg.build_tiny_model
+    if not tiny.enabled:
+        return None
+    from libra.models.tiny import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(
+        arch=tiny.arch,
+        hidden_size=tiny.hidden_size,
+        num_layers=tiny.num_layers,
+        num_heads=tiny.num_heads,
+        num_kv_heads=tiny.num_kv_heads,
+        intermediate_size=tiny.intermediate_size,
+        max_position_embeddings=tiny.max_position_embeddings,
+        init_std=tiny.init_std,
+        seed=tiny.seed,
+    )
+    try:
+        return build_tiny_model(cfg.model_dir(), spec)
+    except FileExistsError as exc:
+        raise FileExistsError(
+            f"model_path {cfg.model_dir()} holds a tiny model built with other build_tiny_model settings; "
+            f"remove that folder, point model_path elsewhere, or restore the settings ({exc})"
+        ) from exc
+
+
+def start_ray(cfg: Config, namespace: str) -> Any:
+    """Join `cluster.ray_address`, or start a local Ray with the configured (logical) GPUs."""
+    from libra.cluster.ray_runtime import RayRuntime
+
+    c = cfg.cluster
+    if c.ray_address:
+        return RayRuntime.start(address=c.ray_address, namespace=namespace)
+    gpus = c.num_nodes * c.gpus_per_node
+    cpus = max(4, int(gpus * max(1.0, c.cpus_per_gpu) * 2))
+    return RayRuntime.start(num_gpus=gpus, num_cpus=cpus, namespace=namespace)
+
+
+def stop_ray(runtime: Any) -> None:
+    tmp = getattr(runtime, "tmp_dir", "")
+    owned = getattr(runtime, "owned", False)
+    runtime.shutdown()
+    if owned and tmp and os.path.basename(tmp).startswith("libra-ray-"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_tokenizer(cfg: Config) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_dir())

@@ -1,0 +1,215 @@
+"""The rollout producer: keeps the rollout pool busy with prompt groups as far as the sample buffer admits
+them, scores each finished group and hands it to the buffer.
+
+It runs its own asyncio event loop on a background thread, so generation overlaps training in
+asynchronous mode (max_head_offpolicyness > 0) and the controller's main thread stays synchronous.
+A failed generation releases its slot, is counted, and is retried with the next prompt after a short
+back-off; it never stops the producer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from libra.controller.batching import Group, SampleBuffer
+from libra.controller.events import EventLog
+from libra.observability.phase_trace import get_tracer
+
+log = logging.getLogger(__name__)
+
+GenerateFn = Callable[..., Awaitable[Sequence[Any]]]
+"""`await generate(prompt_ids, n=, max_new_tokens=, temperature=, top_p=, seed=) -> [Completion]`."""
+ScoreFn = Callable[[Any, list[int]], float]
+"""`score(prompt, response_ids) -> reward`."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    n_samples: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+class BusyClock:
+    """Wall time during which at least one generation was in flight (the rollout share of a run)."""
+
+    def __init__(self) -> None:
+        self._active = 0
+        self._since = 0.0
+        self._total = 0.0
+        self._lock = threading.Lock()
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._since = time.monotonic()
+            self._active += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._total += time.monotonic() - self._since
+
+    def total(self) -> float:
+        with self._lock:
+            extra = time.monotonic() - self._since if self._active else 0.0
+            return self._total + extra
+
+
+class RolloutProducer:
+    def __init__(
+        self,
+        generate: GenerateFn,
+        prompts: Iterator[Any],
+        score: ScoreFn,
+        buffer: SampleBuffer,
+        sampling: SamplingSettings,
+        events: EventLog,
+        prompts_drawn: int = 0,
+        poll_s: float = 0.005,
+        error_backoff_s: float = 1.0,
+    ) -> None:
+        self.generate = generate
+        self.prompts = prompts
+        self.score = score
+        self.buffer = buffer
+        self.sampling = sampling
+        self.events = events
+        self.prompts_drawn = prompts_drawn
+        self.poll_s = poll_s
+        self.error_backoff_s = error_backoff_s
+        self.groups_done = 0
+        self.failures = 0
+        self.response_tokens = 0
+        self.busy = BusyClock()
+        self._stop = threading.Event()
+        self._paused = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._last_error_event = 0.0
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._thread_main, name="libra-rollout-producer", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop admitting, cancel in-flight generations and join the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+            if self._thread.is_alive():
+                log.warning("rollout producer did not stop within %.0fs", timeout)
+            self._thread = None
+
+    def pause(self) -> None:
+        """Admit no new groups (in-flight ones finish)."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+
+    def run_coroutine(self, coro: Any, timeout: float) -> Any:
+        """Run `coro` on the producer's event loop (where the rollout pool's clients live) and wait."""
+        loop = self._loop
+        if loop is None or not self.running:
+            coro.close()
+            raise RuntimeError("the rollout producer is not running")
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _thread_main(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        except Exception as exc:  # keep the cause in the event log; the training loop times out visibly
+            self.events.emit("error", f"rollout producer stopped: {type(exc).__name__}: {exc}")
+            log.exception("rollout producer crashed")
+        finally:
+            loop.close()
+            self._loop = None
+
+    async def _main(self) -> None:
+        while not self._stop.is_set():
+            if self._paused.is_set() or not self.buffer.admit():
+                await asyncio.sleep(self.poll_s)
+                continue
+            try:
+                prompt = next(self.prompts)
+            except StopIteration:
+                self.buffer.cancel()
+                self.events.emit("error", "the prompt stream is exhausted")
+                break
+            index = self.prompts_drawn
+            self.prompts_drawn += 1
+            task = asyncio.create_task(self._one(index, prompt))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _one(self, index: int, prompt: Any) -> None:
+        s = self.sampling
+        started = time.time()
+        self.busy.enter()
+        try:
+            with get_tracer().span("rollout.generate", prompt=index, n=s.n_samples):
+                completions = await self.generate(
+                    list(prompt.token_ids),
+                    n=s.n_samples,
+                    max_new_tokens=s.max_new_tokens,
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    seed=s.seed + index,
+                )
+            with get_tracer().span("rollout.reward", prompt=index):
+                responses = [list(c.token_ids) for c in completions]
+                rewards = [float(self.score(prompt, r)) for r in responses]
+        except asyncio.CancelledError:
+            self.buffer.cancel()
+            raise
+        except Exception as exc:
+            self.buffer.cancel()
+            self.failures += 1
+            now = time.monotonic()
+            if now - self._last_error_event > 10.0:  # one event per burst of failures
+                self._last_error_event = now
+                self.events.emit("rollout_error", f"{type(exc).__name__}: {exc}", failures=self.failures)
+            await asyncio.sleep(self.error_backoff_s)
+            return
+        finally:
+            self.busy.exit()
+        group = Group(
+            index=index,
+            prompt=prompt,
+            prompt_ids=list(prompt.token_ids),
+            responses=responses,
+            logprobs=[list(c.logprobs) for c in completions],
+            versions=[int(c.weight_version) for c in completions],
+            rewards=rewards,
+            finish_reasons=[str(c.finish_reason) for c in completions],
+            started_at=started,
+            finished_at=time.time(),
+        )
+        self.groups_done += 1
+        self.response_tokens += group.response_tokens
+        self.buffer.finish(group)

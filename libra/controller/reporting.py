@@ -1,0 +1,116 @@
+"""Where a step's figures go: `metrics.jsonl`, `status.json` (what `libra status` reads), the Prometheus
+exporter, the live console and, every few steps, the learning-curve picture.
+
+Reporting never stops training: a failing sink is logged and skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from libra.controller.curve import plot_learning_curve
+from libra.controller.events import EventLog
+from libra.observability.console import ConsoleView
+from libra.observability.metrics import ROLLOUT_FAILURES, TICK_ERRORS, LibraMetrics
+from libra.run_dir import RunDir, append_jsonl, read_json, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+class Reporter:
+    def __init__(self, run: RunDir, name: str, total_steps: int, console: ConsoleView, events: EventLog,
+                 metrics: LibraMetrics | None, write_jsonl: bool = True, curve_every_steps: int = 5) -> None:
+        self.run = run
+        self.name = name
+        self.total_steps = total_steps
+        self.console = console
+        self.events = events
+        self.metrics = metrics
+        self.write_jsonl = write_jsonl
+        self.curve_every_steps = max(1, curve_every_steps)
+        self.last_row: dict[str, Any] = {}
+        self._status: dict[str, Any] = {}
+        self._rows_since_curve = 0
+
+    def start(self, start_step: int, state: str = "starting") -> None:
+        self._status = {
+            "name": self.name,
+            "run_dir": str(self.run.root),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started_at": time.time(),
+            "total_steps": self.total_steps,
+            "step": start_step,
+        }
+        previous = read_json(self.run.status_json) or {}
+        if "last_row" in previous:
+            self._status["last_row"] = previous["last_row"]
+        self.set_state(state)
+        self.console.start(self.total_steps, start_step, f"libra {self.name}")
+
+    def set_state(self, state: str, **fields: Any) -> None:
+        self._status.update(fields)
+        self._status["state"] = state
+        self._status["updated_at"] = time.time()
+        self._write_status()
+        self.console.status(state if not fields.get("message") else f"{state}: {fields['message']}")
+
+    def _write_status(self) -> None:
+        try:
+            write_json_atomic(self.run.status_json, self._status)
+        except OSError as exc:
+            log.warning("cannot write %s: %s", self.run.status_json, exc)
+
+    def pools(self, pools: Mapping[str, Any]) -> None:
+        """Current pool picture (desired sizes, member states, GPUs) for status.json and Prometheus."""
+        self._status["pools"] = dict(pools)
+        self._status["updated_at"] = time.time()
+        self._write_status()
+        if self.metrics is not None:
+            try:
+                self.metrics.set_pools(
+                    {name: int(p.get("gpus", 0)) for name, p in pools.items()},
+                    {name: dict(p.get("members", {})) for name, p in pools.items()},
+                )
+            except Exception:
+                log.debug("prometheus pool update failed", exc_info=True)
+
+    def step(self, row: dict[str, Any], pool_text: Mapping[str, str], queue: Mapping[str, int],
+             counters: Mapping[str, float]) -> None:
+        self.last_row = row
+        if self.write_jsonl:
+            try:
+                append_jsonl(self.run.metrics_jsonl, row)
+            except OSError as exc:
+                log.warning("cannot append to %s: %s", self.run.metrics_jsonl, exc)
+        self._status.update(step=row["step"], last_row=row, state="running", updated_at=time.time())
+        self._write_status()
+        if self.metrics is not None:
+            try:
+                self.metrics.record_step(row)
+                self.metrics.set_queue(queue)
+                self.metrics.raise_counter(TICK_ERRORS, counters.get("tick_errors", 0))
+                self.metrics.raise_counter(ROLLOUT_FAILURES, counters.get("rollout_failures", 0))
+            except Exception:
+                log.debug("prometheus update failed", exc_info=True)
+        self.console.update(row, pool_text, self.events.recent(5))
+        self._rows_since_curve += 1
+        if self._rows_since_curve >= self.curve_every_steps:
+            self.curve()
+
+    def curve(self) -> None:
+        self._rows_since_curve = 0
+        try:
+            plot_learning_curve(self.run.read_metrics(), self.run.learning_curve_png, title=self.name)
+        except Exception as exc:
+            log.warning("cannot draw the learning curve: %s", exc)
+
+    def finish(self, outcome: str, **fields: Any) -> None:
+        self.curve()
+        self.set_state(outcome, finished_at=time.time(), **fields)
+        self.console.stop()

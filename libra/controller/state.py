@@ -1,0 +1,125 @@
+"""Desired and observed state of a job: what the controller wants (checkpointed in the run directory) and
+what it saw on the last tick (rebuilt from what is running, never checkpointed).
+
+The reconciler compares the two; nothing here has side effects apart from `DesiredState.save`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from libra.controller.members import Member, MemberState
+from libra.run_dir import write_json_atomic
+
+ROLLOUT = "rollout"
+TRAIN = "train"
+
+
+@dataclass(frozen=True)
+class TrainLayout:
+    """Parallel layout of the training pool."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vpp: int = 1
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def dp(self, gpus: int) -> int:
+        return gpus // self.model_parallel if self.model_parallel else 0
+
+    def describe(self, gpus: int) -> str:
+        return f"TP{self.tp} PP{self.pp} CP{self.cp} EP{self.ep} DP{self.dp(gpus)}"
+
+
+@dataclass(frozen=True)
+class DesiredState:
+    """What the job should look like. Every change bumps `generation` and is checkpointed."""
+
+    rollout_instances: int
+    rollout_tp: int
+    train_gpus: int
+    train_layout: TrainLayout
+    weight_version: int = 0
+    reconfigure_strategy: str = "diff"
+    drain_before_stop: bool = True
+    generation: int = 0
+    reason: str = ""
+    updated_at: float = 0.0
+
+    @property
+    def rollout_gpus(self) -> int:
+        return self.rollout_instances * self.rollout_tp
+
+    def evolve(self, reason: str, **changes: Any) -> DesiredState:
+        """A new desired state with `changes`, the next generation and the time of the change."""
+        return dataclasses.replace(
+            self, generation=self.generation + 1, reason=reason, updated_at=time.time(), **changes
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["rollout_gpus"] = self.rollout_gpus
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DesiredState:
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        values["train_layout"] = TrainLayout(**values.get("train_layout", {}))
+        return cls(**values)
+
+    def save(self, path: Path) -> None:
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: Path) -> DesiredState | None:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                return cls.from_dict(json.load(fh))
+        except FileNotFoundError:
+            return None
+
+
+@dataclass(frozen=True)
+class PoolObservation:
+    """A pool as a whole: created or not, an action on it in flight, the last error of an action on it."""
+
+    created: bool = False
+    busy: bool = False
+    error: str = ""
+    size: int = 0  # GPUs (train) or instances (rollout) it was created with
+    retry_at: float = 0.0  # after failed actions on this pool, no new action before this time
+
+
+@dataclass(frozen=True)
+class ObservedState:
+    """One tick's view: pools, members (copies), and the time the observation was taken."""
+
+    now: float
+    rollout: PoolObservation = PoolObservation()
+    train: PoolObservation = PoolObservation()
+    members: tuple[Member, ...] = ()
+    weight_version: int = 0  # the version the rollout pool serves (last validated ACK batch)
+    errors: tuple[str, ...] = field(default_factory=tuple)  # action errors since the last tick
+
+    def of(self, pool: str) -> list[Member]:
+        return [m for m in self.members if m.pool == pool]
+
+    def live(self, pool: str) -> list[Member]:
+        return [m for m in self.of(pool) if m.live]
+
+    def in_state(self, pool: str, *states: MemberState) -> list[Member]:
+        return [m for m in self.of(pool) if m.state in states]
+
+    def ready_count(self, pool: str) -> int:
+        return len(self.in_state(pool, MemberState.READY))

@@ -1,0 +1,211 @@
+"""The passive half of the reconciler: the controller's record of every pool member, updated from what the
+pools report (observation) and from the executor (action begun, done, failed).
+
+It never calls a pool itself. Observations are given as `MemberView`s; a view whose key no member has is a
+server started by an earlier controller and is adopted as a new member; a live member whose key disappears
+from the views has failed. Every state change goes through the transition table and into the event log.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from libra.controller.events import EventLog
+from libra.controller.members import InvalidTransition, Member, MemberState, Transition
+from libra.controller.state import ROLLOUT, TRAIN, ObservedState, PoolObservation
+
+S = MemberState
+
+
+@dataclass(frozen=True)
+class MemberView:
+    """What a pool says about one of its members."""
+
+    key: str
+    state: MemberState
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass
+class _Pool:
+    created: bool = False
+    busy: bool = False
+    error: str = ""
+    size: int = 0
+    retry_at: float = 0.0
+    failures: int = 0
+
+
+class MemberTracker:
+    def __init__(self, events: EventLog) -> None:
+        self.events = events
+        self._members: dict[str, Member] = {}
+        self._pools = {ROLLOUT: _Pool(), TRAIN: _Pool()}
+        self._errors: list[str] = []
+        self._weight_version = 0
+        self._adopted = 0
+        self._lock = threading.RLock()
+
+    # ---- snapshot for the reconciler ------------------------------------------------------------------
+    def snapshot(self, now: float) -> ObservedState:
+        with self._lock:
+            errors, self._errors = tuple(self._errors), []
+            return ObservedState(
+                now=now,
+                rollout=self._pool_observation(ROLLOUT),
+                train=self._pool_observation(TRAIN),
+                members=tuple(copy.deepcopy(m) for m in self._members.values()),
+                weight_version=self._weight_version,
+                errors=errors,
+            )
+
+    def _pool_observation(self, pool: str) -> PoolObservation:
+        p = self._pools[pool]
+        return PoolObservation(created=p.created, busy=p.busy, error=p.error, size=p.size, retry_at=p.retry_at)
+
+    def members(self, pool: str | None = None) -> list[Member]:
+        with self._lock:
+            return [copy.deepcopy(m) for m in self._members.values() if pool is None or m.pool == pool]
+
+    def member(self, member_id: str) -> Member:
+        with self._lock:
+            return copy.deepcopy(self._members[member_id])
+
+    def counts(self, pool: str) -> dict[str, int]:
+        with self._lock:
+            counts: dict[str, int] = {}
+            for m in self._members.values():
+                if m.pool == pool:
+                    counts[m.state.value] = counts.get(m.state.value, 0) + 1
+            return counts
+
+    @property
+    def adopted(self) -> int:
+        return self._adopted
+
+    # ---- changes (executor) ---------------------------------------------------------------------------
+    def add_member(self, member_id: str, pool: str, now: float, reason: str) -> None:
+        with self._lock:
+            if member_id in self._members:
+                return
+            self._members[member_id] = Member.new(member_id, pool, now, reason)
+            self.events.emit("member_added", member=member_id, pool=pool, reason=reason)
+
+    def move(self, member_id: str, target: MemberState, now: float, reason: str) -> list[Transition]:
+        """Move a member along the table (through intermediate states when an observation skipped them).
+        An illegal move is logged and ignored: observed reality never crashes the tracker."""
+        with self._lock:
+            member = self._members.get(member_id)
+            if member is None:
+                return []
+            try:
+                transitions = member.advance(target, now, reason)
+            except InvalidTransition as exc:
+                self.events.emit("invalid_transition", str(exc), member=member_id)
+                return []
+            for t in transitions:
+                self.events.emit(
+                    "member_failed" if t.target == S.FAILED else "transition",
+                    member=member_id,
+                    pool=member.pool,
+                    source=t.source.value,
+                    target=t.target.value,
+                    reason=reason,
+                )
+            return transitions
+
+    def set_busy(self, member_id: str, busy: bool) -> None:
+        with self._lock:
+            if member_id in self._members:
+                self._members[member_id].busy = busy
+
+    def bind(self, member_id: str, key: str, info: dict[str, Any] | None = None) -> None:
+        with self._lock:
+            member = self._members[member_id]
+            member.key = key
+            if info:
+                member.info.update(info)
+
+    def set_pool(self, pool: str, *, created: bool | None = None, busy: bool | None = None,
+                 error: str | None = None, size: int | None = None) -> None:
+        with self._lock:
+            p = self._pools[pool]
+            if created is not None:
+                p.created = created
+            if busy is not None:
+                p.busy = busy
+            if error is not None:
+                p.error = error
+            if size is not None:
+                p.size = size
+
+    def action_result(self, pool: str, now: float, error: str = "", backoff_s: float = 5.0,
+                      max_backoff_s: float = 120.0) -> None:
+        """Count consecutive failed actions on a pool; each failure doubles the wait before the next try."""
+        with self._lock:
+            p = self._pools[pool]
+            if not error:
+                p.failures, p.retry_at = 0, 0.0
+                return
+            p.failures += 1
+            p.error = error
+            p.retry_at = now + min(max_backoff_s, backoff_s * 2 ** (p.failures - 1))
+            self._errors.append(error)
+
+    def record_error(self, message: str) -> None:
+        with self._lock:
+            self._errors.append(message)
+
+    def set_weight_version(self, version: int) -> None:
+        with self._lock:
+            self._weight_version = version
+
+    # ---- observation (passive step) -------------------------------------------------------------------
+    def observe(self, pool: str, views: Iterable[MemberView], now: float) -> None:
+        """Fold one pool report into the members: bind, adopt, advance, and fail the vanished."""
+        views = list(views)
+        with self._lock:
+            by_key = {m.key: m for m in self._members.values() if m.pool == pool and m.key}
+            unbound = sorted(
+                (m for m in self._members.values() if m.pool == pool and not m.key and not m.busy and m.live),
+                key=lambda m: m.id,
+            )
+            # while a member is being started its server may already be listed: never adopt it twice
+            starting = any(m.pool == pool and m.busy and not m.key for m in self._members.values())
+            for view in views:
+                member = by_key.get(view.key)
+                if member is None and unbound:
+                    member = unbound.pop(0)
+                    self.bind(member.id, view.key)
+                if member is None:
+                    if starting:
+                        continue
+                    member = self._adopt(pool, view, now)
+                member.info.update(view.info)
+                if member.state in (S.STOPPED, S.FAILED) or member.busy:
+                    continue
+                if view.state != member.state:
+                    reason = view.error or f"observed {view.state.value}"
+                    self.move(member.id, view.state, now, reason)
+            seen = {v.key for v in views}
+            for member in list(self._members.values()):
+                if member.pool != pool or member.busy or not member.key or member.key in seen:
+                    continue
+                if member.state in (S.STARTING, S.LOADING, S.READY, S.DRAINING):
+                    self.move(member.id, S.FAILED, now, "no longer reported by the pool")
+
+    def _adopt(self, pool: str, view: MemberView, now: float) -> Member:
+        index = 0
+        while f"{pool}-{index}" in self._members:
+            index += 1
+        member_id = f"{pool}-{index}"
+        member = Member.new(member_id, pool, now, reason="adopted a running member", key=view.key)
+        self._members[member_id] = member
+        self._adopted += 1
+        self.events.emit("member_adopted", member=member_id, pool=pool, key=view.key, info=view.info)
+        return member

@@ -1,0 +1,78 @@
+"""The prompt record that travels from a task to the rollout pool, and the tokenizer adapter.
+
+Token ids travel, not text: a task turns its text into ids once, with the model's own tokenizer (an HF
+tokenizer object or any `encode(text) -> list[int]` callable), and the rollout pool only ever sees ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+Encode = Callable[[str], list[int]]
+ParamValue = int | float | str
+
+
+class TaskError(ValueError):
+    """A task, reward or dataset was set up wrongly; the message names the field and what to change."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: its text, its token ids, the reference answer and free-form metadata.
+
+    `label_token_ids` is the label as the model's tokenizer writes it, so a reward can compare ids directly.
+    """
+
+    text: str
+    token_ids: list[int]
+    label: str
+    label_token_ids: list[int] = field(default_factory=list)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+def as_encode(tokenizer: Any) -> Encode:
+    """An `encode(text) -> list[int]` callable from an HF tokenizer (anything with `.encode`) or a callable.
+
+    HF tokenizers are called with their defaults, the way an inference server tokenizes a text prompt.
+    """
+    method = getattr(tokenizer, "encode", None)
+    if callable(method):
+
+        def encode_with_tokenizer(text: str) -> list[int]:
+            return [int(i) for i in method(text)]
+
+        return encode_with_tokenizer
+    if callable(tokenizer):
+
+        def encode_with_callable(text: str) -> list[int]:
+            return [int(i) for i in tokenizer(text)]
+
+        return encode_with_callable
+    raise TypeError(
+        f"expected a tokenizer with an encode(text) method or an encode(text) -> list[int] callable, "
+        f"got {type(tokenizer).__name__}"
+    )
+
+
+def make_prompt(encode: Encode, text: str, label: str, metadata: Mapping[str, Any] | None = None) -> Prompt:
+    """A `Prompt` with the text and the label both tokenized by `encode`."""
+    return Prompt(
+        text=text,
+        token_ids=encode(text),
+        label=label,
+        label_token_ids=encode(label) if label else [],
+        metadata=dict(metadata or {}),
+    )
+
+
+def first_word(text: str) -> str:
+    """The first whitespace-separated word of a response ("" for an empty response)."""
+    words = text.split()
+    return words[0] if words else ""
+
+
+def starts_with_ids(response_token_ids: Sequence[int], expected: Sequence[int]) -> bool:
+    """Whether the response begins with exactly the `expected` token ids (never true for an empty label)."""
+    return bool(expected) and list(response_token_ids[: len(expected)]) == list(expected)

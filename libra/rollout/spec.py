@@ -1,0 +1,157 @@
+"""The rollout pool's public data types: its spec (validated), completions, instance and pool views, errors.
+
+Token ids travel, not text: prompts come in as token ids and completions go out as token ids with the
+log-prob of each sampled token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+RELOAD_METHODS = ("inplace", "restart")
+RELOAD_STRATEGIES = ("parallel", "serial")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class RolloutError(RuntimeError):
+    """Base class of rollout pool errors."""
+
+
+class RolloutSpecError(ValueError):
+    """A RolloutPoolSpec with invalid fields; the message lists every problem."""
+
+
+class ServerStartError(RolloutError):
+    """A vLLM server did not become healthy; the message carries the tail of its log."""
+
+
+class NoHealthyInstanceError(RolloutError):
+    """No instance can take a request (all unhealthy, reloading for too long, or the pool is empty)."""
+
+
+class RequestRejectedError(RolloutError):
+    """The server refused a request as invalid (HTTP 4xx); retrying elsewhere would not help."""
+
+
+class GenerationAborted(RolloutError):
+    """The request was aborted by `abort_all()` (a step boundary) or by pool shutdown."""
+
+
+@dataclass(frozen=True)
+class RolloutPoolSpec:
+    """How many vLLM instances to run and how; see cluster_manual/rollout.md for every field."""
+
+    model_path: str
+    num_instances: int
+    tp_size: int = 1
+    max_model_len: int = 512
+    kv_cache_bytes: int = 64 * 2**20  # CPU servers; CUDA servers size the cache by gpu_memory_utilization
+    port_base: int = 0  # 0 = pick free ports
+    enforce_eager: bool = True
+    manage_processes: bool = True
+    endpoints: tuple[str, ...] = ()  # base URLs used when not managed, e.g. "http://10.0.0.5:8000"
+    reload_method: str = "inplace"
+    reload_strategy: str = "parallel"
+    max_concurrent_requests: int = 64
+    run_dir: str = ""
+    seed: int = 0
+    gpu_memory_utilization: float = 0.5
+    dtype: str = "auto"  # "auto" = float32 on CPU (bf16 kernels need AMX/AVX512-BF16), checkpoint dtype on CUDA
+    bind_host: str = "127.0.0.1"  # "node-ip" = the Ray node's address (multi-node clusters)
+    startup_timeout_s: float = 600.0
+    stop_timeout_s: float = 30.0
+    request_timeout_s: float = 600.0
+    reload_timeout_s: float = 900.0
+    served_model_name: str = "libra-policy"
+
+    def problems(self) -> list[str]:
+        """Every invalid field as 'field=value: rule (fix)'; empty when the spec is valid."""
+        errors: list[str] = []
+
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                errors.append(f"{name}={getattr(self, name)!r}: {rule}")
+
+        need(bool(self.model_path) or not self.manage_processes, "model_path", "required for managed servers")
+        need(self.num_instances >= 0, "num_instances", "must be >= 0")
+        need(self.tp_size >= 1, "tp_size", "must be >= 1")
+        need(self.max_model_len >= 16, "max_model_len", "must be >= 16")
+        need(self.kv_cache_bytes >= 0, "kv_cache_bytes", "must be >= 0 (0 = let the device decide)")
+        need(self.port_base == 0 or 1024 <= self.port_base <= 65000, "port_base", "must be 0 or in 1024..65000")
+        need(self.reload_method in RELOAD_METHODS, "reload_method", f"choose one of {RELOAD_METHODS}")
+        need(self.reload_strategy in RELOAD_STRATEGIES, "reload_strategy", f"choose one of {RELOAD_STRATEGIES}")
+        need(self.max_concurrent_requests >= 1, "max_concurrent_requests", "must be >= 1")
+        need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
+        need(self.dtype in DTYPES, "dtype", f"choose one of {DTYPES}")
+        for name in ("startup_timeout_s", "stop_timeout_s", "request_timeout_s", "reload_timeout_s"):
+            need(getattr(self, name) > 0, name, "must be > 0")
+        if self.manage_processes:
+            need(not self.endpoints, "endpoints", "only used with manage_processes=False; remove them")
+        else:
+            need(bool(self.endpoints), "endpoints", "list the server base URLs when manage_processes=False")
+            need(
+                len(self.endpoints) == len(set(self.endpoints)), "endpoints", "each endpoint may be listed only once"
+            )
+            need(
+                self.reload_method != "restart",
+                "reload_method",
+                "'restart' replaces server processes, which needs manage_processes=True; use 'inplace'",
+            )
+            for url in self.endpoints:
+                if not url.startswith(("http://", "https://")):
+                    errors.append(f"endpoints: {url!r} is not a base URL like 'http://host:port'")
+        return errors
+
+    def validate(self) -> None:
+        errors = self.problems()
+        if errors:
+            raise RolloutSpecError("invalid rollout pool spec:\n  " + "\n  ".join(errors))
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of a prompt."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    instance_id: str
+    weight_version: int
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    """A snapshot of one rollout instance."""
+
+    id: str
+    host: str
+    port: int
+    pid: int
+    gpu_ids: tuple[str, ...]
+    weight_version: int
+    state: str  # starting | ready | reloading | draining | failed | stopped
+    healthy: bool
+    model_path: str = ""
+    outstanding: int = 0
+    managed: bool = True
+    adopted: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Pool-wide generation counters; tokens_per_s is over the time at least one request was in flight."""
+
+    tokens_generated: int
+    tokens_per_s: float
+    busy_s: float
+    requests_completed: int
+    requests_failed: int
+    retries: int
+    in_flight: int
+    queue_depth: int
+    outstanding_by_instance: dict[str, int] = field(default_factory=dict)

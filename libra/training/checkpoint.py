@@ -1,0 +1,200 @@
+"""Training checkpoints with `megatron.core.dist_checkpointing`: atomic publish, layout-independent resume,
+retention.
+
+Layout of a checkpoint root:
+
+    <root>/latest                 text: the directory name of the newest complete checkpoint
+    <root>/step_00000012/         dist_checkpointing files (model + optimizer, resharded on load),
+                                  libra_meta.json (step, layout, scheduler state), rng/rank_00000.pt ...
+    <root>/.tmp-step_00000014/    a save in progress; never read, replaced by the next save of that step
+
+A save writes everything into the `.tmp-` directory, then rank 0 renames it to `step_*` and replaces `latest`
+(write + fsync + `os.replace`), so a crash leaves either the old or the new checkpoint published, never a
+partial one. Model and optimizer states are saved as sharded tensors keyed by their global shape, so a
+checkpoint written at TP2/PP2/DP1 loads at TP1/PP1/DP2. RNG states are per rank; they are restored when the
+layout is unchanged and re-derived from (seed, step) otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from libra.training.spec import Layout
+
+LATEST = "latest"
+META = "libra_meta.json"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoints_to_delete(steps: Iterable[int], keep_last: int, keep_every: int, protect: int | None = None) -> list[int]:
+    """Steps whose checkpoints retention removes: all but the newest `keep_last`, the multiples of
+    `keep_every` (when > 0) and `protect` (the published one). Sorted ascending."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} must be >= 1")
+    ordered = sorted(set(steps))
+    keep = set(ordered[-keep_last:])
+    if keep_every > 0:
+        keep |= {s for s in ordered if s % keep_every == 0}
+    if protect is not None:
+        keep.add(protect)
+    return [s for s in ordered if s not in keep]
+
+
+def list_steps(root: str) -> list[int]:
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for name in os.listdir(root) if (m := STEP_DIR.match(name)))
+
+
+def resolve(path: str) -> str:
+    """A checkpoint directory from a root (via `latest`) or a `step_*` directory itself."""
+    marker = os.path.join(path, LATEST)
+    if os.path.isfile(marker):
+        with open(marker, encoding="utf-8") as fh:
+            name = fh.read().strip()
+        target = os.path.join(path, name)
+        if not os.path.isfile(os.path.join(target, META)):
+            raise FileNotFoundError(f"{marker} points to '{name}', which is not a complete checkpoint")
+        return target
+    if os.path.isfile(os.path.join(path, META)):
+        return path
+    raise FileNotFoundError(f"'{path}' is neither a checkpoint root (no '{LATEST}' file) nor a checkpoint ({META})")
+
+
+def read_meta(ckpt: str) -> dict[str, Any]:
+    with open(os.path.join(ckpt, META), encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """`{"model": ...}` or, with VPP, `{"model0": ..., "model1": ...}` of the unwrapped GPTModel chunks."""
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def save(
+    root: str,
+    step: int,
+    chunks: list[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    layout: Layout,
+    extra_meta: dict[str, Any],
+    keep_last: int,
+    keep_every: int,
+) -> str:
+    """Collective: save model + optimizer + RNG + step atomically under `root`; returns the step directory."""
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank()
+    final = os.path.join(root, step_dir_name(step))
+    tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    state = model_sharded_state_dict(chunks)
+    state["optimizer"] = optimizer.sharded_state_dict(state)
+    dist_checkpointing.save(state, tmp)
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
+    dist.barrier()
+    if rank == 0:
+        meta = {
+            "step": step,
+            "layout": asdict(layout),
+            "scheduler": scheduler.state_dict(),
+            **extra_meta,
+        }
+        _write_atomic(os.path.join(tmp, META), json.dumps(meta, indent=2, default=str))
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(os.path.join(root, LATEST), step_dir_name(step))
+        for old in checkpoints_to_delete(list_steps(root), keep_last, keep_every, protect=step):
+            shutil.rmtree(os.path.join(root, step_dir_name(old)), ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load(
+    path: str, chunks: list[torch.nn.Module], optimizer: Any, scheduler: Any, layout: Layout, seed: int
+) -> tuple[int, bool]:
+    """Collective: load model + optimizer (+ RNG when the layout matches) from `path`; returns
+    (step, rng_restored)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    ckpt = resolve(path)
+    meta = read_meta(ckpt)
+    template = model_sharded_state_dict(chunks)
+    template["optimizer"] = optimizer.sharded_state_dict(template, is_loading=True)
+    loaded = dist_checkpointing.load(template, ckpt)
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(loaded["model"])
+    else:
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(loaded[f"model{i}"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(meta["scheduler"])
+    step = int(meta["step"])
+    rank = dist.get_rank()
+    rng_file = os.path.join(ckpt, "rng", f"rank_{rank:05d}.pt")
+    same_layout = meta.get("layout") == asdict(layout)
+    if same_layout and os.path.isfile(rng_file):
+        set_rng_state(torch.load(rng_file, weights_only=False))
+        return step, True
+    torch.manual_seed(seed + step)
+    model_parallel_cuda_manual_seed(seed + step, force_reset_rng=True)
+    return step, False

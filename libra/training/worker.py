@@ -1,0 +1,366 @@
+"""One training process: Megatron-Core model chunks, optimizer, reference model, and the step / export /
+checkpoint entry points the pool calls on every rank (each call is collective across the pool).
+
+The class is plain Python: `libra/cluster/training_workers.py` runs it as a Ray actor, and a single
+process can use it directly (world size 1). Every entry point runs inside `cpu_compat.device_scope()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import socket
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from libra.algo.grpo import LossInputs, grpo_loss_sums
+from libra.device import cuda_available, dist_backend
+from libra.training import batching, checkpoint, cpu_compat, export, megatron_setup
+from libra.training.batching import StepBatch
+from libra.training.convert import HFWeightReader, ParamMapping, chunk_mappings, load_chunk_from_hf
+from libra.training.hf_arch import HFArch, padded_vocab_size, read_hf_arch
+from libra.training.logprobs import vocab_parallel_logprobs
+from libra.training.pipeline import forward_full_logits, forward_logprobs, is_last_stage, run_schedule
+from libra.training.spec import Layout, TrainingPoolSpec, TrainSample, check_spec
+
+log = logging.getLogger(__name__)
+
+METRIC_ORDER = (
+    "loss_num", "units", "clip_count", "dual_clip_count", "kl_sum", "entropy_sum", "gap_sum", "tokens", "is_kept"
+)
+
+
+def _span(name: str, step: int | None = None, **attrs: Any) -> Any:
+    try:
+        from libra.observability.phase_trace import get_tracer
+    except ImportError:  # tracing is optional
+        return contextlib.nullcontext()
+    return get_tracer().span(name, step=step, **attrs)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def host_ip() -> str:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+class TrainingWorker:
+    """Rank `rank` of a training pool of `world_size` processes."""
+
+    def __init__(self, spec: TrainingPoolSpec, rank: int, world_size: int) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.world_size = world_size
+        self.arch: HFArch = read_hf_arch(spec.model_path)
+        self.layout: Layout = check_spec(spec, self.arch, cuda_available())
+        if self.layout.world != world_size:
+            raise ValueError(f"spec.num_gpus={spec.num_gpus} but the pool started {world_size} workers")
+        self.chunks: list[torch.nn.Module] = []
+        self.ref_chunks: list[torch.nn.Module] = []
+        self.mappings: list[list[ParamMapping]] = []
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self.step = 0
+
+    # ---- set-up ------------------------------------------------------------------------------------
+    def rendezvous(self) -> tuple[str, int]:
+        """Address and a free port for the process-group rendezvous (asked of rank 0)."""
+        return host_ip(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> dict[str, int]:
+        """Join the process group, build Megatron parallel state, the model (loaded from HF) and optimizer."""
+        with cpu_compat.device_scope():
+            if cuda_available():
+                torch.cuda.set_device(0)
+            dist.init_process_group(
+                backend=dist_backend(),
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=datetime.timedelta(minutes=30),
+            )
+            return self._build()
+
+    def _build(self) -> dict[str, int]:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        megatron_setup.initialize_parallel_state(self.layout)
+        torch.manual_seed(self.spec.seed)
+        model_parallel_cuda_manual_seed(self.spec.seed)
+        config = megatron_setup.build_transformer_config(self.arch, self.spec, self.layout, cuda_available())
+        config.perform_initialization = False  # every parameter is overwritten from the HF weights
+        raw = megatron_setup.build_model_chunks(self.arch, config, self.layout)
+        reader = HFWeightReader(self.spec.model_path)
+        self.mappings = [self._chunk_mappings(c, i) for i, c in enumerate(raw)]
+        tp_rank, tp = ps.get_tensor_model_parallel_rank(), self.layout.tp
+        for chunk, mappings in zip(raw, self.mappings, strict=True):
+            load_chunk_from_hf(chunk, mappings, reader, self.arch, tp_rank, tp)
+        self.chunks = megatron_setup.wrap_ddp(raw, config, self.spec)
+        self.optimizer, self.scheduler = megatron_setup.build_optimizer(self.chunks, self.spec)
+        config.finalize_model_grads_func = finalize_model_grads
+        if self.spec.params_dtype != "fp32":
+            config.grad_scale_func = self.optimizer.scale_loss
+        if self.spec.algorithm.ref_kl.enable:
+            self.ref_chunks = megatron_setup.build_model_chunks(self.arch, config, self.layout)
+            for chunk, mappings in zip(self.ref_chunks, self.mappings, strict=True):
+                load_chunk_from_hf(chunk, mappings, reader, self.arch, tp_rank, tp)
+                chunk.requires_grad_(False)
+        return {
+            "rank": self.rank,
+            "tp_rank": tp_rank,
+            "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "dp_rank": ps.get_data_parallel_rank(),
+            "last_stage": int(is_last_stage()),
+        }
+
+    def _chunk_mappings(self, chunk: torch.nn.Module, vp_stage: int) -> list[ParamMapping]:
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        stage = vp_stage if self.layout.vpp > 1 else None
+        offset = get_transformer_layer_offset(chunk.config, vp_stage=stage)
+        return chunk_mappings(
+            self.arch,
+            layer_offset=offset,
+            num_local_layers=len(chunk.decoder.layers),
+            pre_process=chunk.pre_process,
+            post_process=chunk.post_process,
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            ep_size=self.layout.ep,
+        )
+
+    @property
+    def _unwrapped(self) -> list[torch.nn.Module]:
+        return [c.module for c in self.chunks]
+
+    def _dp(self) -> tuple[int, int]:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+    # ---- batches -----------------------------------------------------------------------------------
+    def _local_batch(self, samples: list[TrainSample], *micro_sizes: int) -> tuple[StepBatch, int]:
+        batching.validate_samples(samples, self.arch.vocab_size, self.arch.max_position_embeddings)
+        dp_rank, dp = self._dp()
+        start, stop = batching.dp_block(len(samples), dp, dp_rank)
+        rows = batching.rows_per_rank(len(samples), dp, *micro_sizes)
+        return batching.pack(samples[start:stop], rows, batching.step_seq_len(samples)), start
+
+    def _logprob_pass(self, chunks: list[torch.nn.Module], batch: StepBatch, size: int) -> torch.Tensor | None:
+        results = forward_logprobs(chunks, batching.micro_batches(batch, size), self.arch.vocab_size)
+        if results is None:
+            return None
+        return torch.cat([r["logp"] for r in results], dim=0)
+
+    # ---- training ----------------------------------------------------------------------------------
+    def train_step(self, samples: list[TrainSample], step: int) -> dict[str, float]:
+        """Collective: one optimizer step of GRPO on `samples` (all of them; each DP rank takes its block)."""
+        with cpu_compat.device_scope(), _span("train_step", step=step, rank=self.rank):
+            spec = self.spec
+            mbs, rmbs = spec.micro_batch_size, spec.recompute_micro_batch_size
+            batch, _ = self._local_batch(samples, mbs, rmbs)
+            old_logp = batch.rollout_logp
+            t0 = time.perf_counter()
+            if spec.recompute_logprobs:
+                with _span("recompute_logprobs", step=step):
+                    old_logp = self._logprob_pass(self.chunks, batch, rmbs)
+            ref_logp = None
+            if spec.algorithm.ref_kl.enable:
+                with _span("ref_logprobs", step=step):
+                    ref_logp = self._logprob_pass(self.ref_chunks, batch, rmbs)
+            t1 = time.perf_counter()
+            with _span("forward_backward", step=step):
+                sums = self._forward_backward(batch, old_logp, ref_logp)
+            with _span("optimizer_step", step=step):
+                grad_norm = self._optimizer_step()
+            t2 = time.perf_counter()
+            self.step = step
+            return self._metrics(sums, grad_norm, recompute_s=t1 - t0, train_s=t2 - t1)
+
+    def _forward_backward(
+        self, batch: StepBatch, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None
+    ) -> torch.Tensor:
+        spec = self.spec
+        mbs = spec.micro_batch_size
+        algo = spec.algorithm
+        use_is = algo.is_correction.enable and spec.recompute_logprobs
+        vocab = self.arch.vocab_size
+        sums = torch.zeros(len(METRIC_ORDER), dtype=torch.float64)
+
+        def loss_fn(i: int, mb: StepBatch, logits: torch.Tensor):  # type: ignore[no-untyped-def]
+            rows = slice(i * mbs, (i + 1) * mbs)
+            logp, entropy = vocab_parallel_logprobs(logits, mb.labels, vocab, with_entropy=True)
+            assert old_logp is not None  # set on the last stage, the only one that computes the loss
+            inputs = LossInputs(
+                logp=logp,
+                old_logp=old_logp[rows],
+                rollout_logp=mb.rollout_logp,
+                advantages=mb.advantages,
+                mask=mb.mask,
+                entropy=entropy,
+                ref_logp=ref_logp[rows] if ref_logp is not None else None,
+            )
+            num, units, metrics = grpo_loss_sums(inputs, algo, use_is)
+            values = [num.detach(), units, *(metrics[k] for k in METRIC_ORDER[2:])]
+            sums.add_(torch.stack([v.double() for v in values]))
+            return num, units.round().to(torch.int), {}
+
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        run_schedule(self.chunks, batching.micro_batches(batch, mbs), loss_fn, forward_only=False)
+        return sums
+
+    def _optimizer_step(self) -> float:
+        ok, grad_norm, _ = self.optimizer.step()
+        if grad_norm is None:
+            grad_norm = self.optimizer.get_grad_norm()
+        if ok:
+            self.scheduler.step(increment=1)
+        else:
+            log.warning("optimizer step skipped (non-finite gradients)")
+        return float(grad_norm) if grad_norm is not None else float("nan")
+
+    def _metrics(self, sums: torch.Tensor, grad_norm: float, **timings: float) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
+
+        total = sums.clone()
+        dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        s = dict(zip(METRIC_ORDER, total.tolist(), strict=True))
+        tokens = max(s["tokens"], 1.0)
+        return {
+            "loss": s["loss_num"] / max(s["units"], 1.0),
+            "clip_frac": s["clip_count"] / tokens,
+            "dual_clip_frac": s["dual_clip_count"] / tokens,
+            "kl": s["kl_sum"] / tokens,
+            "entropy": s["entropy_sum"] / tokens,
+            "logprob_gap": s["gap_sum"] / tokens,
+            "is_kept_frac": s["is_kept"] / tokens,
+            "grad_norm": grad_norm,
+            "tokens": s["tokens"],
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            **{f"time_{k}": v for k, v in timings.items()},
+        }
+
+    # ---- inspection ----------------------------------------------------------------------------------
+    def compute_logprobs(self, samples: list[TrainSample], reference: bool = False) -> dict[str, Any] | None:
+        """Collective: the current (or reference) model's log-prob of every response token of this DP rank's
+        samples; returned by the last-stage TP-rank-0 workers as {"start": index, "logprobs": [[...], ...]}."""
+        from megatron.core import parallel_state as ps
+
+        with cpu_compat.device_scope():
+            chunks = self.ref_chunks if reference else self.chunks
+            if reference and not chunks:
+                raise ValueError("reference log-probs need algorithm.ref_kl.enable=true")
+            rmbs = self.spec.recompute_micro_batch_size
+            batch, start = self._local_batch(samples, rmbs)
+            logp = self._logprob_pass(chunks, batch, rmbs)
+            if logp is None or ps.get_tensor_model_parallel_rank() != 0:
+                return None
+            out = []
+            for r in range(batch.num_real):
+                keep = batch.mask[r] > 0
+                out.append(logp[r][keep].tolist())
+            return {"start": start, "logprobs": out}
+
+    def forward_logits(self, token_ids: list[list[int]]) -> list[list[list[float]]] | None:
+        """Collective: full-vocabulary logits of equal-length sequences (returned by the last-stage TP-rank-0
+        worker of DP replica 0); every DP replica computes the same, which tests exercise."""
+        from megatron.core import parallel_state as ps
+
+        with cpu_compat.device_scope():
+            tokens = torch.tensor(token_ids, dtype=torch.long)
+            rows, seq = tokens.shape
+            batch = StepBatch(
+                tokens=tokens,
+                positions=torch.arange(seq).unsqueeze(0).expand(rows, -1).contiguous(),
+                labels=torch.zeros_like(tokens),
+                mask=torch.zeros((rows, seq)),
+                rollout_logp=torch.zeros((rows, seq)),
+                advantages=torch.zeros(rows),
+                num_real=rows,
+            )
+            logits = forward_full_logits(self.chunks, batch)
+            if logits is None or ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
+                return None
+            return logits[..., : self.arch.vocab_size].tolist()
+
+    def recompute_probe(self, seq_len: int) -> dict[str, int]:
+        """Collective: peak bytes of one log-prob recomputation micro batch of `seq_len` tokens."""
+        from libra.training.memory_probe import measure_peak
+
+        with cpu_compat.device_scope():
+            rmbs = self.spec.recompute_micro_batch_size
+            tokens = torch.randint(4, self.arch.vocab_size, (rmbs, seq_len), generator=torch.Generator().manual_seed(0))
+            batch = StepBatch(
+                tokens=tokens,
+                positions=torch.arange(seq_len).unsqueeze(0).expand(rmbs, -1).contiguous(),
+                labels=torch.roll(tokens, -1, dims=1),
+                mask=torch.ones((rmbs, seq_len)),
+                rollout_logp=torch.zeros((rmbs, seq_len)),
+                advantages=torch.zeros(rmbs),
+                num_real=rmbs,
+            )
+            result = measure_peak(
+                lambda: forward_logprobs(self._unwrapped, [batch], self.arch.vocab_size), modules=self._unwrapped
+            )
+            result.update(micro_batch_size=rmbs, seq_len=seq_len, rank=self.rank)
+            return result
+
+    # ---- weights and checkpoints ---------------------------------------------------------------------
+    def export_hf(self, out_dir: str) -> str:
+        """Collective: write the HF checkpoint; rank 0 returns its checksum, the others ''."""
+        with cpu_compat.device_scope(), _span("export_hf", step=self.step):
+            pairs = list(zip(self._unwrapped, self.mappings, strict=True))
+            dtype = megatron_setup.DTYPES[self.spec.params_dtype]
+            export.export(out_dir, pairs, self.arch, self.spec.model_path, dtype)
+            if self.rank != 0:
+                return ""
+            from libra.rollout.weights_checksum import checksum_hf_weights
+
+            return checksum_hf_weights(out_dir)
+
+    def save_checkpoint(self, ckpt_dir: str, step: int) -> str:
+        with cpu_compat.device_scope(), _span("save_checkpoint", step=step):
+            retention = self.spec.retention
+            return checkpoint.save(
+                ckpt_dir, step, self._unwrapped, self.optimizer, self.scheduler, self.layout,
+                {"model_path": self.spec.model_path, "seed": self.spec.seed},
+                retention.keep_last, retention.keep_every,
+            )
+
+    def load_checkpoint(self, ckpt_dir: str) -> int:
+        with cpu_compat.device_scope(), _span("load_checkpoint"):
+            step, _ = checkpoint.load(
+                ckpt_dir, self._unwrapped, self.optimizer, self.scheduler, self.layout, self.spec.seed
+            )
+            self.step = step
+            return step
+
+    def padded_vocab(self) -> int:
+        return padded_vocab_size(self.arch.vocab_size, self.layout.tp)
+
+    def shutdown(self) -> None:
+        with cpu_compat.device_scope():
+            from megatron.core import parallel_state as ps
+
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            if dist.is_initialized():
+                dist.destroy_process_group()

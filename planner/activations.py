@@ -1,0 +1,159 @@
+"""Activation bytes saved for backward, per token and per transformer layer, as named parts.
+
+Two implementations and two attention backends are modelled, because the saved tensors differ:
+
+* ``hf``: Hugging Face transformers modules (the code the memory benchmark runs). Derived op by op from
+  what autograd saves: the RMSNorm keeps its fp32 input copy, the inverse RMS and the bf16 normalised
+  value; every linear keeps its input; SwiGLU keeps gate, up, SiLU output and product; no sequence
+  parallelism.
+* ``megatron``: Megatron-Core with Transformer Engine layers (fused RMSNorm keeps its input and inverse
+  RMS, fused SwiGLU keeps the fc1 output, fc2 keeps its input), sequence parallel when TP > 1, so the parts
+  outside attention and MLP are split over TP (Korthikanti et al. 2022, adapted to GQA, SwiGLU and no
+  dropout).
+
+Attention: ``flash`` keeps q, k, v, the output and the fp32 log-sum-exp (O(s)); ``eager`` keeps the
+(repeated) k and v, the fp32 softmax output and bf16 probabilities (O(s^2)).
+
+All numbers are bytes per token of one micro-batch on one rank (the token count already divided by CP).
+Pure: stdlib only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.model_spec import ModelSpec
+
+ACT_BYTES = 2  # bf16 activations
+FP32 = 4
+INDEX = 8  # int64 routing indices
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """The slice of the model one rank computes."""
+
+    tp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    implementation: str = "megatron"
+    attention_backend: str = "flash"
+
+    @property
+    def sp_divisor(self) -> int:
+        """Divisor of the parts outside attention/MLP (LayerNorm inputs, residual) under sequence parallel."""
+        return self.tp if (self.sequence_parallel and self.tp > 1 and self.implementation == "megatron") else 1
+
+
+def _heads(spec: ModelSpec, shape: RankShape) -> tuple[float, float, float]:
+    """(query heads, kv heads, head_dim) per rank; kv heads are replicated when TP exceeds them."""
+    a = spec.num_attention_heads / shape.tp
+    kv = max(1.0, spec.num_kv_heads / shape.tp)
+    return a, kv, float(spec.head_dim)
+
+
+def attention_parts(spec: ModelSpec, shape: RankShape, seq_len: int) -> dict[str, float]:
+    """Norm before attention, q/k/v projections, the attention core and the output projection input."""
+    h = float(spec.hidden_size)
+    a, kv, d = _heads(spec, shape)
+    sp = shape.sp_divisor
+    parts: dict[str, float] = {}
+    if shape.implementation == "hf":
+        parts["attn_norm"] = FP32 * h + FP32 + ACT_BYTES * h  # fp32 input copy, inverse RMS, bf16 normalised
+        parts["qkv_input"] = ACT_BYTES * h
+    else:
+        parts["attn_norm"] = (ACT_BYTES * h + FP32) / sp
+        parts["qkv_input"] = ACT_BYTES * h / sp
+    if spec.qk_norm:
+        norm_bytes = (FP32 + ACT_BYTES) if shape.implementation == "hf" else ACT_BYTES
+        parts["qk_norm"] = norm_bytes * d * (a + kv) + FP32 * (a + kv)
+    if shape.attention_backend == "flash":
+        parts["q_k_v"] = ACT_BYTES * d * (a + 2 * kv)
+        parts["attn_out"] = ACT_BYTES * a * d
+        parts["softmax_stats"] = FP32 * a
+    else:
+        parts["q_k_v"] = ACT_BYTES * d * 3 * a  # k and v repeated to every query head
+        if shape.implementation == "hf":
+            parts["attn_scores"] = (FP32 + ACT_BYTES) * a * seq_len  # fp32 softmax output + bf16 probs
+        else:
+            parts["attn_scores"] = ACT_BYTES * a * seq_len  # fused scale-mask-softmax output
+        parts["attn_out"] = ACT_BYTES * a * d
+    return parts
+
+
+def mlp_parts(spec: ModelSpec, shape: RankShape, moe: bool) -> dict[str, float]:
+    """Norm before the MLP and the MLP (dense SwiGLU or routed experts)."""
+    h = float(spec.hidden_size)
+    sp = shape.sp_divisor
+    parts: dict[str, float] = {}
+    if shape.implementation == "hf":
+        parts["mlp_norm"] = FP32 * h + FP32 + ACT_BYTES * h
+        parts["mlp_input"] = ACT_BYTES * h
+        swiglu = 4  # gate, up, SiLU output, product
+    else:
+        parts["mlp_norm"] = (ACT_BYTES * h + FP32) / sp
+        parts["mlp_input"] = ACT_BYTES * h / sp
+        swiglu = 3  # fc1 output (gate and up), SwiGLU output
+    if not moe:
+        parts["mlp"] = swiglu * ACT_BYTES * spec.intermediate_size / shape.tp
+        return parts
+    k = float(spec.num_experts_per_tok)
+    e = float(spec.num_experts)
+    expert_inter = spec.moe_intermediate_size / shape.tp  # expert tensor parallel = TP (Megatron default)
+    if shape.implementation == "hf":
+        parts["router"] = FP32 * e + INDEX * k  # fp32 router probabilities, top-k indices
+        # dispatched input copy, expert output, routing weight and three permutation indices per routed copy
+        parts["moe_dispatch"] = k * (2 * ACT_BYTES * h + ACT_BYTES + 3 * INDEX)
+    else:
+        parts["router"] = (2 * FP32 * e) / sp  # router logits and probabilities
+        parts["moe_dispatch"] = k * 2 * ACT_BYTES * h / sp  # permuted input and the unpermute input
+    parts["moe_experts"] = k * swiglu * ACT_BYTES * expert_inter
+    if spec.shared_expert_intermediate_size:
+        parts["shared_expert"] = swiglu * ACT_BYTES * spec.shared_expert_intermediate_size / shape.tp
+    return parts
+
+
+def layer_parts(spec: ModelSpec, shape: RankShape, seq_len: int, moe: bool) -> dict[str, float]:
+    parts = attention_parts(spec, shape, seq_len)
+    parts.update(mlp_parts(spec, shape, moe))
+    return parts
+
+
+def full_recompute_layer_bytes(spec: ModelSpec, shape: RankShape) -> float:
+    """Full recomputation keeps only each layer's input (bf16 hidden state)."""
+    return ACT_BYTES * spec.hidden_size / shape.sp_divisor
+
+
+def selective_recompute_dropped(parts: dict[str, float]) -> float:
+    """Selective recomputation recomputes the attention core: its scores/statistics are not kept."""
+    return parts.get("attn_scores", 0.0) + parts.get("softmax_stats", 0.0)
+
+
+def embedding_stage_parts(spec: ModelSpec, shape: RankShape) -> dict[str, float]:
+    """Per-token tensors kept once per micro-batch on the first stage (token ids, rotary tables)."""
+    if shape.implementation == "hf":
+        return {"token_ids": float(INDEX), "rotary_tables": 2.0 * ACT_BYTES * spec.head_dim}
+    return {"token_ids": float(INDEX)}
+
+
+def output_stage_parts(spec: ModelSpec, shape: RankShape) -> dict[str, float]:
+    """Per-token tensors kept on the last stage before the loss: final norm and output-layer input."""
+    h = float(spec.hidden_size)
+    if shape.implementation == "hf":
+        return {"final_norm": FP32 * h + FP32 + ACT_BYTES * h, "lm_head_input": ACT_BYTES * h}
+    sp = shape.sp_divisor
+    return {"final_norm": (ACT_BYTES * h + FP32) / sp, "lm_head_input": ACT_BYTES * h / sp}
+
+
+def forward_workspace_per_token(spec: ModelSpec, shape: RankShape, seq_len: int) -> float:
+    """Largest transient of one layer's forward without autograd (log-prob recomputation): the residual
+    stream plus the larger of the MLP intermediates and the attention working set."""
+    h = float(spec.hidden_size)
+    a, kv, d = _heads(spec, shape)
+    inter = spec.intermediate_size if not spec.is_moe else spec.moe_intermediate_size * spec.num_experts_per_tok
+    mlp = 3 * ACT_BYTES * inter / shape.tp
+    if shape.attention_backend == "flash":
+        attn = ACT_BYTES * d * (2 * a + 2 * kv) + FP32 * a
+    else:
+        attn = (FP32 + 2 * ACT_BYTES) * a * seq_len
+    return 2 * ACT_BYTES * h + max(mlp, attn)

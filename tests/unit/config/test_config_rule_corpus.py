@@ -1,0 +1,263 @@
+"""A corpus of bad configurations, one mistake each: every case must give exactly one error, on the
+expected option, of the expected class and rule, with a fix. Plus one case per warning rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from config_bases import DELETE, base_for, make_files, with_changes
+
+from libra.config import RULES, ConfigError, load_dict
+from libra.config.errors import INVALID, NOT_IMPLEMENTED, NOT_VALIDATED, WARNING
+
+GRP = "global_resource_planner"
+IC, NI, NV = INVALID, NOT_IMPLEMENTED, NOT_VALIDATED
+
+# (id, base, changes, expected path, expected class, expected rule id)
+BAD: list[tuple[str, str, dict[str, Any], str, str, str]] = [
+    # single options: types, choices, bounds, unknown and missing keys
+    ("str-for-int", "dense", {"train_gpus": "8"}, "train_gpus", IC, "type"),
+    ("bool-for-int", "dense", {"batch_size": True}, "batch_size", IC, "type"),
+    ("list-for-scalar", "dense", {"n_samples": [8]}, "n_samples", IC, "type"),
+    ("str-for-bool", "dense", {"recompute_logprobs": "yes"}, "recompute_logprobs", IC, "type"),
+    ("float-for-int", "dense", {"train_tp_size": 2.0}, "train_tp_size", IC, "type"),
+    ("scalar-for-section", "dense", {"algorithm": 5}, "algorithm", IC, "type"),
+    ("scalar-for-list", "dense", {f"{GRP}.allowed_train_tp": 2}, f"{GRP}.allowed_train_tp", IC, "type"),
+    ("bool-in-params", "dense", {"task.params": {"modulus": True}}, "task.params.modulus", IC, "type"),
+    ("bad-enum", "dense", {"algorithm.advantage_norm_mode": "group"}, "algorithm.advantage_norm_mode", IC, "choice"),
+    ("bad-list-enum", "dense", {"tracking.backends": ["wandb"]}, "tracking.backends[0]", IC, "choice"),
+    ("logits-dtype-bytes", "dense", {f"{GRP}.memory_budget_logits_dtype_bytes": 8},
+     f"{GRP}.memory_budget_logits_dtype_bytes", IC, "choice"),
+    ("negative-gpus", "dense", {"train_gpus": -1}, "train_gpus", IC, "range"),
+    ("zero-tp", "dense", {"train_tp_size": 0}, "train_tp_size", IC, "range"),
+    ("clip-low-range", "dense", {"algorithm.clip_ratio_low": 1.5}, "algorithm.clip_ratio_low", IC, "range"),
+    ("clip-c-not-above-1", "dense", {"algorithm.clip_ratio_c": 1.0}, "algorithm.clip_ratio_c", IC, "range"),
+    ("is-lower-not-below-1", "dense", {"algorithm.is_correction.lower_bound": 1.0},
+     "algorithm.is_correction.lower_bound", IC, "range"),
+    ("is-upper-not-above-1", "dense", {"algorithm.is_correction.upper_bound": 0.9},
+     "algorithm.is_correction.upper_bound", IC, "range"),
+    ("offload-fraction-range", "dense", {"megatron_optimizer_offload_fraction": 1.5},
+     "megatron_optimizer_offload_fraction", IC, "range"),
+    ("workspace-factor", "dense", {f"{GRP}.memory_budget_workspace_factor": 0.5},
+     f"{GRP}.memory_budget_workspace_factor", IC, "range"),
+    ("negative-margin", "dense", {f"{GRP}.memory_budget_safety_margin_bytes": -1},
+     f"{GRP}.memory_budget_safety_margin_bytes", IC, "range"),
+    ("allowed-item-zero", "dense", {f"{GRP}.allowed_train_tp": [0]}, f"{GRP}.allowed_train_tp[0]", IC, "range"),
+    ("nan-float", "dense", {"optimizer.lr": float("nan")}, "optimizer.lr", IC, "range"),
+    ("unknown-top", "dense", {"train_tp_sise": 2}, "train_tp_sise", IC, "unknown_key"),
+    ("unknown-in-section", "dense", {"cluster.gpu_typ": "H100"}, "cluster.gpu_typ", IC, "unknown_key"),
+    ("missing-model-path", "dense", {"model_path": DELETE}, "model_path", IC, "required"),
+    # model and cluster
+    ("model-missing", "dense", {"model_path": "/nonexistent/model"}, "model_path", IC, "model.config"),
+    ("model-unsupported", "dense", {"model_path": "{tmp}/gpt2"}, "model_path", NI, "model.architecture"),
+    ("tiny-disabled-no-model", "cpu", {"build_tiny_model.enabled": False}, "model_path", IC, "model.config"),
+    ("gpu-type-unknown", "dense", {"cluster.gpu_type": "H999"}, "cluster.gpu_type", IC, "cluster.gpu_type"),
+    ("gpus-per-node", "dense", {"cluster.gpus_per_node": 16, "cluster.num_nodes": 1}, "cluster.gpus_per_node", IC,
+     "cluster.gpus_per_node"),
+    ("logical-needs-cpu-type", "cpu", {"cluster.gpu_type": "H100"}, "cluster.gpu_type", IC, "cluster.logical_gpus"),
+    ("cpu-type-needs-logical", "cpu", {"cluster.logical_gpus": False}, "cluster.logical_gpus", IC,
+     "cluster.logical_gpus"),
+    # split
+    ("split-exceeds-cluster", "dense", {"rollout_gpus": 16}, "train_gpus", IC, "split.fits_cluster"),
+    ("pinned-needs-train-gpus", "dense", {"train_gpus": 0}, "train_gpus", IC, "split.pinned"),
+    ("min-gpus-exceed", "dense", {f"{GRP}.initial_allocation_strategy": "grp", f"{GRP}.min_train_gpus": 10,
+                                f"{GRP}.min_rollout_gpus": 8}, f"{GRP}.min_train_gpus", IC, "planner.min_gpus_fit"),
+    ("min-train-above-split", "dense", {f"{GRP}.min_train_gpus": 12}, f"{GRP}.min_train_gpus", IC,
+     "planner.min_within_split"),
+    ("granularity-cluster", "dense", {f"{GRP}.allocation_granularity_gpus": 3}, f"{GRP}.allocation_granularity_gpus",
+     IC, "planner.granularity"),
+    ("granularity-split", "dense", {"train_gpus": 4, "rollout_gpus": 12, f"{GRP}.allocation_granularity_gpus": 8},
+     f"{GRP}.allocation_granularity_gpus", IC, "planner.granularity"),
+    ("min-rollout-instances", "dense", {"rollout_tp_size": 2, f"{GRP}.min_rollout_gpus": 3},
+     f"{GRP}.min_rollout_gpus", IC, "planner.min_rollout_instances"),
+    ("safety-margin-too-big", "dense", {f"{GRP}.memory_budget_safety_margin_bytes": 80 * 10**9},
+     f"{GRP}.memory_budget_safety_margin_bytes", IC, "planner.safety_margin"),
+    # training layout
+    ("layout-divides", "dense", {"train_gpus": 6, "train_tp_size": 4}, "train_tp_size", IC, "layout.divides_train_gpus"),
+    ("tp-heads", "dense", {"train_tp_size": 8}, "train_tp_size", IC, "layout.tp_heads"),
+    ("pp-layers", "dense", {"train_gpus": 6, "train_pp_size": 3}, "train_pp_size", IC, "layout.pp_layers"),
+    ("vpp-needs-pp", "dense", {"train_vpp_size": 2}, "train_vpp_size", IC, "layout.vpp_needs_pp"),
+    ("ep-on-dense", "dense", {"train_ep_size": 2}, "train_ep_size", IC, "layout.ep_moe"),
+    ("ep-experts", "moe", {"train_gpus": 12, "rollout_gpus": 4, "train_tp_size": 1, "train_ep_size": 3},
+     "train_ep_size", IC, "layout.ep_moe"),
+    ("ep-layout", "moe", {"train_ep_size": 8}, "train_ep_size", IC, "layout.ep_divides_train_gpus"),
+    ("allowed-tp", "dense", {f"{GRP}.allowed_train_tp": [1, 2, 8]}, f"{GRP}.allowed_train_tp[2]", IC,
+     "planner.allowed_tp"),
+    ("allowed-ep-dense", "dense", {f"{GRP}.allowed_train_ep": [1, 2]}, f"{GRP}.allowed_train_ep[1]", IC,
+     "planner.allowed_ep"),
+    ("allowed-pp", "dense", {f"{GRP}.allowed_train_pp": [1, 3]}, f"{GRP}.allowed_train_pp[1]", IC, "planner.allowed_pp"),
+    ("allowed-duplicate", "dense", {f"{GRP}.allowed_train_cp": [1, 1]}, f"{GRP}.allowed_train_cp", IC,
+     "planner.allowed_unique"),
+    # rollout
+    ("rollout-tp-gpus", "dense", {"rollout_gpus": 6, "rollout_tp_size": 4}, "rollout_gpus", IC, "rollout.tp_divides_gpus"),
+    ("rollout-tp-heads", "dense", {"rollout_tp_size": 8}, "rollout_tp_size", IC, "rollout.tp_heads"),
+    ("rollout-tp-node", "dense", {"cluster.num_nodes": 8, "cluster.gpus_per_node": 2, "rollout_tp_size": 4},
+     "rollout_tp_size", NI, "rollout.tp_within_node"),
+    ("endpoints-required", "dense", {f"{GRP}.runtime_manage_rollout_processes": False}, "rollout_endpoints", IC,
+     "rollout.endpoints_required"),
+    ("endpoints-when-managed", "dense", {"rollout_endpoints": ["http://10.0.0.5:8100"]}, "rollout_endpoints", IC,
+     "rollout.endpoints_unmanaged_only"),
+    ("endpoint-format", "dense", {f"{GRP}.runtime_manage_rollout_processes": False, "rollout_endpoints": ["not a url"]},
+     "rollout_endpoints[0]", IC, "rollout.endpoint_format"),
+    ("port-range", "dense", {"rollout_port_base": 65530}, "rollout_port_base", IC, "rollout.ports"),
+    ("port-collision", "dense", {"tracking.backends": ["prometheus"], "tracking.prometheus_port": 8101},
+     "tracking.prometheus_port", IC, "rollout.ports"),
+    ("sync-nccl", "dense", {"rollout_weight_sync_mode": "nccl"}, "rollout_weight_sync_mode", NI, "sync.nccl"),
+    ("offpolicy-vs-interval", "dense", {"sync_interval": 3}, "max_head_offpolicyness", IC,
+     "sync.offpolicy_covers_interval"),
+    ("backend-fsdp", "dense", {"train_backend": "fsdp"}, "train_backend", NI, "train.backend"),
+    # batch geometry and lengths
+    ("batch-geometry", "dense", {"batch_size": 3, "n_samples": 2}, "batch_size", IC, "batch.geometry"),
+    ("batch-geometry-micro", "dense", {"train_micro_batch_size": 3}, "batch_size", IC, "batch.geometry"),
+    ("recompute-micro", "dense", {"recompute_micro_batch_size": 3}, "recompute_micro_batch_size", IC,
+     "batch.recompute_micro_batch"),
+    ("group-norm-one-sample", "dense", {"n_samples": 1}, "n_samples", IC, "batch.group_norm_samples"),
+    ("concurrency-below-group", "dense", {"max_concurrent_rollouts": 4}, "max_concurrent_rollouts", IC,
+     "batch.concurrency"),
+    ("new-tokens-fill-context", "dense", {"max_new_tokens": 4096}, "max_new_tokens", IC, "lengths.new_tokens"),
+    ("context-above-positions", "dense", {"max_model_len": 65536}, "max_model_len", IC, "lengths.model_positions"),
+    ("expected-response", "dense", {"expected_response_tokens": 2000}, "expected_response_tokens", IC,
+     "lengths.expected_response"),
+    # runtime planner and elastic options
+    ("online-replanning-no-master", "dense", {f"{GRP}.runtime_online_replanning": True},
+     f"{GRP}.runtime_online_replanning", IC, "runtime.needs_master_switch"),
+    ("train-reconfig-no-master", "dense", {f"{GRP}.runtime_reconfigure_training": True},
+     f"{GRP}.runtime_reconfigure_training", IC, "runtime.needs_master_switch"),
+    ("cluster-swap-strategy", "dense", {f"{GRP}.runtime_dynamic_reconfiguration_enabled": True,
+                                      f"{GRP}.runtime_rollout_reconfigure_strategy": "cluster_swap"},
+     f"{GRP}.runtime_rollout_reconfigure_strategy", IC, "runtime.cluster_swap_strategy"),
+    ("cluster-swap-no-training", "dense", {f"{GRP}.runtime_dynamic_reconfiguration_enabled": True,
+                                         f"{GRP}.runtime_cluster_swap_enabled": True},
+     f"{GRP}.runtime_cluster_swap_enabled", IC, "runtime.cluster_swap_pools"),
+    ("plan-only-no-training", "dense", {f"{GRP}.runtime_dynamic_reconfiguration_enabled": True,
+                                      f"{GRP}.runtime_training_pool_plan_only": True},
+     f"{GRP}.runtime_training_pool_plan_only", IC, "runtime.plan_only_needs_training"),
+    ("blue-green-no-spare", "dense", {f"{GRP}.runtime_dynamic_reconfiguration_enabled": True,
+                                    f"{GRP}.runtime_rollout_reconfigure_strategy": "blue_green"},
+     f"{GRP}.runtime_rollout_reconfigure_strategy", IC, "runtime.spare_gpus"),
+    ("replica-size", "dense", {f"{GRP}.elastic_hybrid_replica_size_gpus": 3}, f"{GRP}.elastic_hybrid_replica_size_gpus",
+     IC, "elastic.replica_size"),
+    ("elastic-min-rollout", "dense", {f"{GRP}.elastic_hybrid_min_rollout_gpus": 10},
+     f"{GRP}.elastic_hybrid_min_rollout_gpus", IC, "elastic.min_rollout"),
+    # algorithm, optimizer, Megatron-Core
+    ("is-without-recompute", "dense", {"algorithm.is_correction.enable": True, "recompute_logprobs": False},
+     "algorithm.is_correction.enable", IC, "algo.is_needs_recompute"),
+    ("offload-fraction-alone", "dense", {"megatron_optimizer_offload_fraction": 0.5},
+     "megatron_optimizer_offload_fraction", IC, "megatron.offload_fraction"),
+    ("offload-zero-fraction", "dense", {"megatron_optimizer_cpu_offload": True,
+                                      "megatron_use_precision_aware_optimizer": True,
+                                      "megatron_use_distributed_optimizer": True},
+     "megatron_optimizer_offload_fraction", IC, "megatron.offload_fraction"),
+    ("offload-needs-precision-aware", "dense", {"megatron_optimizer_cpu_offload": True,
+                                              "megatron_optimizer_offload_fraction": 1.0},
+     "megatron_optimizer_cpu_offload", IC, "megatron.offload_needs_precision_aware"),
+    ("precision-aware-needs-distributed", "dense", {"megatron_use_precision_aware_optimizer": True},
+     "megatron_use_precision_aware_optimizer", IC, "megatron.precision_aware_needs_distributed"),
+    ("min-lr-above-lr", "dense", {"optimizer.min_lr": 1.0e-3}, "optimizer.min_lr", IC, "optim.min_lr"),
+    ("warmup-beyond-steps", "dense", {"optimizer.lr_warmup_steps": 200}, "optimizer.lr_warmup_steps", IC, "optim.warmup"),
+    # CPU platform
+    ("cpu-context-parallel", "cpu", {"train_cp_size": 2}, "train_cp_size", NV, "cpu.context_parallel"),
+    ("cpu-allowed-cp", "cpu", {f"{GRP}.allowed_train_cp": [1, 2]}, f"{GRP}.allowed_train_cp", NV,
+     "cpu.context_parallel"),
+    ("cpu-distributed-optimizer", "cpu", {"megatron_use_distributed_optimizer": True},
+     "megatron_use_distributed_optimizer", NV, "cpu.distributed_optimizer"),
+    ("cpu-clip-grad", "cpu", {"optimizer.clip_grad": 1.0}, "optimizer.clip_grad", NV, "cpu.clip_grad"),
+    ("cpu-grouped-gemm", "cpu", {"megatron_grouped_gemm": True}, "megatron_grouped_gemm", NV, "cpu.grouped_gemm"),
+    ("cpu-initialization", "cpu", {"megatron_use_cpu_initialization": False}, "megatron_use_cpu_initialization", IC,
+     "cpu.cpu_initialization"),
+    ("cpu-kv-cache", "cpu", {"rollout_kv_cache_bytes": 0}, "rollout_kv_cache_bytes", IC, "cpu.kv_cache_bytes"),
+    # task, files, checkpoint, tracking, tiny model
+    ("dataset-without-path", "dense", {"task.name": "dataset"}, "task.dataset_path", IC, "task.dataset_required"),
+    ("dataset-missing-file", "dense", {"task.name": "dataset", "task.dataset_path": "/nonexistent/train.jsonl"},
+     "task.dataset_path", IC, "task.dataset_files"),
+    ("dataset-format", "dense", {"task.name": "dataset", "task.dataset_path": "{tmp}/train.csv"}, "task.dataset_path", IC,
+     "task.dataset_files"),
+    ("eval-without-data", "dense", {"task.name": "dataset", "task.dataset_path": "{tmp}/train.jsonl",
+                                  "task.eval_interval": 10}, "task.eval_interval", IC, "task.eval_needs_data"),
+    ("tokenizer-missing", "dense", {"tokenizer_path": "/nonexistent/tokenizer"}, "tokenizer_path", IC, "model.tokenizer"),
+    ("keep-every-no-interval", "dense", {"checkpoint.keep_every": 10}, "checkpoint.keep_every", IC,
+     "checkpoint.keep_every"),
+    ("keep-every-multiple", "dense", {"checkpoint.interval_steps": 20, "checkpoint.keep_every": 30},
+     "checkpoint.keep_every", IC, "checkpoint.keep_every"),
+    ("prometheus-no-port", "dense", {"tracking.backends": ["jsonl", "prometheus"]}, "tracking.prometheus_port", IC,
+     "tracking.prometheus_port"),
+    ("tracking-duplicate", "dense", {"tracking.backends": ["jsonl", "jsonl"]}, "tracking.backends", IC, "tracking.unique"),
+    ("tiny-kv-heads", "cpu", {"build_tiny_model.num_kv_heads": 3}, "build_tiny_model.num_kv_heads", IC, "tiny.shape"),
+    ("tiny-into-non-model-dir", "cpu", {"model_path": "{tmp}/notamodel"}, "model_path", IC, "tiny.target_dir"),
+]
+
+# (id, base, changes, expected warning rule id)
+WARN: list[tuple[str, str, dict[str, Any], str]] = [
+    ("tp-across-nodes", "dense", {"cluster.num_nodes": 8, "cluster.gpus_per_node": 2, "train_tp_size": 4},
+     "layout.tp_within_node"),
+    ("strategy-without-master", "dense", {f"{GRP}.runtime_rollout_reconfigure_strategy": "restart_all"},
+     "runtime.strategy_ignored"),
+    ("replan-without-online", "dense", {f"{GRP}.replan_interval_steps": 5}, "runtime.replan_ignored"),
+    ("unmanaged-resize", "dense", {f"{GRP}.runtime_dynamic_reconfiguration_enabled": True,
+                                 f"{GRP}.runtime_manage_rollout_processes": False,
+                                 "rollout_endpoints": ["http://10.0.0.5:8100"]}, "runtime.unmanaged_rollout"),
+    ("deprecated-max-workers", "dense", {f"{GRP}.elastic_hybrid_max_workers": 4}, "options.deprecated"),
+    ("decouple-without-training", "dense", {f"{GRP}.decouple_communication_domains": True},
+     "elastic.decouple_needs_training"),
+    ("ref-kl-zero-coef", "dense", {"algorithm.ref_kl.enable": True, "algorithm.ref_kl.coef": 0.0}, "algo.ref_kl_coef"),
+    ("disabled-ref-kl-options", "dense", {"algorithm.ref_kl.coef": 0.01}, "algo.disabled_options"),
+    ("greedy-groups", "dense", {"rollout_temperature": 0.0}, "algo.temperature_zero"),
+    ("grouped-gemm-dense", "dense", {"megatron_grouped_gemm": True}, "megatron.grouped_gemm_dense"),
+    ("dry-run-without-recompute", "dense", {f"{GRP}.memory_budget_dry_run_enabled": True, "recompute_logprobs": False},
+     "memory.dry_run_needs_recompute"),
+    ("recompute-mb-ignored", "dense", {"recompute_logprobs": False, "recompute_micro_batch_size": 2},
+     "memory.recompute_options_ignored"),
+    ("cpu-memory-utilization", "cpu", {"rollout_gpu_memory_utilization": 0.5}, "cpu.memory_utilization_ignored"),
+    ("builtin-task-dataset", "dense", {"task.dataset_path": "{tmp}/train.jsonl"}, "task.builtin_ignores_dataset"),
+    ("port-without-backend", "dense", {"tracking.prometheus_port": 9400}, "tracking.port_unused"),
+]
+
+
+@pytest.mark.parametrize("base", ["dense", "moe", "cpu"])
+def test_bases_are_valid(base: str, tmp_path: Path) -> None:
+    cfg = load_dict(base_for(base, tmp_path))
+    assert cfg.warnings == []
+
+
+@pytest.mark.parametrize(("base", "changes", "path", "kind", "rule_id"), [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_one_mistake_gives_one_error(base: str, changes: dict[str, Any], path: str, kind: str, rule_id: str,
+                                     tmp_path: Path) -> None:
+    make_files(tmp_path)
+    data = with_changes(base_for(base, tmp_path), changes, tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load_dict(data)
+    errors = info.value.errors
+    assert len(errors) == 1, "\n".join(map(str, errors))
+    issue = errors[0]
+    assert (issue.path, issue.kind, issue.rule_id) == (path, kind, rule_id), str(issue)
+    assert issue.fix.strip() and issue.rule.strip()
+    text = str(issue)
+    assert text.startswith(f"{kind}: {path} = ") and "Fix: " in text
+
+
+@pytest.mark.parametrize(("base", "changes", "rule_id"), [c[1:] for c in WARN], ids=[c[0] for c in WARN])
+def test_warning_rules_warn_and_never_fail(base: str, changes: dict[str, Any], rule_id: str, tmp_path: Path) -> None:
+    make_files(tmp_path)
+    cfg = load_dict(with_changes(base_for(base, tmp_path), changes, tmp_path))
+    assert [w for w in cfg.warnings if w.endswith(f"[{rule_id}]")], cfg.warnings
+    assert all("Fix: " in w for w in cfg.warnings)
+
+
+def test_every_rule_has_a_corpus_case() -> None:
+    covered = {c[5] for c in BAD} | {c[3] for c in WARN}
+    missing = [r.id for r in RULES if r.id not in covered]
+    assert missing == []
+
+
+def test_rule_table_is_well_formed() -> None:
+    ids = [r.id for r in RULES]
+    assert len(ids) == len(set(ids))
+    for rule in RULES:
+        assert rule.kind in (INVALID, NOT_IMPLEMENTED, NOT_VALIDATED, WARNING)
+        assert rule.fields and rule.summary
+
+
+def test_corpus_is_large_enough() -> None:
+    assert len(BAD) >= 40

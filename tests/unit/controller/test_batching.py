@@ -1,0 +1,194 @@
+"""The lag-bounded sample buffer and the rollout producer, against a fake generation edge: no trained group
+ever exceeds max_head_offpolicyness, stale groups are discarded and counted, concurrency is bounded,
+collection times out and retries as configured."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+
+import pytest
+
+from libra.controller.batching import (
+    BatchCollectionTimeout,
+    CollectionCancelled,
+    Group,
+    SampleBuffer,
+)
+from libra.controller.events import EventLog
+from libra.controller.producer import RolloutProducer, SamplingSettings
+
+
+def group(version: int, n: int = 2, index: int = 0) -> Group:
+    return Group(index=index, prompt=None, prompt_ids=[1], responses=[[5]] * n, logprobs=[[-1.0]] * n,
+                 versions=[version] * n, rewards=[1.0] * n)
+
+
+@pytest.mark.parametrize(
+    ("max_off", "rollout_version", "next_step", "already", "admits"),
+    [
+        pytest.param(0, 0, 0, 3, True, id="sync-filling-first-batch"),
+        pytest.param(0, 0, 0, 4, False, id="sync-first-batch-full"),
+        pytest.param(0, 0, 1, 0, False, id="sync-waits-for-new-weights"),
+        pytest.param(0, 1, 1, 0, True, id="sync-new-weights-arrived"),
+        pytest.param(1, 0, 0, 7, True, id="async1-second-batch-ahead"),
+        pytest.param(1, 0, 0, 8, False, id="async1-third-batch-too-far"),
+        pytest.param(2, 3, 4, 7, True, id="async2-steady"),
+        pytest.param(2, 3, 4, 8, False, id="async2-full"),
+    ],
+)
+def test_admission(max_off: int, rollout_version: int, next_step: int, already: int, admits: bool) -> None:
+    buf = SampleBuffer(batch_size=4, group_size=2, max_offpolicyness=max_off, max_concurrent_samples=1000,
+                       next_step=next_step, rollout_version=rollout_version)
+    for _ in range(already):
+        assert buf.admit()
+    assert buf.admit() is admits
+
+
+def test_concurrency_bound_counts_samples() -> None:
+    buf = SampleBuffer(batch_size=100, group_size=4, max_offpolicyness=5, max_concurrent_samples=10)
+    assert [buf.admit() for _ in range(3)] == [True, True, False]  # 2 groups x 4 samples <= 10 < 12
+    buf.finish(group(0, n=4))
+    assert buf.admit()
+
+
+def test_collect_discards_stale_and_counts() -> None:
+    buf = SampleBuffer(batch_size=2, group_size=2, max_offpolicyness=1, max_concurrent_samples=100, next_step=3)
+    for version in (0, 1, 2, 3, 2):
+        buf.running += 1
+        buf.finish(group(version))
+    batch, stats = buf.collect(step=3, timeout_s=1, max_retries=0)
+    assert [g.policy_version for g in batch] == [2, 3]
+    assert stats.discarded_groups == 2 and stats.discarded_samples == 4 and stats.max_lag == 1
+    assert buf.discarded_groups == 2 and buf.buffered == 1
+
+
+def test_collect_times_out_after_retries() -> None:
+    buf = SampleBuffer(batch_size=2, group_size=1, max_offpolicyness=0, max_concurrent_samples=10)
+    calls: list[tuple[int, int]] = []
+    started = time.monotonic()
+    with pytest.raises(BatchCollectionTimeout, match=r"collected 0 of 2 prompt groups within 3 attempt"):
+        buf.collect(step=0, timeout_s=0.1, max_retries=2, on_timeout=lambda a, have: calls.append((a, have)))
+    assert calls == [(1, 0), (2, 0)]
+    assert 0.3 <= time.monotonic() - started < 2.0
+
+
+def test_collect_succeeds_on_a_retry() -> None:
+    buf = SampleBuffer(batch_size=1, group_size=1, max_offpolicyness=0, max_concurrent_samples=10)
+
+    def late_arrival(attempt: int, have: int) -> None:
+        buf.running += 1
+        buf.finish(group(0, n=1))
+
+    batch, stats = buf.collect(step=0, timeout_s=0.05, max_retries=1, on_timeout=late_arrival)
+    assert len(batch) == 1 and stats.attempts == 2
+
+
+def test_collect_cancelled() -> None:
+    buf = SampleBuffer(batch_size=1, group_size=1, max_offpolicyness=0, max_concurrent_samples=10)
+    cancelled = threading.Event()
+    threading.Timer(0.1, cancelled.set).start()
+    with pytest.raises(CollectionCancelled):
+        buf.collect(step=0, timeout_s=10, max_retries=0, cancelled=cancelled)
+
+
+@dataclass
+class FakeCompletion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+
+
+class FakeRolloutEngine:
+    """Answers after a random delay with the weight version it serves; `straggler_rate` of the responses
+    come from an instance still on the previous version (a reload that has not reached it yet)."""
+
+    def __init__(self, straggler_rate: float = 0.0, seed: int = 0) -> None:
+        self.version = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.straggler_rate = straggler_rate
+        self.rng = random.Random(seed)
+
+    async def generate(self, prompt_ids: list[int], n: int, max_new_tokens: int, temperature: float,
+                       top_p: float, seed: int | None) -> list[FakeCompletion]:
+        self.in_flight += n
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        version = self.version
+        if self.rng.random() < self.straggler_rate:
+            version = max(0, version - 2)
+        await asyncio.sleep(self.rng.uniform(0.0, 0.004))
+        self.in_flight -= n
+        return [FakeCompletion([prompt_ids[0] % 7], [-0.5], "stop", version) for _ in range(n)]
+
+
+@dataclass
+class P:
+    token_ids: list[int]
+
+
+@pytest.mark.parametrize(
+    ("max_off", "sync_interval", "straggler_rate", "max_concurrent"),
+    [
+        pytest.param(0, 1, 0.0, 64, id="sync"),
+        pytest.param(1, 1, 0.0, 64, id="async1"),
+        pytest.param(2, 2, 0.0, 64, id="async2-sync-every-2"),
+        pytest.param(1, 1, 0.3, 64, id="async1-stragglers-discarded"),
+        pytest.param(3, 1, 0.0, 8, id="async3-concurrency-8"),
+    ],
+)
+def test_no_trained_group_exceeds_the_lag_bound(tmp_path: Path, max_off: int, sync_interval: int,
+                                                straggler_rate: float, max_concurrent: int) -> None:
+    batch_size, n = 4, 2
+    engine = FakeRolloutEngine(straggler_rate)
+    buf = SampleBuffer(batch_size, n, max_off, max_concurrent)
+    producer = RolloutProducer(engine.generate, (P([i]) for i in count()), lambda p, r: float(r[0] == 3), buf,
+                               SamplingSettings(n_samples=n, max_new_tokens=1), EventLog(tmp_path / "e.jsonl"))
+    producer.start()
+    lags: list[int] = []
+    try:
+        for step in range(12):
+            batch, stats = buf.collect(step, timeout_s=5, max_retries=0)
+            lags += [step - g.policy_version for g in batch]
+            time.sleep(0.01)  # training
+            if (step + 1) % sync_interval == 0:
+                engine.version = step + 1
+                buf.set_rollout_version(step + 1)
+    finally:
+        producer.stop()
+    assert max(lags) <= max_off
+    assert engine.max_in_flight <= max_concurrent
+    if max_off == 0:
+        assert set(lags) == {0}
+    if straggler_rate:
+        assert buf.discarded_groups > 0
+    else:
+        assert buf.discarded_groups == 0
+    assert producer.failures == 0 and producer.groups_done >= 12 * batch_size
+
+
+def test_producer_survives_generation_errors(tmp_path: Path) -> None:
+    calls = count()
+
+    async def flaky(prompt_ids: list[int], **kw: object) -> list[FakeCompletion]:
+        if next(calls) % 3 == 0:
+            raise ConnectionError("instance restarting")
+        return [FakeCompletion([1], [-1.0], "stop", 0)]
+
+    buf = SampleBuffer(2, 1, 0, 8)
+    events = EventLog(tmp_path / "events.jsonl")
+    producer = RolloutProducer(flaky, (P([i]) for i in count()), lambda p, r: 1.0, buf,
+                               SamplingSettings(n_samples=1, max_new_tokens=1), events, error_backoff_s=0.01)
+    producer.start()
+    try:
+        batch, _ = buf.collect(0, timeout_s=5, max_retries=0)
+    finally:
+        producer.stop()
+    assert len(batch) == 2 and producer.failures >= 1 and buf.failed_groups >= 1
+    assert any(e["kind"] == "rollout_error" for e in events.recent(20))

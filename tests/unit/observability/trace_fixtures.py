@@ -1,0 +1,89 @@
+"""Test helpers: a synthetic run written independently of Libra's writer: plain json.dumps lines in the minimal schema,
+with malformed and cut-off lines mixed in, plus the list of valid records for independent checks."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+T0 = 1_700_000_000_123_456_789  # odd nanoseconds on purpose: conversions must stay exact
+
+
+@dataclass
+class SyntheticTrace:
+    directory: Path
+    records: list[dict[str, Any]] = field(default_factory=list)
+    bad_lines: dict[str, int] = field(default_factory=dict)  # file name -> lines that must be skipped
+    cut_off_files: set[str] = field(default_factory=set)
+
+    def spans(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if r.get("kind", "span") == "span"]
+
+
+def _rec(name: str, role: str, rank: int, step: int | None, start: int, end: int, **extra: Any) -> dict:
+    rec: dict[str, Any] = {"schema": 1, "name": name, "role": role, "rank": rank, "step": step,
+                           "start_ns": start, "end_ns": end}
+    rec.update(extra)
+    return rec
+
+
+def build_run(directory: Path, steps: int = 3, train_ranks: int = 2, rollout_ranks: int = 2,
+              slow: float = 1.0) -> SyntheticTrace:
+    """Write a small RL run: controller ticks and pool counters, rollout generation and reloads,
+    training steps with three sub-phases, weight publishes linked to reloads by flow_id."""
+    directory.mkdir(parents=True, exist_ok=True)
+    files: dict[str, list[dict[str, Any]]] = {}
+    step_len = 10_000_003
+    for step in range(steps):
+        base = T0 + step * step_len
+        files.setdefault("phase_trace_rank0.jsonl", []).extend([
+            _rec("controller.tick", "controller", 0, step, base, base + 200_001),
+            _rec("pool.gpus", "controller", 0, step, base, base, kind="counter",
+                 attrs={"train": train_ranks, "rollout": rollout_ranks}),
+            _rec("queue.depth", "controller", 0, step, base + 1, base + 1, kind="counter",
+                 attrs={"prompts": 8 - step}),
+        ])
+        for r in range(rollout_ranks):
+            rank = 2000 + r
+            gen = int((2_000_000 + 1_111 * r + 7 * step) * slow)
+            files.setdefault(f"phase_trace_rank{rank}.jsonl", []).extend([
+                _rec("rollout.generate", "rollout", rank, step, base + 300_000, base + 300_000 + gen,
+                     attrs={"tokens": 100 + r}),
+                _rec("rollout.reward", "rollout", rank, step, base + 300_000 + gen,
+                     base + 300_000 + gen + 50_003),
+                _rec("weight_sync.reload", "rollout", rank, step, base + 9_000_000 + r,
+                     base + 9_400_000 + r, attrs={"flow_id": step}),
+            ])
+        for r in range(train_ranks):
+            rank = 1000 + r
+            s = base + 3_000_000
+            fb = int((2_500_001 + 13 * r) * slow)
+            phases = [("train.recompute_logprobs", 700_003), ("train.forward_backward", fb),
+                      ("train.optimizer", 300_007)]
+            recs, t = [], s
+            for name, dur in phases:
+                recs.append(_rec(name, "train", rank, step, t, t + dur))
+                t += dur
+            recs.append(_rec("train.step", "train", rank, step, s, t + 11))
+            if r == 0:
+                recs.append(_rec("weight_sync.publish", "train", rank, step, t + 20, base + 8_900_000,
+                                 attrs={"flow_id": step}))
+            files.setdefault(f"phase_trace_rank{rank}.jsonl", []).extend(recs)
+    trace = SyntheticTrace(directory)
+    for name, recs in files.items():
+        (directory / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+        trace.records.extend(recs)
+    return trace
+
+
+BAD_LINES = [
+    b"this is not json\n",
+    b'{"schema": 1, "name": "train.optimizer"}\n',  # missing fields
+    json.dumps(_rec("train.optimizer", "train", 1000, 1, 10, 5)).encode() + b"\n",  # end before start
+    json.dumps(_rec("train.optimizer", "train", 1000, "one", 1, 5)).encode() + b"\n",  # step not int
+    json.dumps({**_rec("train.optimizer", "train", 1000, 1, 1, 5), "schema": 2}).encode() + b"\n",
+    b"[1, 2, 3]\n",
+    b'\xff\xfe{"schema": 1}\n',  # not UTF-8
+]
