@@ -9,6 +9,7 @@ Pure: stdlib only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from planner.model_spec import ModelSpec
 
@@ -69,8 +70,8 @@ def layout_rule_violation(spec: ModelSpec, layout: TrainLayout, gpus_per_node: i
     return None
 
 
-def group_is_intra_node(span: int, gpus_per_node: int) -> bool:
-    """A group of consecutive ranks spanning `span` GPUs stays inside one node when it fits in a node."""
+def group_is_intra_node(span: Any, gpus_per_node: int) -> Any:
+    """A group of consecutive ranks spanning `span` GPUs (int or array) stays inside one node when it fits."""
     return span <= gpus_per_node
 
 

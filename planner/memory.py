@@ -202,10 +202,13 @@ def train_terms(inputs: PlannerInputs, layout: TrainLayout, dp: Any, stage: str)
         per_token = sum(act.output_stage_parts(spec, shape).values())
         terms.append(("output_activations", "train", per_token * tokens, True,
                       f"final norm + output-layer input, {per_token:.0f} B/token"))
-        terms.append(("train_logits", "train",
-                      tokens * vocab * budget.logits_dtype_bytes * TRAIN_LOGITS_BUFFERS, True,
-                      f"micro-batch x seq x vocab/TP ({vocab:g}) x {budget.logits_dtype_bytes} B x "
-                      f"{TRAIN_LOGITS_BUFFERS} (log-softmax, its grad, logits grad)"))
+        logits = tokens * vocab * budget.logits_dtype_bytes
+        terms.append(("loss_logits", "train", logits, True,
+                      f"log-softmax kept for backward: micro-batch x seq x vocab/TP ({vocab:g}) x "
+                      f"{budget.logits_dtype_bytes} B"))
+        terms.append(("loss_logits_grad", "train", logits * (TRAIN_LOGITS_BUFFERS - 1), True,
+                      f"backward of the loss: gradients of the log-softmax and of the logits, "
+                      f"{TRAIN_LOGITS_BUFFERS - 1} x {logits / 2**20:.0f} MiB"))
         if w.recompute_logprobs:
             rtokens = w.recompute_micro_batch_size * seq / layout.cp
             terms.append(("logprob_recompute_logits", "logprob_recompute",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "mistral")
@@ -47,7 +48,7 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    @property
+    @cached_property
     def num_moe_layers(self) -> int:
         if not self.is_moe:
             return 0
@@ -86,7 +87,7 @@ class ModelSpec:
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
-    @property
+    @cached_property
     def total_params(self) -> int:
         layers = 0
         for i in range(self.num_layers):
@@ -95,7 +96,7 @@ class ModelSpec:
         head = 0 if self.tie_word_embeddings else self.embedding_params
         return layers + self.embedding_params + head + self.hidden_size  # + final norm
 
-    @property
+    @cached_property
     def active_params(self) -> int:
         """Parameters touched per token (MoE: only the routed top-k and shared experts)."""
         if not self.is_moe:

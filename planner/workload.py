@@ -60,6 +60,7 @@ class Workload:
     recompute_logprobs: bool = True
     recompute_micro_batch_size: int = 1
     train_micro_batch_size: int = 1
+    sync_interval: int = 1  # training steps between weight syncs to the rollout pool
 
     @property
     def samples_per_step(self) -> int:
@@ -118,7 +119,8 @@ class TrainOptions:
 
     @property
     def main_params_bytes(self) -> int:
-        return 4
+        """fp32 main copy of 16-bit parameters; fp32 training keeps none."""
+        return 0 if self.params_dtype_bytes >= 4 else 4
 
     @property
     def exp_avg_bytes(self) -> int:
@@ -146,6 +148,7 @@ class RolloutOptions:
     gpu_memory_utilization: float = 0.9
     kv_cache_bytes: int = 0  # explicit KV-cache size per instance; 0 = what the memory budget leaves
     max_num_batched_tokens: int = 8192
+    reload_method: str = "restart"  # "restart" (new server process) | "inplace" (reload into the live server)
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,9 @@ class CostParams:
     intra_node_latency_s: float = 10e-6
     inter_node_latency_s: float = 30e-6
     decode_step_overhead_s: float = 0.002
-    weight_sync_overhead_s: float = 5.0
+    host_link_bytes_per_s: float = 25e9  # PCIe between GPU and host memory (offloaded optimizer)
+    weight_reload_restart_s: float = 30.0  # vLLM server restart to ready, without reading the weights
+    weight_reload_inplace_s: float = 1.0
     rollout_restart_s: float = 60.0
     train_restart_s: float = 120.0
     rollout_speed_factor: float = 1.0

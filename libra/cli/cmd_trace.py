@@ -62,6 +62,11 @@ def _guard(func: Any) -> Any:
     return run
 
 
+def _console() -> Console:
+    # piped output gets a fixed width wide enough for the tables instead of rich's 80 columns
+    return Console() if sys.stdout.isatty() else Console(width=150)
+
+
 def _ms(ns: float | None) -> str:
     if ns is None:
         return "-"
@@ -84,10 +89,11 @@ def _summary(args: argparse.Namespace) -> int:
 
 
 def _print_summary(summary: TraceSummary) -> None:
-    console = Console()
+    console = _console()
     table = Table(title=f"Phases ({summary.steps} steps, step time {_ms(summary.step_time_ns)} ms per rank)")
-    for col in ("phase", "count", "ranks", "p50 ms", "p95 ms", "max ms", "total ms", "share of step"):
-        table.add_column(col, justify="left" if col == "phase" else "right")
+    table.add_column("phase", no_wrap=True)
+    for col in ("count", "ranks", "p50 ms", "p95 ms", "max ms", "total ms", "share of step"):
+        table.add_column(col, justify="right")
     for p in summary.phases.values():
         share = "-" if p.share_of_step is None else f"{100 * p.share_of_step:.1f}%"
         name = p.name if p.registered else f"{p.name} (unregistered)"
@@ -131,12 +137,12 @@ def _diff_json(row: PhaseDiff) -> dict[str, Any]:
 
 
 def _print_diff(rows: list[PhaseDiff], threshold: float, per_step: bool) -> None:
-    console = Console()
+    console = _console()
     total_label = "total/step ms" if per_step else "total ms"
     table = Table(title=f"Phase diff (regression: ratio > {threshold:g})")
-    for col in ("phase", "base p50 ms", "new p50 ms", "p50", f"base {total_label}", f"new {total_label}",
-                "total", ""):
-        table.add_column(col, justify="left" if col == "phase" else "right")
+    table.add_column("phase", no_wrap=True)
+    for col in ("base p50 ms", "new p50 ms", "p50", f"base {total_label}", f"new {total_label}", "total", ""):
+        table.add_column(col, justify="right")
     for r in rows:
         flag = "[red]REGRESSION[/red]" if r.regressed else ("" if r.status == "both" else r.status)
         table.add_row(r.name, _ms(r.base_p50_ns), _ms(r.new_p50_ns), _ratio(r.p50_ratio),

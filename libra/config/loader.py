@@ -110,6 +110,8 @@ def _override_target_problem(key: str) -> str:
         info = opts[part]
         if info.is_section:
             cls = info.type
+            if i == len(parts) - 1:
+                return ""  # a whole section, e.g. --set 'cluster={num_nodes: 2}'
             continue
         if i == len(parts) - 1 or (typing.get_origin(info.type) is dict and i == len(parts) - 2):
             return ""

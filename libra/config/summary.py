@@ -36,10 +36,11 @@ def summarize(cfg: Config) -> list[str]:
              f"of {cfg.total_gpus} (initial_allocation_strategy {strategy}"
              + ("; the planner may change it" if strategy == "grp" else "; pinned") + ")")
     dp = cfg.train_dp_size if cfg.train_gpus else 0
+    rollout = (f"rollout TP{cfg.rollout_tp_size} x {cfg.num_rollout_instances} instance(s)" if cfg.rollout_gpus
+               else f"rollout TP{cfg.rollout_tp_size} (instances from the plan)")
     layout = (f"train TP{cfg.train_tp_size} PP{cfg.train_pp_size}"
               + (f"x{cfg.train_vpp_size}v" if cfg.train_vpp_size > 1 else "")
-              + f" CP{cfg.train_cp_size} EP{cfg.train_ep_size} -> DP{dp or '?'}; "
-              f"rollout TP{cfg.rollout_tp_size} x {cfg.num_rollout_instances} instance(s)")
+              + f" CP{cfg.train_cp_size} EP{cfg.train_ep_size} -> DP{dp or '?'}; {rollout}")
     batch = f"{cfg.batch_size} prompts x {cfg.n_samples} samples = {cfg.samples_per_step} samples/step"
     if dp:
         per_dp = cfg.samples_per_step // dp

@@ -56,6 +56,7 @@ def ensure_tiny_model(cfg: Config) -> str | None:
         max_position_embeddings=tiny.max_position_embeddings,
         init_std=tiny.init_std,
         seed=tiny.seed,
+        vocab_size=tiny.vocab_size,
     )
     try:
         return build_tiny_model(cfg.model_dir(), spec)

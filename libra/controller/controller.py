@@ -14,6 +14,7 @@ it started. A launch on an existing run directory resumes from its newest comple
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -32,7 +33,7 @@ from libra.controller.control_loop import ControlLoop
 from libra.controller.events import EventLog
 from libra.controller.executor import Executor
 from libra.controller.members import MemberState, StateTimeouts
-from libra.controller.pools import RolloutPoolEdge, TrainingPoolEdge
+from libra.controller.pools import RolloutPoolEdge, TrainingPoolEdge, check_pool_specs
 from libra.controller.producer import RolloutProducer, SamplingSettings
 from libra.controller.reporting import Reporter
 from libra.controller.rl_step import build_samples, rollout_metrics
@@ -174,6 +175,7 @@ class Controller:
             self.events.emit("desired_restored", "desired state restored from the run directory",
                              generation=desired.generation)
         self._set_desired(desired)
+        check_pool_specs(cfg, run, desired)
         self.reporter.set_state("starting", message="starting Ray")
         self.runtime = bootstrap.start_ray(cfg, namespace=f"libra-{cfg.name or 'job'}")
         self.events.emit("ray", "joined Ray" if not self.runtime.owned else "started a local Ray",
@@ -272,15 +274,32 @@ class Controller:
             self.events.emit("metrics_truncated", f"dropped {dropped} metric rows after step {self.state.step}")
         self.start_step = self.state.step
         self._make_producer()
-        if self._rollout_needs_weights(self.state.step):
-            self._publish(self.state.step, reason="bring the rollout servers to the trainer's weights")
-        else:
-            self._mark_rollout_version(self.state.step)
+        self._align_rollout_weights(self.state.step)
 
-    def _rollout_needs_weights(self, version: int) -> bool:
-        assert self.tracker is not None
-        versions = [m.info.get("weight_version") for m in self.tracker.members(ROLLOUT) if m.live]
-        return version > 0 or any(v not in (None, version) for v in versions)
+    def _align_rollout_weights(self, step: int) -> None:
+        """Make the rollout servers serve the trainer's weights of `step` (adopted servers may hold others)."""
+        assert self.tracker is not None and self.desired is not None
+        served = [v for m in self.tracker.members(ROLLOUT) if m.live
+                  if isinstance(v := m.info.get("weight_version"), int)]
+        offset = self.desired.rollout_version_offset
+        if served and max(served) > step + offset:
+            offset = max(served) - step
+            self._set_desired(dataclasses.replace(self.desired, rollout_version_offset=offset))
+            self.events.emit("version_offset", f"adopted servers hold publish version {max(served)}, newer than "
+                             f"the checkpoint (step {step}); policy versions are published with offset {offset}",
+                             offset=offset)
+        if step > 0 or any(v != step + offset for v in served):
+            self._publish(step, reason="bring the rollout servers to the trainer's weights")
+        else:
+            self._mark_rollout_version(step)
+
+    async def _generate(self, prompt_ids: list[int], **sampling: Any) -> list[Any]:
+        """The rollout pool's `generate`, with publish versions mapped back to policy versions."""
+        offset = self._desired().rollout_version_offset
+        completions = await self._rollout_pool().generate(prompt_ids, **sampling)
+        if not offset:
+            return list(completions)
+        return [dataclasses.replace(c, weight_version=c.weight_version - offset) for c in completions]
 
     def _make_producer(self) -> None:
         cfg = self.cfg
@@ -295,9 +314,8 @@ class Controller:
             next_step=self.state.step,
             rollout_version=self.state.step,
         )
-        pool = self._rollout_pool()
         self.producer = RolloutProducer(
-            pool.generate,
+            self._generate,
             prompts,
             self._score,
             self.buffer,
@@ -339,7 +357,7 @@ class Controller:
             self._loop_started = None
 
     def _one_step(self) -> dict[str, Any]:
-        from libra.training import TrainSample
+        from libra.training.spec import TrainSample
 
         cfg = self.cfg
         assert self.buffer is not None and self.producer is not None
@@ -422,7 +440,8 @@ class Controller:
         started = time.monotonic()
         with get_tracer().span("weight_sync.publish", step=version, flow_id=version, version=version):
             checksum = self._train_pool().export_hf(str(out))
-            report = self._rollout_pool().publish_weights(version, str(out), checksum)
+            publish_version = version + self._desired().rollout_version_offset
+            report = self._rollout_pool().publish_weights(publish_version, str(out), checksum)
         seconds = time.monotonic() - started
         self._mark_rollout_version(version)
         self.run.prune_weights(keep={version})
@@ -496,16 +515,14 @@ class Controller:
     # ---- shutdown -------------------------------------------------------------------------------------
     def _shutdown(self, outcome: str, error: str) -> None:
         steps = [
-            ("stop the rollout producer", lambda: self.producer and self.producer.stop()),
-            ("stop the control loop", lambda: self.loop and self.loop.stop()),
-            ("wait for pool actions", lambda: self.executor and self.executor.wait_idle(900)),
-            ("save a checkpoint", lambda: self._final_checkpoint(outcome)),
+            ("stop the rollout producer", self._stop_producer),
+            ("stop the control loop", self._stop_control_loop),
+            ("save a checkpoint", self._final_checkpoint),
             ("stop the rollout pool", self._stop_rollout),
-            ("stop the training pool", lambda: self.train_edge and self.train_edge.pool and self.train_edge.pool.shutdown()),
-            ("stop the executor", lambda: self.executor and self.executor.shutdown(wait=False)),
-            ("stop Ray", lambda: self.runtime and bootstrap.stop_ray(self.runtime)),
+            ("stop the training pool", self._stop_training),
+            ("stop Ray", self._stop_ray),
             ("close the tracer", self._close_tracer),
-            ("close the metrics exporter", lambda: self.metrics and self.metrics.close()),
+            ("close the metrics exporter", self._close_metrics),
         ]
         if self.reporter is not None:
             self.reporter.set_state("stopping", message=outcome)
@@ -520,7 +537,20 @@ class Controller:
             self.reporter.finish(outcome, step=self.state.step, error=error)
         bootstrap.remove_logging(self._log_handlers)
 
-    def _final_checkpoint(self, outcome: str) -> None:
+    def _stop_producer(self) -> None:
+        if self.producer is not None:
+            self.producer.stop()
+
+    def _stop_control_loop(self) -> None:
+        """Stop ticking, then let actions in flight (a server still starting) finish so nothing leaks."""
+        if self.loop is not None:
+            self.loop.stop()
+        if self.executor is not None:
+            if not self.executor.wait_idle(900):
+                log.warning("pool actions still running after 900s; stopping anyway")
+            self.executor.shutdown(wait=False)
+
+    def _final_checkpoint(self) -> None:
         if self.train_edge is None or self.train_edge.pool is None:
             return
         if self.state.step > 0 and self.state.step != self._last_checkpoint_step:
@@ -529,6 +559,21 @@ class Controller:
     def _stop_rollout(self) -> None:
         if self.rollout_edge is not None and self.rollout_edge.pool is not None:
             self.rollout_edge.pool.shutdown(keep_servers=self.options.keep_servers)
+            self.rollout_edge.pool = None
+
+    def _stop_training(self) -> None:
+        if self.train_edge is not None and self.train_edge.pool is not None:
+            self.train_edge.pool.shutdown()
+            self.train_edge.pool = None
+
+    def _stop_ray(self) -> None:
+        if self.runtime is not None:
+            bootstrap.stop_ray(self.runtime)
+            self.runtime = None
+
+    def _close_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
 
     def _close_tracer(self) -> None:
         if self._tracer is not None:
@@ -537,18 +582,19 @@ class Controller:
 
 
 def _report_fields(report: Any) -> dict[str, Any]:
-    """The figures of a rollout `ReloadReport` worth a metric (whatever subset it has)."""
-    out: dict[str, Any] = {}
-    for name in ("reload_s", "total_s", "slowest_instance", "slowest_s", "instances", "method", "strategy"):
-        value = getattr(report, name, None)
-        if isinstance(value, int | float | str):
-            out[name if name != "total_s" else "reload_s"] = value
-    return out
+    """The figures of a rollout `ReloadReport` worth a metric: whole-batch reload time, the slowest
+    instance, and how many ACKs were validated."""
+    fields = {
+        "reload_s": getattr(report, "total_s", None),
+        "slowest_instance": getattr(report, "slowest_instance", None),
+        "slowest_instance_s": getattr(report, "slowest_total_s", None),
+        "acks_validated": getattr(report, "acks_validated", None),
+        "method": getattr(report, "method", None),
+    }
+    return {k: v for k, v in fields.items() if isinstance(v, int | float | str)}
 
 
 def _replace_version(desired: DesiredState, version: int) -> DesiredState:
-    import dataclasses
-
     return dataclasses.replace(desired, weight_version=version)
 
 

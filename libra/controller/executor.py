@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 from libra.controller.events import EventLog
 from libra.controller.members import MemberState
@@ -219,8 +219,8 @@ def _pool_of(action: Action) -> str:
     return ""
 
 
-def _fields(action: Action) -> dict[str, object]:
-    out: dict[str, object] = {}
+def _fields(action: Action) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for name in ("member_id", "num_instances", "gpus", "drain"):
         if hasattr(action, name):
             out[name] = getattr(action, name)

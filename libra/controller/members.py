@@ -12,11 +12,11 @@ failure the reconciler acts on. Only this module changes a member's state, and o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class MemberState(str, Enum):
+class MemberState(StrEnum):
     PENDING = "PENDING"  # wanted, nothing started yet
     STARTING = "STARTING"  # process / actor being created
     LOADING = "LOADING"  # process up, loading weights or waiting for health

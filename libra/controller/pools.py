@@ -39,7 +39,7 @@ _ROLLOUT_STATES = {
 
 
 def rollout_spec(cfg: Config, run: RunDir, num_instances: int) -> Any:
-    from libra.rollout import RolloutPoolSpec
+    from libra.rollout.spec import RolloutPoolSpec
 
     kv_bytes = cfg.rollout_kv_cache_bytes or (0 if cuda_available() else CPU_DEFAULT_KV_CACHE_BYTES)
     gpr = cfg.global_resource_planner
@@ -119,6 +119,17 @@ def training_spec(cfg: Config, run: RunDir, gpus: int, layout: TrainLayout) -> A
     )
 
 
+def check_pool_specs(cfg: Config, run: RunDir, desired: Any) -> None:
+    """Check both pool specs before anything starts, so a bad setting fails the launch at once (with every
+    problem named) instead of failing pool creation tick after tick."""
+    from libra.training.hf_arch import read_hf_arch
+    from libra.training.spec import check_spec
+
+    rollout_spec(cfg, run, desired.rollout_instances).validate()
+    check_spec(training_spec(cfg, run, desired.train_gpus, desired.train_layout), read_hf_arch(cfg.model_dir()),
+               cuda_available())
+
+
 class RolloutPoolEdge:
     """Creates the `RolloutPool` on first use; afterwards adds, removes and reports its instances."""
 
@@ -130,7 +141,7 @@ class RolloutPoolEdge:
         self._lock = threading.Lock()
 
     def create(self, num_instances: int) -> list[MemberView]:
-        from libra.rollout import RolloutPool
+        from libra.rollout.pool import RolloutPool
 
         pool = RolloutPool(self.runtime, rollout_spec(self.cfg, self.run, num_instances))
         try:
@@ -196,7 +207,7 @@ class TrainingPoolEdge:
         self.layout = TrainLayout()
 
     def create(self, gpus: int, layout: TrainLayout) -> list[MemberView]:
-        from libra.training import TrainingPool
+        from libra.training.pool import TrainingPool
 
         pool = TrainingPool(self.runtime, training_spec(self.cfg, self.run, gpus, layout))
         try:

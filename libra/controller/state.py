@@ -50,6 +50,9 @@ class DesiredState:
     train_gpus: int
     train_layout: TrainLayout
     weight_version: int = 0
+    # The rollout pool only accepts increasing publish versions. After a resume from a checkpoint older than
+    # the weights adopted servers hold, policy version v is published as v + offset (and mapped back).
+    rollout_version_offset: int = 0
     reconfigure_strategy: str = "diff"
     drain_before_stop: bool = True
     generation: int = 0

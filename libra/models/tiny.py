@@ -32,6 +32,7 @@ class TinyModelSpec:
     init_std: float = 0.02
     seed: int = 0
     tie_word_embeddings: bool = False
+    vocab_size: int = 256  # embedding rows; ids past the word list are never produced by the tokenizer
 
 
 def vocabulary() -> list[str]:
@@ -103,7 +104,12 @@ def build_tiny_model(out_dir: str, spec: TinyModelSpec | None = None, overwrite:
         )
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(spec.seed)
-    config = _hf_config(spec, vocab_size=len(vocabulary()))
+    if spec.vocab_size < len(vocabulary()):
+        raise ValueError(
+            f"vocab_size {spec.vocab_size} is smaller than the tiny tokenizer's {len(vocabulary())} words; "
+            f"use at least {len(vocabulary())}"
+        )
+    config = _hf_config(spec, vocab_size=spec.vocab_size)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
     build_tokenizer(out_dir)

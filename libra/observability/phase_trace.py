@@ -8,7 +8,8 @@ most the records still in memory plus one partial last line; a file found ending
 newline before new records so the cut-off line stays the only one lost. Records left in memory are flushed
 by `close()`, at interpreter exit, and at the exit of forked `multiprocessing` children.
 
-A forked child keeps its rank but writes its own file `phase_trace_rank{N}-pid{P}.jsonl`. Timestamps are
+A forked child keeps its rank and, from its first record on, writes its own file
+`phase_trace_rank{N}-pid{P}.jsonl` (children that record nothing leave no file). Timestamps are
 Unix epoch nanoseconds taken as `perf_counter_ns() + offset`, so durations are monotonic.
 """
 
@@ -82,6 +83,14 @@ class TraceSettings:
     directory: str | None
 
 
+class _LineTemplates(dict[str, str]):
+    """Line templates of one record kind, keyed by phase name."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+
 class _NullSpan:
     __slots__ = ()
 
@@ -115,9 +124,12 @@ class _Span:
         attrs = self._attrs
         if exc_type is not None:
             attrs = {**attrs, "error": exc_type.__name__}
+        label = getattr(_thread_state, "label", _UNSET)
+        if label is _UNSET:
+            label = _thread_label()
         tracer = self._tracer
         queue = tracer._queue
-        queue.append((_KIND_SPAN, self._name, self._step, self._start, end, attrs, _thread_label()))
+        queue.append((tracer._span_lines, self._name, self._step, self._start, end, attrs, label))
         if len(queue) >= tracer._flush_at:
             tracer._overflow()
 
@@ -149,8 +161,12 @@ class PhaseTracer:
         self._flush_at = flush_at
         self._max_pending = max_pending
         self._queue: deque[tuple[Any, ...]] = deque()
-        self._templates: dict[tuple[str, str], str] = {}
+        # line templates per record kind, keyed by phase name; a queued record carries its kind's table
+        self._span_lines = _LineTemplates(_KIND_SPAN)
+        self._instant_lines = _LineTemplates(_KIND_INSTANT)
+        self._counter_lines = _LineTemplates(_KIND_COUNTER)
         self._closed = not self.enabled
+        self._dormant = False  # a forked child's tracer until its first record
         self._fd = -1
         self._write_lock = threading.Lock()
         self._wake = threading.Event()
@@ -182,8 +198,14 @@ class PhaseTracer:
         if not (enabled or env_enabled(env)):
             return cls(None, role=role, rank=rank)
         directory = resolve_trace_dir(run_dir, trace_dir, env)
-        directory.mkdir(parents=True, exist_ok=True)
-        return cls(directory / f"phase_trace_rank{rank}.jsonl", role=role, rank=rank, **options)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            return cls(directory / f"phase_trace_rank{rank}.jsonl", role=role, rank=rank, **options)
+        except OSError as exc:
+            raise OSError(
+                f"cannot write phase traces to {str(directory)!r} ({exc.strerror or exc}); choose a writable "
+                f"directory with {ENV_DIR} or turn tracing off (phase_trace_enabled: false)"
+            ) from exc
 
     @classmethod
     def from_settings(cls, settings: TraceSettings, *, role: str, rank: int, **options: Any) -> PhaseTracer:
@@ -210,29 +232,29 @@ class PhaseTracer:
 
     def span(self, name: str, step: int | None = None, **attrs: Any) -> _Span | _NullSpan:
         """Context manager timing `name`; extra keyword arguments become `attrs`."""
-        if self._closed:
+        if self._closed and not self._revive():
             return _NULL_SPAN
         return _Span(self, name, step, attrs)
 
     def instant(self, name: str, step: int | None = None, **attrs: Any) -> None:
-        if self._closed:
+        if self._closed and not self._revive():
             return
         t = _perf_ns()
-        self._push((_KIND_INSTANT, name, step, t, t, attrs, _thread_label()))
+        self._push((self._instant_lines, name, step, t, t, attrs, _thread_label()))
 
     def counter(self, name: str, values: Mapping[str, float], step: int | None = None) -> None:
         """One sample of a counter track, e.g. counter("pool.gpus", {"train": 4, "rollout": 4})."""
-        if self._closed:
+        if self._closed and not self._revive():
             return
         t = _perf_ns()
-        self._push((_KIND_COUNTER, name, step, t, t, dict(values), _thread_label()))
+        self._push((self._counter_lines, name, step, t, t, dict(values), _thread_label()))
 
     def record(self, name: str, start_ns: int, end_ns: int, step: int | None = None, **attrs: Any) -> None:
         """A span measured elsewhere, with Unix epoch nanosecond bounds."""
-        if self._closed:
+        if self._closed and not self._revive():
             return
         offset = _EPOCH_OFFSET_NS
-        self._push((_KIND_SPAN, name, step, start_ns - offset, end_ns - offset, attrs, _thread_label()))
+        self._push((self._span_lines, name, step, start_ns - offset, end_ns - offset, attrs, _thread_label()))
 
     def traced(self, name: str, step_arg: str = "step") -> Callable[[F], F]:
         """Decorator: each call of the function is a span; its `step_arg` keyword (if given) is the step."""
@@ -259,7 +281,8 @@ class PhaseTracer:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._terminate_partial_line()
         self._pid = os.getpid()
-        self._templates = {}
+        for table in (self._span_lines, self._instant_lines, self._counter_lines):
+            table.clear()  # the pid in the line prefix changes in a forked child
         self._prefix = (
             f',"role":{json.dumps(self.role)},"rank":{self.rank},"pid":{self._pid},'
             f'"host":{json.dumps(socket.gethostname())}'
@@ -302,18 +325,18 @@ class PhaseTracer:
         except OSError:
             self.write_errors += 1  # never raise into training; the records are lost
 
-    def _template(self, kind: str, name: str) -> str:
+    def _template(self, table: _LineTemplates, name: str) -> str:
         static = f'{{"schema":{SCHEMA_VERSION},"name":{json.dumps(str(name))}{self._prefix}'
-        template = static.replace("%", "%%") + f',"step":%s,"start_ns":%d,"end_ns":%d,"kind":"{kind}"%s}}\n'
-        self._templates[(kind, name)] = template
+        template = static.replace("%", "%%") + f',"step":%s,"start_ns":%d,"end_ns":%d,"kind":"{table.kind}"%s}}\n'
+        table[name] = template
         return template
 
     def _encode(self, batch: list[tuple[Any, ...]]) -> str:
         """JSON lines of a batch; one loop without per-record calls, since this competes for the GIL."""
-        offset, templates = _EPOCH_OFFSET_NS, self._templates
+        offset = _EPOCH_OFFSET_NS
         lines: list[str] = []
-        for kind, name, step, start, end, attrs, thread in batch:
-            template = templates.get((kind, name)) or self._template(kind, name)
+        for table, name, step, start, end, attrs, thread in batch:
+            template = table.get(name) or self._template(table, name)
             if step is None:
                 step = "null"
             elif type(step) is not int:
@@ -328,6 +351,7 @@ class PhaseTracer:
 
     def close(self) -> None:
         """Flush everything and stop writing; later spans are ignored. Idempotent."""
+        self._dormant = False
         if self._fd < 0:
             self._closed = True
             return
@@ -350,8 +374,9 @@ class PhaseTracer:
         self.close()
 
     def _after_fork_in_child(self) -> None:
-        """Forked child: drop the parent's pending records (the parent writes them) and open a file of its
-        own so that a crash of either process cannot cut the other's lines."""
+        """Forked child: drop the parent's pending records (the parent writes them) and go dormant; the
+        first record of the child opens a file of its own (so a crash of either process cannot cut the
+        other's lines, and children that only exec leave no empty files)."""
         self._queue = deque()
         self._write_lock = threading.Lock()
         self._wake = threading.Event()
@@ -359,9 +384,21 @@ class PhaseTracer:
         self._fd = -1
         if self._closed or self.path is None:
             return
-        base = self.path.name.split("-pid")[0].removesuffix(".jsonl")
-        self.path = self.path.with_name(f"{base}-pid{os.getpid()}.jsonl")
-        self._open_file()
+        self._closed = True
+        self._dormant = True
+
+    def _revive(self) -> bool:
+        """Open the forked child's own file on its first record; False when the tracer is really closed."""
+        if not self._dormant:
+            return False
+        with self._write_lock:
+            if self._dormant and self.path is not None:
+                base = self.path.name.split("-pid")[0].removesuffix(".jsonl")
+                self.path = self.path.with_name(f"{base}-pid{os.getpid()}.jsonl")
+                self._dormant = False
+                self._closed = False  # before the writer thread starts: it runs while not closed
+                self._open_file()
+        return not self._closed
 
 
 _ATTRS_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str, allow_nan=False)

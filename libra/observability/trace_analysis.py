@@ -270,6 +270,49 @@ def diff_summaries(base: TraceSummary, new: TraceSummary, threshold: float = 1.1
 # ---- timeline picture -------------------------------------------------------------------------------
 
 
+PHASE_COLORS = {
+    "controller.tick": "#7f7f7f",
+    "batch.collect": "#bcbd22",
+    "rollout.generate": "#1f77b4",
+    "rollout.reward": "#17becf",
+    "train.recompute_logprobs": "#98df8a",
+    "train.forward_backward": "#2ca02c",
+    "train.optimizer": "#0b5d1e",
+    "weight_sync.publish": "#d62728",
+    "weight_sync.reload": "#ff9896",
+    "weight_sync.ack": "#e377c2",
+    "reconfigure.plan": "#c5b0d5",
+    "reconfigure.drain": "#9467bd",
+    "reconfigure.stop": "#8c564b",
+    "reconfigure.start": "#c49c94",
+    "reconfigure.swap": "#5254a3",
+    "checkpoint.save": "#ff7f0e",
+    "checkpoint.load": "#ffbb78",
+    "eval": "#f7b6d2",
+}
+
+
+def _plot_counter(ax: Any, name: str, series: dict[str, list[tuple[int, float]]], origin: int, end: int) -> None:
+    """Stacked step areas of one counter's series (e.g. GPUs per pool add up to the cluster)."""
+    times = sorted({t for points in series.values() for t, _ in points})
+    labels, stacks = [], []
+    for label, points in sorted(series.items()):
+        points.sort()
+        values, i, current = [], 0, 0.0
+        for t in times:
+            while i < len(points) and points[i][0] <= t:
+                current = points[i][1]
+                i += 1
+            values.append(current)
+        labels.append(label)
+        stacks.append(values + [values[-1]])
+    xs = [(t - origin) / 1e9 for t in times] + [(max(end, times[-1]) - origin) / 1e9]
+    ax.stackplot(xs, stacks, labels=labels, step="post", alpha=0.8)
+    ax.set_ylabel(name)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.grid(alpha=0.3)
+
+
 def plot_timeline(
     trace_path: str | Path, output: str | Path, *, max_rank_rows: int = 48, title: str | None = None
 ) -> dict[str, Any]:
@@ -286,9 +329,11 @@ def plot_timeline(
     counters: dict[tuple[str, str], list[tuple[int, float]]] = {}
     step_starts: dict[int, int] = {}
     origin: int | None = None
+    last_end = 0
     for rec in records:
         start, end = rec["start_ns"], rec["end_ns"]
         origin = start if origin is None else min(origin, start)
+        last_end = max(last_end, end)
         kind = rec.get("kind", "span")
         if kind == "counter":
             for series, value in (rec.get("attrs") or {}).items():
@@ -319,14 +364,15 @@ def plot_timeline(
         for name, union in phases.items():
             row.setdefault(name, []).extend(zip(union.starts, union.ends, strict=True))
     names = sorted({n for row in rows.values() for n in row})
-    cmap = plt.get_cmap("tab20")
-    colors = {n: cmap(i % 20) for i, n in enumerate(names)}
+    extra = iter(plt.get_cmap("tab20b").colors)  # type: ignore[attr-defined]
+    colors = {n: PHASE_COLORS.get(n) or next(extra, "0.5") for n in names}
 
-    n_counter_axes = 1 if counters else 0
-    fig_height = max(3.0, 0.45 * len(rows) + 1.8) + 2.2 * n_counter_axes
+    counter_names = sorted({cname for cname, _ in counters})[:4]
+    n_counter_axes = len(counter_names)
+    fig_height = max(3.0, 0.45 * len(rows) + 1.8) + 1.8 * n_counter_axes
     fig, axes = plt.subplots(
         1 + n_counter_axes, 1, figsize=(14, fig_height), sharex=True, squeeze=False,
-        gridspec_kw={"height_ratios": [max(2.0, 0.45 * len(rows))] + [2.0] * n_counter_axes},
+        gridspec_kw={"height_ratios": [max(2.0, 0.45 * len(rows))] + [1.6] * n_counter_axes},
     )
     ax = axes[0][0]
     labels = list(rows)
@@ -341,22 +387,17 @@ def plot_timeline(
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
     ax.set_ylabel("pool / rank")
-    ax.set_title(title or f"Phase timeline: {Path(trace_path).name}")
+    run_name = Path(trace_path).resolve()
+    run_name = run_name.parent if run_name.name == "traces" else run_name
+    ax.set_title(title or f"Phase timeline: {run_name.name}")
     ax.grid(axis="x", alpha=0.3)
     ax.legend(handles=[Patch(color=colors[n], label=n) for n in names], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    if counters:
-        cax = axes[1][0]
-        for (cname, series), points in sorted(counters.items()):
-            points.sort()
-            cax.step([(t - origin) / 1e9 for t, _ in points], [v for _, v in points], where="post",
-                     label=f"{cname}[{series}]")
-        cax.set_ylabel("counters")
-        cax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-        cax.grid(alpha=0.3)
+    for cax, cname in zip((row[0] for row in axes[1:]), counter_names, strict=True):
+        _plot_counter(cax, cname, {k[1]: v for k, v in counters.items() if k[0] == cname}, origin, last_end)
     axes[-1][0].set_xlabel("seconds since trace start")
     fig.tight_layout()
     fig.savefig(output, dpi=110)
     plt.close(fig)
-    return {"output": str(output), "rows": len(rows), "phases": names, "counters": len(counters),
+    return {"output": str(output), "rows": len(rows), "phases": names, "counters": len(counter_names),
             "skipped_lines": sum(s.skipped for s in stats)}

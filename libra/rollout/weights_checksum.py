@@ -79,7 +79,9 @@ def dtype_code(torch_dtype: Any) -> str:
     try:
         return _TORCH_TO_SAFETENSORS[name]
     except KeyError:
-        raise ChecksumError(f"dtype {torch_dtype} has no safetensors code; known: {sorted(_TORCH_TO_SAFETENSORS)}")
+        raise ChecksumError(
+            f"dtype {torch_dtype} has no safetensors code; known: {sorted(_TORCH_TO_SAFETENSORS)}"
+        ) from None
 
 
 def combine_digests(digests: Iterable[TensorDigest]) -> str:
@@ -101,9 +103,7 @@ def weight_files(hf_dir: str) -> list[str]:
     """The safetensors files of `hf_dir` that a loader reads (index-filtered when an index exists)."""
     if not os.path.isdir(hf_dir):
         raise ChecksumError(f"weights directory '{hf_dir}' does not exist")
-    files = sorted(
-        os.path.join(hf_dir, name) for name in os.listdir(hf_dir) if name.endswith(".safetensors")
-    )
+    files = sorted(os.path.join(hf_dir, name) for name in os.listdir(hf_dir) if name.endswith(".safetensors"))
     index_path = os.path.join(hf_dir, SAFETENSORS_INDEX)
     if os.path.isfile(index_path):
         with open(index_path, encoding="utf-8") as fh:
@@ -141,9 +141,13 @@ def file_tensor_digests(path: str) -> list[TensorDigest]:
                 for name, info in tensors.items():
                     begin, end = info["data_offsets"]
                     if not 0 <= begin <= end <= size - data_start:
-                        raise ChecksumError(f"{path}: tensor '{name}' has offsets {begin}..{end} outside the file")
+                        raise ChecksumError(
+                            f"{path}: tensor '{name}' has offsets {begin}..{end} outside the file"
+                        )
                     sha = hashlib.sha256(view[data_start + begin : data_start + end]).hexdigest()
-                    digests.append(TensorDigest(name, str(info["dtype"]), tuple(int(d) for d in info["shape"]), sha))
+                    digests.append(
+                        TensorDigest(name, str(info["dtype"]), tuple(int(d) for d in info["shape"]), sha)
+                    )
             finally:
                 view.release()
         return digests

@@ -72,7 +72,9 @@ def _value_sources(
     return None
 
 
-def check_parameter_values(model: Any, digests: dict[str, TensorDigest], model_dtype: Any) -> tuple[int, list[str]]:
+def check_parameter_values(
+    model: Any, digests: dict[str, TensorDigest], model_dtype: Any
+) -> tuple[int, list[str]]:
     """Compare readable parameters with the streamed tensors: (number compared, names that differ).
 
     A parameter is compared when its tensors are found by name (directly or through the model's
@@ -123,7 +125,7 @@ class LibraWorkerExtension:
         model_config.model = weights_path
         model_config.model_weights = ""
         model_config.revision = None
-        loader = get_model_loader(self.vllm_config.load_config)
+        loader: Any = get_model_loader(self.vllm_config.load_config)
         stream = _DigestingStream(loader.get_all_weights(model_config, model), model_config.dtype)
 
         loaded: set[str] = set()
@@ -141,7 +143,12 @@ class LibraWorkerExtension:
             del model.load_weights
         load_s = time.perf_counter() - start
         return self._libra_finish(
-            stream, weights_path, weight_version, load_s, loaded_by="reload", not_loaded=sorted(expected - loaded)
+            stream,
+            weights_path,
+            weight_version,
+            load_s,
+            loaded_by="reload",
+            not_loaded=sorted(expected - loaded),
         )
 
     def libra_verify(self, weight_version: str) -> dict[str, Any]:
@@ -151,7 +158,7 @@ class LibraWorkerExtension:
         start = time.perf_counter()
         model = self.model_runner.get_model()
         model_config = self.vllm_config.model_config
-        loader = get_model_loader(self.vllm_config.load_config)
+        loader: Any = get_model_loader(self.vllm_config.load_config)
         stream = _DigestingStream(loader.get_all_weights(model_config, model), model_config.dtype)
         for _ in stream:
             pass
@@ -173,7 +180,9 @@ class LibraWorkerExtension:
         not_loaded: list[str],
     ) -> dict[str, Any]:
         model = self.model_runner.get_model()
-        compared, mismatched = check_parameter_values(model, stream.value_digests, self.vllm_config.model_config.dtype)
+        compared, mismatched = check_parameter_values(
+            model, stream.value_digests, self.vllm_config.model_config.dtype
+        )
         checksum = combine_digests(stream.digests)
         state = {"weight_version": int(weight_version), "checksum": checksum, "model_path": weights_path}
         setattr(self, STATE_ATTR, state)

@@ -29,29 +29,58 @@ def is_last_stage() -> bool:
     return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
 
+def _schedule_padding(num_batches: int) -> int:
+    """Extra all-masked micro batches the interleaved (VPP) schedule needs: it runs micro batches in groups
+    of PP, so their number is rounded up to a multiple of PP."""
+    from megatron.core import parallel_state
+
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if vpp == 1 or num_batches % pp == 0:
+        return 0
+    return pp - num_batches % pp
+
+
+def _dummy_loss(output: torch.Tensor):  # type: ignore[no-untyped-def]
+    return output.sum() * 0.0, torch.zeros((), dtype=torch.int), {"index": -1}
+
+
 def run_schedule(
     chunks: list[torch.nn.Module], batches: list[StepBatch], loss_fn: LossFn, forward_only: bool
 ) -> list[dict[str, Any]]:
-    """Run `batches` through `chunks` with Megatron's schedule; returns the loss dicts (last stage)."""
+    """Run `batches` through `chunks` with Megatron's schedule; returns the loss dicts of the real micro
+    batches (last stage; padding micro batches for VPP contribute nothing)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    index = {id(mb): i for i, mb in enumerate(batches)}
+    padded = batches + [_masked(batches[-1])] * _schedule_padding(len(batches))
+    index = {id(mb): i for i, mb in enumerate(padded)}
 
     def forward_step(data_iterator, model):  # type: ignore[no-untyped-def]
         mb = next(data_iterator)
         output = model(mb.tokens, mb.positions, None)
-        return output, partial(loss_fn, index[id(mb)], mb)
+        i = index[id(mb)]
+        if i >= len(batches):
+            return output, _dummy_loss
+        return output, partial(loss_fn, i, mb)
 
-    iterators: Any = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
+    iterators: Any = [iter(padded) for _ in chunks] if len(chunks) > 1 else iter(padded)
     forward_backward = get_forward_backward_func()
-    return forward_backward(
+    results = forward_backward(
         forward_step_func=forward_step,
         data_iterator=iterators,
         model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(batches),
+        num_microbatches=len(padded),
         seq_length=batches[0].seq_len,
         micro_batch_size=batches[0].rows,
         forward_only=forward_only,
+    )
+    return [r for r in results if r.get("index", 0) != -1]
+
+
+def _masked(mb: StepBatch) -> StepBatch:
+    return StepBatch(
+        tokens=mb.tokens, positions=mb.positions, labels=mb.labels, mask=torch.zeros_like(mb.mask),
+        rollout_logp=mb.rollout_logp, advantages=torch.zeros_like(mb.advantages), num_real=0,
     )
 
 
@@ -86,7 +115,7 @@ def forward_full_logits(chunks: list[torch.nn.Module], batch: StepBatch) -> torc
 
     def loss_fn(i: int, mb: StepBatch, logits: torch.Tensor):  # type: ignore[no-untyped-def]
         full = gather_from_tensor_model_parallel_region(logits)
-        return torch.zeros((), device=logits.device), torch.ones((), dtype=torch.int), {"logits": full.detach()}
+        return torch.zeros((), device=logits.device), torch.ones((), dtype=torch.int), {"index": i, "logits": full.detach()}
 
     for chunk in chunks:
         chunk.eval()

@@ -103,7 +103,9 @@ class TrainingWorker:
         torch.manual_seed(self.spec.seed)
         model_parallel_cuda_manual_seed(self.spec.seed)
         config = megatron_setup.build_transformer_config(self.arch, self.spec, self.layout, cuda_available())
-        config.perform_initialization = False  # every parameter is overwritten from the HF weights
+        # perform_initialization stays on although every parameter is overwritten from HF: with CPU
+        # initialization megatron-core 0.16.1 sets the tensor-parallel attributes (used by the grad norm)
+        # only inside the initialization routine.
         raw = megatron_setup.build_model_chunks(self.arch, config, self.layout)
         reader = HFWeightReader(self.spec.model_path)
         self.mappings = [self._chunk_mappings(c, i) for i, c in enumerate(raw)]

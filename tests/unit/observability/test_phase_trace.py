@@ -63,6 +63,12 @@ def test_explicit_trace_dir_and_missing_directory(tmp_path: Path) -> None:
         pt.PhaseTracer.open(None, role="train", rank=1000, enabled=True, env={})
 
 
+def test_unwritable_directory_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError, match="RL_TRAIN_PHASE_TRACE_DIR"):
+        pt.PhaseTracer.open(None, role="train", rank=1000, enabled=True, trace_dir=tmp_path / "file" / "t", env={})
+
+
 @pytest.mark.parametrize(("role", "rank"), [("", 0), ("train", -1), ("train", "3"), ("train", True)])
 def test_open_rejects_bad_identity(tmp_path: Path, role: Any, rank: Any) -> None:
     with pytest.raises(ValueError, match="role|rank"):
@@ -302,6 +308,10 @@ def test_forked_children_write_their_own_file(tmp_path: Path) -> None:
             pt.get_tracer().close()
             os._exit(0)
         os.waitpid(pid, 0)
+        silent = os.fork()
+        if silent == 0:  # a child that records nothing (e.g. one that execs) leaves no file behind
+            os._exit(0)
+        os.waitpid(silent, 0)
     finally:
         pt.set_tracer(previous)
         tracer.close()
@@ -313,6 +323,7 @@ def test_forked_children_write_their_own_file(tmp_path: Path) -> None:
     assert {r["pid"] for r in mp_records} == {proc.pid} and {r["rank"] for r in mp_records} == {2000}
     fork_records = read_lines(tracer.path.with_name(f"phase_trace_rank2000-pid{pid}.jsonl"))
     assert [(r["name"], r["pid"]) for r in fork_records] == [("eval", pid)]
+    assert not tracer.path.with_name(f"phase_trace_rank2000-pid{silent}.jsonl").exists()
 
 
 def test_span_overhead_is_microseconds(tmp_path: Path) -> None:

@@ -1,0 +1,124 @@
+"""`libra status RUN_DIR [--events N] [--json]`: where a run stands, read from its run directory.
+
+Works while the job runs and after it ended (or died): state, step, reward, pools, checkpoints and the last
+controller events, from `status.json`, `metrics.jsonl`, `events.jsonl` and `checkpoints/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+EXIT_OK = 0
+EXIT_INVALID = 2
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "status", help="show the state of a run",
+        description="Show the state, step, reward, pools, checkpoints and last events of the run in RUN_DIR.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (e.g. runs/dev)")
+    parser.add_argument("--events", type=int, default=8, metavar="N", help="last N events to show (default 8)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.set_defaults(func=run)
+
+
+def _process_alive(status: dict[str, Any]) -> bool | None:
+    """Whether the controller process still runs (None when it ran on another host)."""
+    pid = status.get("pid")
+    if not isinstance(pid, int) or status.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def collect(run_dir: str, events: int) -> dict[str, Any]:
+    from libra.run_dir import RunDir
+
+    run = RunDir.at(run_dir)
+    status = run.read_status() or {}
+    rows = run.read_metrics()
+    checkpoints = [step for step, _ in run.checkpoints_by_step()]
+    state = status.get("state", "unknown")
+    alive = _process_alive(status)
+    if state in ("starting", "running", "stopping") and alive is False:
+        state = f"{state} (controller process gone: it stopped without clean-up; launch again to resume)"
+    last = rows[-1] if rows else status.get("last_row", {})
+    return {
+        "run_dir": str(run.root),
+        "name": status.get("name", os.path.basename(str(run.root))),
+        "state": state,
+        "pid": status.get("pid"),
+        "alive": alive,
+        "updated_at": status.get("updated_at"),
+        "step": last.get("step", status.get("step", 0)),
+        "total_steps": status.get("total_steps"),
+        "last_row": last,
+        "best_reward": max((r.get("reward_mean", 0.0) for r in rows), default=None),
+        "pools": status.get("pools", {}),
+        "checkpoints": checkpoints,
+        "error": status.get("error", ""),
+        "events": run.tail_events(events),
+    }
+
+
+def _format(info: dict[str, Any]) -> list[str]:
+    from libra.observability.console import step_line
+
+    lines = []
+    age = ""
+    if isinstance(info.get("updated_at"), int | float):
+        age = f", updated {time.time() - info['updated_at']:.0f}s ago"
+    pid = f", pid {info['pid']}" if info.get("pid") else ""
+    lines.append(f"run {info['name']} ({info['run_dir']}): {info['state']}{pid}{age}")
+    if info.get("error"):
+        lines.append(f"error: {info['error']}")
+    row = info.get("last_row") or {}
+    if row:
+        lines.append(step_line(row, info.get("total_steps") or 0))
+    else:
+        lines.append(f"step {info['step']}/{info.get('total_steps') or '?'} (no training step finished yet)")
+    if info.get("best_reward") is not None:
+        lines.append(f"best batch reward {info['best_reward']:.3f}")
+    for name, pool in (info.get("pools") or {}).items():
+        members = ", ".join(f"{k} {v}" for k, v in sorted((pool.get("members") or {}).items()))
+        extra = pool.get("layout") or f"{pool.get('desired_instances', '?')} instances wanted"
+        lines.append(f"{name} pool: {pool.get('gpus', '?')} GPUs, {extra}; members: {members or 'none'}")
+    checkpoints = info.get("checkpoints") or []
+    lines.append(f"checkpoints: {', '.join(str(s) for s in checkpoints) if checkpoints else 'none'}")
+    if info.get("events"):
+        lines.append("last events:")
+        for event in info["events"]:
+            when = time.strftime("%H:%M:%S", time.localtime(float(event.get("ts", 0))))
+            details = event.get("message") or " ".join(
+                f"{k}={v}" for k, v in event.items() if k not in ("ts", "kind", "info", "history")
+            )
+            lines.append(f"  {when} {event.get('kind')}: {str(details)[:120]}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    from libra.run_dir import RunDir
+
+    run_dir = RunDir.at(args.run_dir)
+    if not run_dir.root.is_dir() or not (run_dir.status_json.exists() or run_dir.config_yaml.exists()):
+        print(f"error: {args.run_dir} is not a run directory (no status.json or config.yaml); pass the "
+              "directory a `libra launch` wrote, e.g. runs/dev", file=sys.stderr)
+        return EXIT_INVALID
+    info = collect(args.run_dir, args.events)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        print("\n".join(_format(info)))
+    return EXIT_OK

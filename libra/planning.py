@@ -1,0 +1,209 @@
+"""The bridge between a job `Config` and the Global Resource Planner, and the dry-run recompute probe check.
+
+`planner_inputs(cfg)` maps every option the planner uses (and derives the empty `allowed_train_*` lists, the
+split granularity and the minimums as the configuration reference documents); `plan_job(cfg)` runs the
+search. `compare_recompute_probe` compares one real log-prob recomputation, run by the training pool
+before the first step when `memory_budget_dry_run_enabled` is set, with the planner's estimate for that
+probe and says whether the budget holds at full context and what workspace factor the measurement implies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from libra.config import Config
+from planner.hardware import get_gpu
+from planner.layout import TrainLayout
+from planner.memory import MemoryEstimate, padded_vocab, train_memory
+from planner.model_spec import ModelSpec
+from planner.plan import Plan
+from planner.search import search
+from planner.workload import (
+    ClusterSpec,
+    MemoryBudget,
+    PinnedLayout,
+    PlannerInputs,
+    RolloutOptions,
+    SearchSpace,
+    TrainOptions,
+    Workload,
+)
+
+CPU_GPU_TYPE = "cpu-logical"
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+MAX_DERIVED_PP = 16
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    values, v = [], 1
+    while v <= limit:
+        values.append(v)
+        v *= 2
+    return values
+
+
+def derived_tp(spec: ModelSpec, gpus_per_node: int) -> tuple[int, ...]:
+    """Powers of two up to a node that divide the attention and KV heads."""
+    return tuple(t for t in _powers_of_two(gpus_per_node)
+                 if spec.num_attention_heads % t == 0 and spec.num_kv_heads % t == 0)
+
+
+def derived_pp(spec: ModelSpec, total_gpus: int) -> tuple[int, ...]:
+    """Powers of two (up to 16 and the cluster) that divide the layer count."""
+    return tuple(p for p in _powers_of_two(min(MAX_DERIVED_PP, total_gpus, spec.num_layers))
+                 if spec.num_layers % p == 0)
+
+
+def derived_ep(spec: ModelSpec, total_gpus: int) -> tuple[int, ...]:
+    """Dense: 1. MoE: powers of two that divide the expert count, up to the cluster size."""
+    if not spec.is_moe:
+        return (1,)
+    return tuple(e for e in _powers_of_two(min(spec.num_experts, total_gpus)) if spec.num_experts % e == 0)
+
+
+def is_cpu_job(cfg: Config) -> bool:
+    return cfg.cluster.logical_gpus or get_gpu(cfg.cluster.gpu_type).name == CPU_GPU_TYPE
+
+
+def granularity(cfg: Config) -> int:
+    """`allocation_granularity_gpus`, with 0 meaning one node (one GPU when the cluster is a single node)."""
+    g = cfg.global_resource_planner.allocation_granularity_gpus
+    if g:
+        return g
+    return cfg.cluster.gpus_per_node if cfg.cluster.num_nodes > 1 else 1
+
+
+def planner_inputs(cfg: Config) -> PlannerInputs:
+    """Everything the planner needs from a validated configuration."""
+    spec = cfg.model_spec()
+    grp = cfg.global_resource_planner
+    gpu = get_gpu(cfg.cluster.gpu_type)
+    cluster = ClusterSpec(cfg.cluster.num_nodes, cfg.cluster.gpus_per_node, gpu)
+    cpu = is_cpu_job(cfg)
+    workload = Workload(
+        batch_size=cfg.batch_size, n_samples=cfg.n_samples, max_model_len=cfg.max_model_len,
+        max_new_tokens=cfg.max_new_tokens, expected_response_tokens=cfg.expected_response_tokens,
+        max_concurrent_rollouts=cfg.max_concurrent_rollouts, max_head_offpolicyness=cfg.max_head_offpolicyness,
+        recompute_logprobs=cfg.recompute_logprobs, recompute_micro_batch_size=cfg.recompute_micro_batch_size,
+        train_micro_batch_size=cfg.train_micro_batch_size, sync_interval=cfg.sync_interval,
+    )
+    train = TrainOptions(
+        params_dtype_bytes=DTYPE_BYTES[cfg.megatron_params_dtype],
+        use_distributed_optimizer=cfg.megatron_use_distributed_optimizer,
+        precision_aware_optimizer=cfg.megatron_use_precision_aware_optimizer,
+        optimizer_cpu_offload=cfg.megatron_optimizer_cpu_offload,
+        optimizer_offload_fraction=cfg.megatron_optimizer_offload_fraction,
+        recompute_granularity=cfg.megatron_recompute_granularity,
+        sequence_parallel=True,
+        vpp=cfg.train_vpp_size,
+        implementation="megatron",
+        # Megatron-Core's local (non-TE) layers on a CPU use the unfused attention; GPUs use flash attention.
+        attention_backend="eager" if cpu else "flash",
+        fused_optimizer=not cpu,
+    )
+    rollout = RolloutOptions(gpu_memory_utilization=cfg.rollout_gpu_memory_utilization,
+                             kv_cache_bytes=cfg.rollout_kv_cache_bytes,
+                             reload_method=cfg.rollout_weight_reload_method)
+    budget = MemoryBudget(check_enabled=grp.memory_budget_check_enabled,
+                          safety_margin_bytes=grp.memory_budget_safety_margin_bytes,
+                          logits_dtype_bytes=grp.memory_budget_logits_dtype_bytes,
+                          workspace_factor=grp.memory_budget_workspace_factor)
+    total = cluster.total_gpus
+    pinned = None
+    if cfg.train_gpus and cfg.rollout_gpus:
+        pinned = PinnedLayout(train_gpus=cfg.train_gpus, rollout_gpus=cfg.rollout_gpus, tp=cfg.train_tp_size,
+                              pp=cfg.train_pp_size, cp=cfg.train_cp_size, ep=cfg.train_ep_size,
+                              rollout_tp=cfg.rollout_tp_size)
+    space = SearchSpace(
+        allowed_tp=tuple(grp.allowed_train_tp) or derived_tp(spec, cfg.cluster.gpus_per_node) or (1,),
+        allowed_pp=tuple(grp.allowed_train_pp) or derived_pp(spec, total) or (1,),
+        allowed_cp=tuple(grp.allowed_train_cp) or (1,),
+        allowed_ep=tuple(grp.allowed_train_ep) or derived_ep(spec, total),
+        allowed_rollout_tp=tuple(_powers_of_two(cfg.cluster.gpus_per_node)),
+        allocation_granularity_gpus=granularity(cfg),
+        min_train_gpus=grp.min_train_gpus or 1,
+        min_rollout_gpus=grp.min_rollout_gpus or 1,
+        comm_compute_ratio_threshold=grp.train_comm_compute_ratio_threshold,
+        ep_comm_compute_ratio_threshold=grp.train_ep_comm_compute_ratio_threshold,
+        bubble_ratio_threshold=grp.train_pipeline_bubble_ratio_threshold,
+        strategy=grp.initial_allocation_strategy,
+        pinned=pinned,
+    )
+    return PlannerInputs(model=spec, cluster=cluster, workload=workload, train=train, rollout=rollout,
+                         budget=budget, space=space)
+
+
+def plan_job(cfg: Config) -> Plan:
+    """Run the planner for a job (grp search, or the check of the pinned split for `configured`)."""
+    return search(planner_inputs(cfg))
+
+
+# ------------------------------------------------------------------------------------- dry-run recompute probe
+@dataclass(frozen=True)
+class RecomputeProbe:
+    """What one real log-prob recomputation measured on a training rank.
+
+    `resident_bytes`: device bytes allocated before the probe (weights, gradients, optimizer state);
+    `peak_bytes`: peak allocated during it (e.g. torch.cuda.max_memory_allocated after a reset);
+    `micro_batch` and `seq_len`: the shape the probe ran (normally recompute_micro_batch_size x max_model_len).
+    """
+
+    resident_bytes: int
+    peak_bytes: int
+    micro_batch: int
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class ProbeComparison:
+    """Probe vs estimate. `ok` = within tolerance and the projected full-context peak fits the GPU."""
+
+    estimated_transient_bytes: int
+    measured_transient_bytes: int
+    rel_error: float
+    projected_peak_bytes: int
+    capacity_bytes: int
+    implied_workspace_factor: float
+    ok: bool
+    message: str
+
+
+def recompute_estimate(inputs: PlannerInputs, layout: TrainLayout, dp: int, micro_batch: int,
+                       seq_len: int) -> MemoryEstimate:
+    """The planner's training-rank estimate for a recompute probe of the given shape."""
+    w = replace(inputs.workload, recompute_micro_batch_size=micro_batch, max_model_len=seq_len,
+                max_new_tokens=min(inputs.workload.max_new_tokens, max(1, seq_len - 1)), recompute_logprobs=True)
+    return train_memory(replace(inputs, workload=w, budget=replace(inputs.budget, check_enabled=True)), layout, dp)
+
+
+def _transient(est: MemoryEstimate) -> int:
+    return max(est.phase_bytes("logprob_recompute"), est.phase_bytes("logprob_forward"))
+
+
+def compare_recompute_probe(inputs: PlannerInputs, layout: TrainLayout, dp: int, probe: RecomputeProbe,
+                            tolerance: float = 0.15) -> ProbeComparison:
+    """Compare a probe with the estimate and project it to recompute_micro_batch_size x max_model_len."""
+    w, budget = inputs.workload, inputs.budget
+    at_probe = recompute_estimate(inputs, layout, dp, probe.micro_batch, probe.seq_len)
+    at_full = recompute_estimate(inputs, layout, dp, w.recompute_micro_batch_size, w.max_model_len)
+    estimated = _transient(at_probe)
+    measured = max(0, probe.peak_bytes - probe.resident_bytes)
+    rel_error = (estimated - measured) / measured if measured else 0.0
+    scale = _transient(at_full) / estimated if estimated else 1.0
+    projected = probe.resident_bytes + int(measured * scale) + budget.safety_margin_bytes
+    capacity = inputs.cluster.gpu.memory_bytes
+    vocab = padded_vocab(inputs.model, layout.tp, inputs.train.implementation) / layout.tp
+    logits_bytes = probe.micro_batch * probe.seq_len / layout.cp * vocab * budget.logits_dtype_bytes
+    implied = measured / logits_bytes if logits_bytes else 0.0
+    fits = projected <= capacity
+    ok = fits and abs(rel_error) <= tolerance
+    parts = [f"recompute probe ({probe.micro_batch} x {probe.seq_len} tokens): measured {measured / 1e9:.2f} GB "
+             f"above resident, estimated {estimated / 1e9:.2f} GB ({rel_error:+.1%})",
+             f"projected peak at {w.recompute_micro_batch_size} x {w.max_model_len}: {projected / 1e9:.2f} GB of "
+             f"{capacity / 1e9:.2f} GB"]
+    if abs(rel_error) > tolerance:
+        parts.append(f"the measurement implies global_resource_planner.memory_budget_workspace_factor "
+                     f"{implied:.2f} (configured {budget.workspace_factor:g})")
+    if not fits:
+        parts.append("lower recompute_micro_batch_size or max_model_len, or raise the training TP")
+    return ProbeComparison(estimated, measured, rel_error, projected, capacity, implied, ok, "; ".join(parts))

@@ -1,0 +1,89 @@
+"""Async HTTP calls to one vLLM server: health, token-id completions, the dev-mode control endpoints and the
+Libra worker-extension RPCs. Every call has a bounded timeout; failures are classified so the router can
+tell "this instance is broken" (retry elsewhere) from "this request is invalid" (do not retry).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from libra.rollout.spec import RequestRejectedError, RolloutError
+
+HEALTH_TIMEOUT_S = 5.0
+CONTROL_TIMEOUT_S = 60.0
+
+
+class InstanceFailure(RolloutError):
+    """The instance failed to serve a call (connection lost, timeout, 5xx): it is the server's fault."""
+
+
+class ServerClient:
+    """Talks to the server at `base_url` through a shared aiohttp session."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, instance_id: str) -> None:
+        self.session = session
+        self.base_url = base_url.rstrip("/")
+        self.instance_id = instance_id
+
+    async def health(self, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+        try:
+            async with self.session.get(
+                f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+
+    async def complete(self, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """POST /v1/completions; returns the parsed response."""
+        return await self._post_json("/v1/completions", payload, timeout_s)
+
+    async def rpc(self, method: str, kwargs: dict[str, str], timeout_s: float) -> list[dict[str, Any]]:
+        """Call a worker method on every worker of the server; one result per worker."""
+        body = {"method": method, "kwargs": kwargs, "timeout": timeout_s}
+        data = await self._post_json("/collective_rpc", body, timeout_s + 5.0)
+        results = data.get("results") if isinstance(data, dict) else None
+        if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
+            raise InstanceFailure(f"{self.instance_id}: collective_rpc {method} returned {str(data)[:300]}")
+        return results
+
+    async def pause(self, mode: str = "wait", timeout_s: float = CONTROL_TIMEOUT_S) -> None:
+        await self._post_json(f"/pause?mode={mode}", None, timeout_s)
+
+    async def resume(self, timeout_s: float = CONTROL_TIMEOUT_S) -> None:
+        await self._post_json("/resume", None, timeout_s)
+
+    async def reset_prefix_cache(self, timeout_s: float = CONTROL_TIMEOUT_S) -> bool:
+        data = await self._post_json("/reset_prefix_cache", None, timeout_s)
+        return bool(isinstance(data, dict) and data.get("success"))
+
+    async def abort_requests(self, timeout_s: float = 10.0) -> None:
+        await self._post_json("/abort_requests", {}, timeout_s)
+
+    async def _post_json(self, path: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
+        url = f"{self.base_url}{path}"
+        try:
+            async with self.session.post(
+                url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                text = await resp.text()
+                if resp.status >= 500:
+                    raise InstanceFailure(f"{self.instance_id}: {path} -> HTTP {resp.status}: {text[:500]}")
+                if resp.status >= 400:
+                    raise RequestRejectedError(
+                        f"{self.instance_id}: {path} -> HTTP {resp.status}: {text[:500]}"
+                    )
+                if not text:
+                    return None
+                try:
+                    return await resp.json(content_type=None)
+                except ValueError as exc:
+                    raise InstanceFailure(
+                        f"{self.instance_id}: {path} returned non-JSON: {text[:300]}"
+                    ) from exc
+        except TimeoutError as exc:
+            raise InstanceFailure(f"{self.instance_id}: {path} timed out after {timeout_s:.0f}s") from exc
+        except aiohttp.ClientError as exc:
+            raise InstanceFailure(f"{self.instance_id}: {path} failed: {type(exc).__name__}: {exc}") from exc

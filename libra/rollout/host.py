@@ -1,0 +1,134 @@
+"""The owner of one instance's server process on the node where it runs.
+
+`ServerHost` is a plain class: the pool runs it as a small Ray actor holding the instance's logical GPUs
+(through `libra.cluster.rollout_hosts`), so the server inherits `CUDA_VISIBLE_DEVICES` from Ray; without
+a Ray runtime it runs in the controller's process (`LocalHostHandle`). Either way the pool talks to it
+through the same two calls: `call` (blocking) and `acall` (awaitable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+from libra.rollout.server import ServerLaunch, ServerProcess, pick_free_port, port_is_free
+
+NODE_IP = "node-ip"
+
+
+def _resolve_bind_host(bind_host: str) -> str:
+    if bind_host != NODE_IP:
+        return bind_host
+    from libra.cluster.rollout_hosts import node_ip_address
+
+    return node_ip_address()
+
+
+class ServerHost:
+    """Starts, restarts, adopts and stops the vLLM server of one instance; thread-safe."""
+
+    def __init__(self, instance_id: str, bind_host: str = "127.0.0.1") -> None:
+        self.instance_id = instance_id
+        self.host = _resolve_bind_host(bind_host)
+        self._server: ServerProcess | None = None
+        self._lock = threading.Lock()
+
+    def identity(self) -> dict[str, Any]:
+        """Where this host runs: address, hostname and the GPU ids Ray gave it."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        return {
+            "host": self.host,
+            "hostname": socket.gethostname(),
+            "gpu_ids": [g for g in visible.split(",") if g.strip()],
+            "host_pid": os.getpid(),
+        }
+
+    def start(self, launch: ServerLaunch, timeout_s: float) -> dict[str, Any]:
+        """Start the server (port 0 = a free port on this node) and wait for /health."""
+        with self._lock:
+            if self._server is not None and self._server.alive():
+                raise RuntimeError(
+                    f"instance {self.instance_id} already runs a server (pid {self._server.pid})"
+                )
+            launch = replace(launch, host=self.host)
+            if launch.port == 0:
+                launch = replace(launch, port=pick_free_port(self.host))
+            elif not port_is_free(self.host, launch.port):
+                raise RuntimeError(
+                    f"port {launch.port} on {self.host} is in use; choose another port_base or free the port"
+                )
+            start = time.monotonic()
+            self._server = ServerProcess.start(launch, self.identity()["gpu_ids"])
+            self._server.wait_healthy(timeout_s)
+            return self._describe(startup_s=time.monotonic() - start)
+
+    def adopt(self, launch: ServerLaunch, pid: int, start_ticks: int) -> bool:
+        """Take over a server started by an earlier controller, if that exact process still runs."""
+        with self._lock:
+            candidate = ServerProcess.attach(replace(launch, host=self.host), pid, start_ticks)
+            if not candidate.alive():
+                return False
+            self._server = candidate
+            return True
+
+    def restart(self, model_path: str, timeout_s: float, stop_timeout_s: float) -> dict[str, Any]:
+        """Replace the server process by one loading `model_path` on the same port."""
+        with self._lock:
+            if self._server is None:
+                raise RuntimeError(f"instance {self.instance_id} has no server to restart")
+            launch = self._server.launch.with_model(model_path)
+            process_stop_s = self._server.stop(stop_timeout_s)
+            deadline = time.monotonic() + 10.0
+            while not port_is_free(self.host, launch.port) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            start = time.monotonic()
+            self._server = ServerProcess.start(launch, self.identity()["gpu_ids"])
+            self._server.wait_healthy(timeout_s)
+            return self._describe(process_stop_s=process_stop_s, startup_s=time.monotonic() - start)
+
+    def stop(self, timeout_s: float) -> float:
+        with self._lock:
+            if self._server is None:
+                return 0.0
+            elapsed = self._server.stop(timeout_s)
+            self._server = None
+            return elapsed
+
+    def status(self) -> dict[str, Any]:
+        server = self._server
+        return {"alive": bool(server and server.alive()), "pid": server.pid if server else 0}
+
+    def _describe(self, **timings: float) -> dict[str, Any]:
+        assert self._server is not None
+        server = self._server
+        return {
+            "pid": server.pid,
+            "start_ticks": server.start_ticks,
+            "host": server.launch.host,
+            "port": server.launch.port,
+            "log_path": server.launch.log_path,
+            "model_path": server.launch.model_path,
+            **timings,
+        }
+
+
+class LocalHostHandle:
+    """A `ServerHost` in this process (no Ray): the same call interface as a host actor."""
+
+    def __init__(self, host: ServerHost, name: str) -> None:
+        self.name = name
+        self._host = host
+
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        return getattr(self._host, method)(*args)
+
+    async def acall(self, method: str, *args: Any) -> Any:
+        return await asyncio.to_thread(getattr(self._host, method), *args)
+
+    def kill(self) -> None:
+        """Nothing to release: the host lives in this process."""

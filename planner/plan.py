@@ -1,0 +1,137 @@
+"""What a search returns: candidates, their evaluations, pruned candidates with reasons, and the `Plan`.
+
+Pure: stdlib only (numbers come in already computed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.layout import Rule, TrainLayout
+from planner.memory import MemoryEstimate
+from planner.workload import PlannerInputs
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One train/rollout split with its training layout and rollout instance size."""
+
+    train_gpus: int
+    rollout_gpus: int
+    layout: TrainLayout
+    rollout_tp: int
+
+    @property
+    def dp(self) -> int:
+        return self.train_gpus // self.layout.model_parallel
+
+    @property
+    def rollout_instances(self) -> int:
+        return self.rollout_gpus // self.rollout_tp
+
+    def label(self) -> str:
+        return (f"train {self.train_gpus} GPUs ({self.layout.label()} dp={self.dp}) | rollout {self.rollout_gpus} "
+                f"GPUs ({self.rollout_instances} x tp={self.rollout_tp})")
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Memory, phase times and throughput of one candidate, and every rule it breaks."""
+
+    candidate: Candidate
+    train_memory: MemoryEstimate
+    rollout_memory: MemoryEstimate
+    train: dict[str, float]
+    rollout: dict[str, float]
+    step_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    kv_capacity_sequences: int
+    violations: tuple[Rule, ...] = ()
+
+    @property
+    def feasible(self) -> bool:
+        return not self.violations
+
+    @property
+    def train_side_s(self) -> float:
+        return self.train["train_s"] + self.train["logprob_recompute_s"]
+
+    @property
+    def rollout_side_s(self) -> float:
+        return self.rollout["generation_s"] + self.rollout["weight_sync_s"]
+
+    def rank_key(self) -> tuple[float, float, int, tuple[int, int, int, int], float, int]:
+        """Order of preference: throughput, then less training time, fewer training GPUs, smaller layout,
+        less rollout time, smaller rollout TP."""
+        c, lay = self.candidate, self.candidate.layout
+        return (-self.samples_per_s, self.train_side_s, c.train_gpus, (lay.tp, lay.pp, lay.cp, lay.ep),
+                self.rollout_side_s, c.rollout_tp)
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """Candidates removed for one reason. `train_gpus` empty means every split of that layout/rollout TP."""
+
+    kind: str  # "train_layout" | "train_split" | "rollout"
+    code: str
+    reason: str
+    layout: TrainLayout | None = None
+    rollout_tp: int | None = None
+    train_gpus: tuple[int, ...] = ()
+
+    def subject(self) -> str:
+        what = self.layout.label() if self.layout is not None else f"rollout tp={self.rollout_tp}"
+        if not self.train_gpus:
+            return f"{what}, every split"
+        return f"{what}, train GPUs {format_ranges(self.train_gpus)}"
+
+
+def format_ranges(values: tuple[int, ...]) -> str:
+    """`(8, 16, 24, 40)` -> `8-24 (step 8), 40`: compact, exact."""
+    if not values:
+        return ""
+    parts: list[str] = []
+    i = 0
+    while i < len(values):
+        j = i
+        step = values[i + 1] - values[i] if i + 1 < len(values) else 0
+        while j + 1 < len(values) and values[j + 1] - values[j] == step and step > 0:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{values[i]}-{values[j]}" + (f" (step {step})" if step != 1 else ""))
+            i = j + 1
+        else:
+            parts.append(str(values[i]))
+            i += 1
+    return ", ".join(parts)
+
+
+@dataclass
+class Plan:
+    """Result of a search (or of checking a pinned split)."""
+
+    inputs: PlannerInputs
+    strategy: str
+    feasible: bool
+    chosen: Evaluation | None
+    alternatives: list[Evaluation] = field(default_factory=list)
+    pruned: list[Pruned] = field(default_factory=list)
+    candidates_evaluated: int = 0
+    warnings: list[str] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+    search_s: float = 0.0
+    splits: tuple[int, ...] = ()  # training-pool sizes the search considered
+    baseline: Evaluation | None = None  # the configured split, evaluated for comparison (grp)
+
+    @property
+    def mode(self) -> str:
+        return "async" if self.inputs.workload.is_async else "sync"
+
+    def pruned_counts(self) -> dict[str, int]:
+        """Number of pruned (layout or rollout TP, split) candidates per reason code."""
+        counts: dict[str, int] = {}
+        for p in self.pruned:
+            n = len(p.train_gpus) if p.train_gpus else max(1, len(self.splits))
+            counts[p.code] = counts.get(p.code, 0) + n
+        return dict(sorted(counts.items()))

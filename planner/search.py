@@ -1,0 +1,333 @@
+"""Layout and split search: enumerate -> estimate -> prune (a reason per candidate) -> select.
+
+Candidates are (training-pool size on `allocation_granularity_gpus`, training layout TP x PP x CP x EP,
+rollout instance TP). Rules that depend only on the layout prune a layout for every split; the rest are
+evaluated for all splits of a layout at once with numpy. The rollout side is independent of the training
+layout, so the best rollout TP is chosen per split first. The selection maximises RL samples per second
+(synchronous or bounded-staleness asynchronous step time) with a deterministic tie order
+(`Evaluation.rank_key`). `brute_force` evaluates every candidate one by one with the scalar path; the tests
+check that both agree.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import numpy as np
+
+from planner import advice
+from planner.cost import rollout_costs, step_seconds, train_costs
+from planner.layout import Rule, TrainLayout, enumerate_layouts, layout_rule_violation, rollout_rule_violation
+from planner.memory import kv_capacity_sequences, rollout_memory, train_memory, train_peak_bytes
+from planner.plan import Candidate, Evaluation, Plan, Pruned
+from planner.workload import PlannerInputs
+
+GB = 1e9
+ALTERNATIVES = 5
+
+# per-split training rules, in the order they are checked (the first failing one is the recorded reason)
+SPLIT_CODES = ("split_divisibility", "ep_data_parallel", "batch_divisibility", "interleave_microbatches",
+               "tp_comm_ratio", "ep_comm_ratio", "bubble_ratio", "train_memory")
+STRUCTURAL_CODES = frozenset({"tp_heads", "tp_kv_heads", "tp_node", "vpp_needs_pp", "pp_layers", "ep_dense",
+                              "ep_experts", "cp_sequence", "cp_backend", "split_divisibility", "ep_data_parallel",
+                              "batch_divisibility", "interleave_microbatches", "rollout_tp_heads",
+                              "rollout_tp_kv_heads", "rollout_tp_node", "rollout_split", "split_exceeds_cluster"})
+THRESHOLD_CODES = frozenset({"tp_comm_ratio", "ep_comm_ratio", "bubble_ratio"})
+
+
+def split_sizes(inputs: PlannerInputs) -> np.ndarray:
+    """Training-pool sizes: multiples of the granularity leaving at least `min_rollout_gpus` (>= 1) GPUs."""
+    s, total = inputs.space, inputs.cluster.total_gpus
+    g = s.allocation_granularity_gpus
+    sizes = np.arange(g, total + 1, g, dtype=np.int64)
+    keep = (sizes >= s.min_train_gpus) & (total - sizes >= max(1, s.min_rollout_gpus))
+    return sizes[keep]
+
+
+# ------------------------------------------------------------------------------------------ scalar path
+def split_rule_violations(inputs: PlannerInputs, layout: TrainLayout, train_gpus: int,
+                          costs: dict[str, Any] | None = None, check_thresholds: bool = True) -> list[Rule]:
+    """Rules that depend on the training-pool size, checked one candidate at a time."""
+    w, s = inputs.workload, inputs.space
+    found: list[Rule] = []
+    if train_gpus % layout.model_parallel:
+        found.append(Rule("split_divisibility", f"{train_gpus} training GPUs are not a multiple of "
+                                                f"TP x PP x CP = {layout.model_parallel}"))
+        return found
+    dp = train_gpus // layout.model_parallel
+    if (dp * layout.cp) % layout.ep:
+        found.append(Rule("ep_data_parallel", f"EP {layout.ep} does not divide DP x CP = {dp * layout.cp}"))
+    if w.samples_per_step % (dp * w.train_micro_batch_size):
+        found.append(Rule("batch_divisibility", f"{w.samples_per_step} samples per step are not a multiple of "
+                                                f"DP {dp} x micro-batch {w.train_micro_batch_size}"))
+    microbatches = w.samples_per_step // (dp * w.train_micro_batch_size)
+    if layout.vpp > 1 and microbatches % layout.pp:
+        found.append(Rule("interleave_microbatches", f"interleaved pipeline needs micro-batches ({microbatches}) "
+                                                     f"divisible by PP {layout.pp}"))
+    if check_thresholds:
+        costs = costs if costs is not None else train_costs(inputs, layout, dp)
+        if float(costs["tp_comm_ratio"]) > s.comm_compute_ratio_threshold:
+            found.append(Rule("tp_comm_ratio", f"TP communication/compute {float(costs['tp_comm_ratio']):.3f} > "
+                                               f"train_comm_compute_ratio_threshold {s.comm_compute_ratio_threshold}"))
+        if float(costs["ep_comm_ratio"]) > s.ep_comm_compute_ratio_threshold:
+            found.append(Rule("ep_comm_ratio", f"EP all-to-all/compute {float(costs['ep_comm_ratio']):.3f} > "
+                                               f"train_ep_comm_compute_ratio_threshold "
+                                               f"{s.ep_comm_compute_ratio_threshold}"))
+        if float(costs["bubble_ratio"]) > s.bubble_ratio_threshold:
+            found.append(Rule("bubble_ratio", f"pipeline bubble {float(costs['bubble_ratio']):.3f} > "
+                                              f"train_pipeline_bubble_ratio_threshold {s.bubble_ratio_threshold}"))
+    return found
+
+
+def evaluate(inputs: PlannerInputs, candidate: Candidate, check_thresholds: bool = True) -> Evaluation:
+    """Every number the plan reports for one candidate, and every rule it breaks."""
+    spec, gpn = inputs.model, inputs.cluster.gpus_per_node
+    layout, r = candidate.layout, candidate.rollout_tp
+    violations: list[Rule] = []
+    if candidate.train_gpus + candidate.rollout_gpus > inputs.cluster.total_gpus:
+        violations.append(Rule("split_exceeds_cluster", f"{candidate.train_gpus} + {candidate.rollout_gpus} GPUs "
+                                                        f"exceed the {inputs.cluster.total_gpus} of the cluster"))
+    rule = layout_rule_violation(spec, layout, gpn, inputs.workload.max_model_len, inputs.train.attention_backend)
+    if rule:
+        violations.append(rule)
+    dp = max(1, candidate.train_gpus // layout.model_parallel)
+    train = {k: float(v) for k, v in train_costs(inputs, layout, dp).items()}
+    violations += split_rule_violations(inputs, layout, candidate.train_gpus, train, check_thresholds)
+    t_mem = train_memory(inputs, layout, dp)
+    if not t_mem.fits:
+        violations.append(Rule("train_memory", advice.memory_message("training", t_mem)))
+
+    rule = rollout_rule_violation(spec, r, gpn)
+    if rule:
+        violations.append(rule)
+    if candidate.rollout_gpus < r or candidate.rollout_gpus % r:
+        violations.append(Rule("rollout_split", f"{candidate.rollout_gpus} rollout GPUs are not a multiple of "
+                                                f"rollout TP {r}"))
+    capacity = kv_capacity_sequences(inputs, r)
+    rollout = {k: float(v) for k, v in rollout_costs(inputs, r, max(1, candidate.rollout_instances),
+                                                     max(1, capacity)).items()}
+    r_mem = rollout_memory(inputs, r, max(0, min(int(rollout["batch_per_instance"]), capacity)))
+    if capacity < 1:
+        violations.append(Rule("rollout_memory", advice.rollout_memory_message(inputs, r)))
+    side_train = train["train_s"] + train["logprob_recompute_s"]
+    step = float(step_seconds(inputs, side_train, rollout["generation_s"] + rollout["weight_sync_s"]))
+    w = inputs.workload
+    return Evaluation(candidate=candidate, train_memory=t_mem, rollout_memory=r_mem, train=train, rollout=rollout,
+                      step_s=step, samples_per_s=w.samples_per_step / step,
+                      tokens_per_s=w.samples_per_step * w.mean_sequence_tokens / step,
+                      kv_capacity_sequences=capacity, violations=tuple(violations))
+
+
+def brute_force(inputs: PlannerInputs) -> tuple[Evaluation | None, int]:
+    """Best feasible candidate by evaluating every one (slow; for tests and small clusters)."""
+    total = inputs.cluster.total_gpus
+    s = inputs.space
+    layouts = enumerate_layouts(s.allowed_tp, s.allowed_pp, s.allowed_cp, s.allowed_ep, inputs.train.vpp)
+    best: Evaluation | None = None
+    count = 0
+    for t, layout, r in itertools.product(split_sizes(inputs).tolist(), layouts, sorted(set(s.allowed_rollout_tp))):
+        count += 1
+        ev = evaluate(inputs, Candidate(int(t), total - int(t), layout, r))
+        if ev.feasible and (best is None or ev.rank_key() < best.rank_key()):
+            best = ev
+    return best, count
+
+
+# ------------------------------------------------------------------------------------------ vectorized path
+def _rollout_side(inputs: PlannerInputs, splits: np.ndarray, pruned: list[Pruned]) -> tuple[np.ndarray, np.ndarray]:
+    """Per split: the least rollout-side seconds (generation + weight sync) over rollout TPs, and that TP."""
+    spec, gpn, total = inputs.model, inputs.cluster.gpus_per_node, inputs.cluster.total_gpus
+    best = np.full(len(splits), np.inf)
+    best_tp = np.zeros(len(splits), dtype=np.int64)
+    rollout_gpus = total - splits
+    for r in sorted(set(inputs.space.allowed_rollout_tp)):
+        rule = rollout_rule_violation(spec, r, gpn)
+        if rule:
+            pruned.append(Pruned("rollout", rule.code, rule.message, rollout_tp=r))
+            continue
+        capacity = kv_capacity_sequences(inputs, r)
+        if capacity < 1:
+            pruned.append(Pruned("rollout", "rollout_memory", advice.rollout_memory_message(inputs, r), rollout_tp=r))
+            continue
+        ok = (rollout_gpus % r == 0) & (rollout_gpus >= r)
+        if not ok.all():
+            bad = tuple(splits[~ok].tolist())
+            pruned.append(Pruned("rollout", "rollout_split", f"the rollout GPUs left are not a multiple of TP {r}",
+                                 rollout_tp=r, train_gpus=bad))
+        costs = rollout_costs(inputs, r, np.maximum(rollout_gpus // r, 1), capacity)
+        side = np.where(ok, costs["generation_s"] + costs["weight_sync_s"], np.inf)
+        better = side < best
+        best = np.where(better, side, best)
+        best_tp = np.where(better, r, best_tp)
+    return best, best_tp
+
+
+def _split_codes(inputs: PlannerInputs, layout: TrainLayout, splits: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Rule code per split (0 = feasible, i = SPLIT_CODES[i - 1]) and the numbers behind the reasons: TP/EP
+    ratios, bubble, peak bytes and training-side seconds (NaN where a cheaper integer rule already failed)."""
+    w, s = inputs.workload, inputs.space
+    mp = layout.model_parallel
+    dp = np.maximum(splits // mp, 1)
+    code = np.zeros(len(splits), dtype=np.int64)
+
+    def mark(condition: Any, name: str, rows: Any = slice(None)) -> None:
+        sub = code[rows]
+        sub[(sub == 0) & condition] = SPLIT_CODES.index(name) + 1
+        code[rows] = sub
+
+    mark(splits % mp != 0, "split_divisibility")
+    mark((dp * layout.cp) % layout.ep != 0, "ep_data_parallel")
+    mark(w.samples_per_step % (dp * w.train_micro_batch_size) != 0, "batch_divisibility")
+    if layout.vpp > 1:
+        mark((w.samples_per_step // (dp * w.train_micro_batch_size)) % layout.pp != 0, "interleave_microbatches")
+    values = {k: np.full(len(splits), np.nan) for k in ("tp_comm_ratio", "ep_comm_ratio", "bubble_ratio", "peak",
+                                                        "side")}
+    rows = np.flatnonzero(code == 0)
+    if len(rows) == 0:
+        return code, values
+    costs = train_costs(inputs, layout, dp[rows])
+    peak = train_peak_bytes(inputs, layout, dp[rows])
+    computed = {"tp_comm_ratio": costs["tp_comm_ratio"], "ep_comm_ratio": costs["ep_comm_ratio"],
+                "bubble_ratio": costs["bubble_ratio"], "peak": peak,
+                "side": costs["train_s"] + costs["logprob_recompute_s"]}
+    for key, value in computed.items():
+        values[key][rows] = value
+    mark(values["tp_comm_ratio"][rows] > s.comm_compute_ratio_threshold, "tp_comm_ratio", rows)
+    mark(values["ep_comm_ratio"][rows] > s.ep_comm_compute_ratio_threshold, "ep_comm_ratio", rows)
+    mark(values["bubble_ratio"][rows] > s.bubble_ratio_threshold, "bubble_ratio", rows)
+    mark(values["peak"][rows] > inputs.cluster.gpu.memory_bytes, "train_memory", rows)
+    return code, values
+
+
+def _split_reason(name: str, inputs: PlannerInputs, layout: TrainLayout, values: dict[str, np.ndarray],
+                  rows: np.ndarray) -> str:
+    def span(key: str, fmt: str, scale: float = 1.0) -> str:
+        picked = values[key][rows] / scale
+        lo, hi = float(picked.min()), float(picked.max())
+        return format(lo, fmt) if lo == hi else f"{lo:{fmt}}-{hi:{fmt}}"
+
+    s, w = inputs.space, inputs.workload
+    if name == "split_divisibility":
+        return f"not a multiple of TP x PP x CP = {layout.model_parallel}"
+    if name == "ep_data_parallel":
+        return f"EP {layout.ep} does not divide DP x CP"
+    if name == "batch_divisibility":
+        return (f"{w.samples_per_step} samples per step not divisible by DP x micro-batch "
+                f"{w.train_micro_batch_size}")
+    if name == "interleave_microbatches":
+        return f"interleaved pipeline needs micro-batches divisible by PP {layout.pp}"
+    if name == "tp_comm_ratio":
+        return f"TP comm/compute {span('tp_comm_ratio', '.3f')} > threshold {s.comm_compute_ratio_threshold}"
+    if name == "ep_comm_ratio":
+        return (f"EP all-to-all/compute {span('ep_comm_ratio', '.3f')} > threshold "
+                f"{s.ep_comm_compute_ratio_threshold}")
+    if name == "bubble_ratio":
+        return f"pipeline bubble {span('bubble_ratio', '.3f')} > threshold {s.bubble_ratio_threshold}"
+    cap = inputs.cluster.gpu.memory_bytes / GB
+    return f"peak training memory {span('peak', '.1f', GB)} GB > {cap:.1f} GB per GPU"
+
+
+def _train_side(inputs: PlannerInputs, splits: np.ndarray, pruned: list[Pruned]) -> tuple[list[TrainLayout], np.ndarray, int]:
+    """Layouts that pass the structural rules and their training-side seconds per split (inf = pruned)."""
+    s, spec = inputs.space, inputs.model
+    layouts = enumerate_layouts(s.allowed_tp, s.allowed_pp, s.allowed_cp, s.allowed_ep, inputs.train.vpp)
+    kept: list[TrainLayout] = []
+    rows: list[np.ndarray] = []
+    for layout in layouts:
+        rule = layout_rule_violation(spec, layout, inputs.cluster.gpus_per_node, inputs.workload.max_model_len,
+                                     inputs.train.attention_backend)
+        if rule:
+            pruned.append(Pruned("train_layout", rule.code, rule.message, layout=layout))
+            continue
+        code, values = _split_codes(inputs, layout, splits)
+        for index in np.unique(code).tolist():
+            if index == 0:
+                continue
+            name = SPLIT_CODES[index - 1]
+            where = np.flatnonzero(code == index)
+            gpus = () if len(where) == len(splits) else tuple(splits[where].tolist())
+            pruned.append(Pruned("train_split", name, _split_reason(name, inputs, layout, values, where),
+                                 layout=layout, train_gpus=gpus))
+        kept.append(layout)
+        rows.append(np.where(code == 0, values["side"], np.inf))
+    matrix = np.vstack(rows) if rows else np.zeros((0, len(splits)))
+    return kept, matrix, len(layouts)
+
+
+def search(inputs: PlannerInputs) -> Plan:
+    """Plan the job: the best feasible split and layouts, alternatives, pruned candidates and advice."""
+    inputs.validate()
+    started = time.perf_counter()
+    plan = plan_without_validation(inputs, advise=True)
+    plan.search_s = time.perf_counter() - started
+    return plan
+
+
+def plan_without_validation(inputs: PlannerInputs, advise: bool) -> Plan:
+    """`search` for inputs already validated; `advise=False` skips the (search-based) advice."""
+    if inputs.space.strategy == "configured":
+        return _check_configured(inputs, advise)
+    return _search_grp(inputs, advise)
+
+
+def pinned_candidate(inputs: PlannerInputs) -> Candidate | None:
+    pin = inputs.space.pinned
+    if pin is None:
+        return None
+    layout = TrainLayout(pin.tp, pin.pp, pin.cp, pin.ep, inputs.train.vpp if pin.pp > 1 else 1)
+    return Candidate(pin.train_gpus, pin.rollout_gpus, layout, pin.rollout_tp)
+
+
+def _search_grp(inputs: PlannerInputs, advise: bool) -> Plan:
+    splits = split_sizes(inputs)
+    total = inputs.cluster.total_gpus
+    pruned: list[Pruned] = []
+    plan = Plan(inputs=inputs, strategy="grp", feasible=False, chosen=None, splits=tuple(splits.tolist()))
+    pinned = pinned_candidate(inputs)
+    if advise and pinned is not None and pinned.train_gpus > 0 and pinned.rollout_gpus > 0:
+        plan.baseline = evaluate(inputs, pinned)
+    if len(splits) == 0:
+        plan.suggestions = advice.no_split_advice(inputs) if advise else []
+        return plan
+    rollout_best, rollout_tp = _rollout_side(inputs, splits, pruned)
+    layouts, train_side, n_layouts = _train_side(inputs, splits, pruned)
+    plan.pruned = pruned
+    plan.candidates_evaluated = (n_layouts + len(set(inputs.space.allowed_rollout_tp))) * len(splits)
+    if not layouts:
+        plan.suggestions = advice.infeasible_advice(inputs, plan) if advise else []
+        return plan
+    step = step_seconds(inputs, train_side, rollout_best[None, :])
+    feasible = np.isfinite(step)
+    if not feasible.any():
+        plan.suggestions = advice.infeasible_advice(inputs, plan) if advise else []
+        return plan
+    rows, cols = np.nonzero(feasible)
+    throughput = inputs.workload.samples_per_step / step[rows, cols]
+    order = np.lexsort((rows, splits[cols], train_side[rows, cols], -throughput))
+    picked: list[Evaluation] = []
+    for k in order[: ALTERNATIVES + 1]:
+        t = int(splits[cols[k]])
+        candidate = Candidate(t, total - t, layouts[rows[k]], int(rollout_tp[cols[k]]))
+        picked.append(evaluate(inputs, candidate))
+    plan.chosen, plan.alternatives = picked[0], picked[1:]
+    plan.feasible = plan.chosen.feasible
+    plan.warnings = advice.plan_warnings(inputs, plan.chosen)
+    return plan
+
+
+def _check_configured(inputs: PlannerInputs, advise: bool) -> Plan:
+    pinned = pinned_candidate(inputs)
+    assert pinned is not None  # validate() guarantees it
+    ev = evaluate(inputs, pinned)
+    blocking = [v for v in ev.violations if v.code not in THRESHOLD_CODES]
+    plan = Plan(inputs=inputs, strategy="configured", feasible=not blocking, chosen=ev,
+                candidates_evaluated=1, splits=(pinned.train_gpus,))
+    plan.warnings = [f"{v.code}: {v.message}" for v in ev.violations if v.code in THRESHOLD_CODES]
+    plan.warnings += advice.plan_warnings(inputs, ev)
+    if blocking:
+        plan.suggestions = [f"{v.code}: {v.message}" for v in blocking]
+        if advise:
+            plan.suggestions += advice.configured_advice(inputs)
+    return plan
