@@ -25,11 +25,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from libra.algo.advantages import compute_advantages
+from libra.algo.grpo import LossInputs, grpo_loss
+from libra.algo.spec import AlgorithmSpec, RefKLSpec
 from libra.data import Prompt, Task, TaskSpec, build_task
 from libra.models.tiny import TinyModelSpec, build_tiny_model
 
@@ -56,9 +59,10 @@ class Setting:
     entropy_coef: float = 0.0
     ref_kl_coef: float = 0.0
     updates_per_batch: int = 1
-    clip_grad: float = 1.0
+    clip_grad: float = 0.0  # Megatron-Core on CPU cannot clip gradients
     weight_decay: float = 0.0
     policy_lag: int = 0
+    recompute_logprobs: bool = True
 
 
 CANDIDATES: dict[str, Setting] = {
@@ -67,19 +71,6 @@ CANDIDATES: dict[str, Setting] = {
         Setting("mod_add_m5", task_params={"modulus": 5, "format_reward": 0.1}, entropy_coef=0.01),
     ]
 }
-
-
-def advantages(rewards: torch.Tensor, mode: str, eps: float = 1e-6) -> torch.Tensor:
-    """[groups, n] rewards -> advantages (the modes of algorithm.advantage_norm_mode)."""
-    if mode == "none":
-        return rewards
-    if mode.startswith("group"):
-        centered = rewards - rewards.mean(dim=1, keepdim=True)
-        std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.ones_like(rewards[:, :1])
-    else:
-        centered = rewards - rewards.mean()
-        std = rewards.std() if rewards.numel() > 1 else torch.ones(())
-    return centered / (std + eps) if mode.endswith("zscore") else centered
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +90,12 @@ def logits_of(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
 
 @torch.no_grad()
 def sample(
-    model: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float, eos_id: int, pad_id: int,
+    model: Any,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    eos_id: int,
+    pad_id: int,
     greedy: bool = False,
 ) -> list[list[int]]:
     """Responses (token ids, stopping after EOS) for each prompt, sampled like the inference server does."""
@@ -121,59 +117,34 @@ def sample(
     return responses
 
 
-def grpo_loss(
-    model: Any, ref_model: Any | None, prompts: list[list[int]], responses: list[list[int]],
-    old_logprobs: list[torch.Tensor], adv: torch.Tensor, s: Setting, pad_id: int,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-mean PPO-clip loss - entropy_coef * entropy + ref_kl_coef * k3 KL over the response tokens."""
-    seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
-    ids, mask = left_pad(seqs, pad_id)
-    logits = logits_of(model, ids, mask)
-    width = ids.shape[1]
-    # positions whose next token is a response token
-    rows, cols, targets, advs, olds = [], [], [], [], []
-    for row, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        start = width - len(p) - len(r)
-        for k, token in enumerate(r):
-            rows.append(row)
-            cols.append(start + len(p) - 1 + k)
-            targets.append(token)
-            advs.append(float(adv[row]))
-            olds.append(float(old_logprobs[row][k]))
-    row_t, col_t = torch.tensor(rows), torch.tensor(cols)
-    token_logits = logits[row_t, col_t].float()
-    logp_all = torch.log_softmax(token_logits, dim=-1)
-    logp = logp_all.gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1)
-    adv_t, old_t = torch.tensor(advs), torch.tensor(olds)
-    ratio = torch.exp(logp - old_t)
-    clipped = ratio.clamp(1.0 - s.clip_ratio_low, 1.0 + s.clip_ratio_high)
-    pg = -torch.minimum(ratio * adv_t, clipped * adv_t).mean()
-    entropy = -(logp_all.exp() * logp_all).sum(dim=-1).mean()
-    loss = pg - s.entropy_coef * entropy
-    kl = torch.zeros(())
-    if ref_model is not None and s.ref_kl_coef > 0:
-        with torch.no_grad():
-            ref_logits = logits_of(ref_model, ids, mask)[row_t, col_t].float()
-            ref_logp = torch.log_softmax(ref_logits, dim=-1).gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1)
-        log_ratio = ref_logp - logp
-        kl = (log_ratio.exp() - log_ratio - 1.0).mean()
-        loss = loss + s.ref_kl_coef * kl
-    clip_frac = ((ratio - clipped).abs() > 1e-6).float().mean()
-    return loss, {"entropy": float(entropy.detach()), "kl": float(kl.detach()), "clip_frac": float(clip_frac)}
+def response_logprobs(
+    model: Any, prompts: list[list[int]], responses: list[list[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log p of each response token, entropy at each response position, 0/1 mask), all [rows, tokens]."""
+    ids, attn = left_pad([p + r for p, r in zip(prompts, responses, strict=True)], pad_id)
+    width, longest = ids.shape[1], max(len(r) for r in responses)
+    lengths = torch.tensor([len(r) for r in responses])
+    steps = torch.arange(longest)
+    # response token k of a row sits at width - len + k and is predicted from the position before it
+    positions = (width - lengths.unsqueeze(1) + steps.unsqueeze(0) - 1).clamp(0, width - 1)
+    mask = (steps.unsqueeze(0) < lengths.unsqueeze(1)).float()
+    targets = torch.tensor([r + [pad_id] * (longest - len(r)) for r in responses])
+    logits = logits_of(model, ids, attn).float()
+    picked = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    logp_all = torch.log_softmax(picked, dim=-1)
+    logp = logp_all.gather(2, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
+    return logp, entropy, mask
 
 
-def response_logprobs(model: Any, prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> list[torch.Tensor]:
-    with torch.no_grad():
-        seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
-        ids, mask = left_pad(seqs, pad_id)
-        logp = torch.log_softmax(logits_of(model, ids, mask).float(), dim=-1)
-        width = ids.shape[1]
-        out = []
-        for row, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-            start = width - len(p) - len(r) + len(p) - 1
-            idx = torch.arange(start, start + len(r))
-            out.append(logp[row, idx, torch.tensor(r)])
-        return out
+def algorithm_spec(setting: Setting) -> AlgorithmSpec:
+    return AlgorithmSpec(
+        advantage_norm_mode=setting.advantage_norm_mode,  # type: ignore[arg-type]
+        clip_ratio_low=setting.clip_ratio_low,
+        clip_ratio_high=setting.clip_ratio_high,
+        entropy_coef=setting.entropy_coef,
+        ref_kl=RefKLSpec(enable=setting.ref_kl_coef > 0, coef=setting.ref_kl_coef, kl_type="k3"),
+    )
 
 
 def batches(stream: Iterator[Prompt], size: int) -> Iterator[list[Prompt]]:
@@ -182,21 +153,25 @@ def batches(stream: Iterator[Prompt], size: int) -> Iterator[list[Prompt]]:
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
-    return [sum(values[max(0, i + 1 - window) : i + 1]) / len(values[max(0, i + 1 - window) : i + 1]) for i in range(len(values))]
+    return [
+        sum(values[max(0, i + 1 - window) : i + 1]) / len(values[max(0, i + 1 - window) : i + 1])
+        for i in range(len(values))
+    ]
 
 
 def run(setting: Setting, seed: int, max_steps: int, work_dir: str) -> dict[str, Any]:
     """One GRPO run; stops early once the moving-average reward has stayed at the target for a window."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = TinyModelSpec(**{**setting.model, "seed": seed})
-    model_dir = build_tiny_model(os.path.join(work_dir, f"{setting.name}-seed{seed}"), spec)
+    model_spec = TinyModelSpec(**{**setting.model, "seed": seed})
+    model_dir = build_tiny_model(os.path.join(work_dir, f"{setting.name}-seed{seed}"), model_spec)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     ref_model = copy.deepcopy(model).eval() if setting.ref_kl_coef > 0 else None
     task: Task = build_task(TaskSpec(name=setting.task, params=setting.task_params), tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=setting.lr, weight_decay=setting.weight_decay)
+    spec = algorithm_spec(setting)
     torch.manual_seed(seed)
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     lagged: list[dict[str, torch.Tensor]] = []
@@ -216,25 +191,49 @@ def run(setting: Setting, seed: int, max_steps: int, work_dir: str) -> dict[str,
         responses = sample(behaviour, prompt_ids, setting.max_new_tokens, setting.temperature, eos_id, pad_id)
         rewards = torch.tensor(
             [
-                task.reward(prompts[i // setting.n_samples], r, tokenizer.decode(r))
+                task.reward(
+                    prompts[i // setting.n_samples], r, str(tokenizer.decode(r, skip_special_tokens=True))
+                )
                 for i, r in enumerate(responses)
             ]
         ).view(setting.batch_size, setting.n_samples)
-        adv = advantages(rewards, setting.advantage_norm_mode).flatten()
-        old = response_logprobs(behaviour, prompt_ids, responses, pad_id)
+        adv = torch.tensor(
+            compute_advantages(rewards.flatten().tolist(), setting.n_samples, setting.advantage_norm_mode)
+        )
+        with torch.no_grad():
+            rollout_logp, _, _ = response_logprobs(behaviour, prompt_ids, responses, pad_id)
+            old_logp = (
+                response_logprobs(model, prompt_ids, responses, pad_id)[0]
+                if setting.recompute_logprobs
+                else rollout_logp
+            )
         order = torch.randperm(len(responses))
         for chunk in order.chunk(setting.updates_per_batch):
             idx = chunk.tolist()
-            loss, stats = grpo_loss(
-                model, ref_model, [prompt_ids[i] for i in idx], [responses[i] for i in idx],
-                [old[i] for i in idx], adv[idx], setting, pad_id,
+            rows_p, rows_r = [prompt_ids[i] for i in idx], [responses[i] for i in idx]
+            logp, entropy, mask = response_logprobs(model, rows_p, rows_r, pad_id)
+            ref_logp = None
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref_logp = response_logprobs(ref_model, rows_p, rows_r, pad_id)[0]
+            width = logp.shape[1]
+            inputs = LossInputs(
+                logp=logp,
+                old_logp=old_logp[idx, :width],
+                rollout_logp=rollout_logp[idx, :width],
+                advantages=adv[idx],
+                mask=mask,
+                entropy=entropy,
+                ref_logp=ref_logp,
             )
+            loss = grpo_loss(inputs, spec)
             optimizer.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), setting.clip_grad)
+            if setting.clip_grad > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), setting.clip_grad)
             optimizer.step()
+        entropy_per_step.append(float((entropy * mask).sum() / mask.sum()))
         rewards_per_step.append(float(rewards.mean()))
-        entropy_per_step.append(stats["entropy"])
         ma = moving_average(rewards_per_step[-WINDOW:], WINDOW)[-1]
         if reached_at is None and step >= WINDOW and ma >= TARGET:
             reached_at = step
@@ -242,8 +241,13 @@ def run(setting: Setting, seed: int, max_steps: int, work_dir: str) -> dict[str,
             break
     eval_prompts = task.eval_prompts(0)
     model.eval()
-    greedy = sample(model, [p.token_ids for p in eval_prompts], setting.max_new_tokens, 1.0, eos_id, pad_id, greedy=True)
-    eval_acc = sum(task.reward(p, r, tokenizer.decode(r)) >= 1.0 for p, r in zip(eval_prompts, greedy, strict=True))
+    greedy = sample(
+        model, [p.token_ids for p in eval_prompts], setting.max_new_tokens, 1.0, eos_id, pad_id, greedy=True
+    )
+    eval_acc = sum(
+        task.reward(p, r, str(tokenizer.decode(r, skip_special_tokens=True))) >= 1.0
+        for p, r in zip(eval_prompts, greedy, strict=True)
+    )
     return {
         "seed": seed,
         "steps_to_target": reached_at,
@@ -258,12 +262,16 @@ def run(setting: Setting, seed: int, max_steps: int, work_dir: str) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="benchmarks/results/learnability.json")
     parser.add_argument("--settings", default=",".join(CANDIDATES), help="comma-separated candidate names")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--max-steps", type=int, default=300)
-    parser.add_argument("--step-budget", type=int, default=150, help="steps a setting may need, in every seed")
+    parser.add_argument(
+        "--step-budget", type=int, default=150, help="steps a setting may need, in every seed"
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -281,9 +289,13 @@ def main(argv: list[str] | None = None) -> int:
             for seed in seeds:
                 result = run(setting, seed, args.max_steps, work_dir)
                 runs.append(result)
-                print(f"{name} seed {seed}: steps_to_{TARGET}={result['steps_to_target']} "
-                      f"final_ma={result['final_moving_average']:.3f} eval={result['heldout_greedy_accuracy']:.2f} "
-                      f"{result['wall_s']}s", file=sys.stderr, flush=True)
+                print(
+                    f"{name} seed {seed}: steps_to_{TARGET}={result['steps_to_target']} "
+                    f"final_ma={result['final_moving_average']:.3f} eval={result['heldout_greedy_accuracy']:.2f} "
+                    f"{result['wall_s']}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             steps = [r["steps_to_target"] for r in runs]
             worst = max((s if s is not None else math.inf) for s in steps)
             results[name] = {

@@ -57,6 +57,12 @@ SMALL_DENSE = {  # a 0.5B-class dense shape with tied embeddings (Qwen2.5-0.5B a
     "max_position_embeddings": 32768,
 }
 
+LLAMA_8B = {  # Llama-3.1-8B architecture facts (no attention bias, GQA 32/8, vocabulary 128256)
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
+    "max_position_embeddings": 131072,
+}
+
 
 @dataclass(frozen=True)
 class Case:
@@ -68,6 +74,7 @@ class Case:
     micro_batches: int = 2
     recompute_micro_batch: int = 1
     attention: str = "flash"  # "flash" -> transformers sdpa, "eager" -> eager attention
+    recompute: str = "none"  # "full" -> transformers gradient checkpointing of every decoder layer
 
 
 def reduced(spec: ModelSpec, layers: int) -> ModelSpec:
@@ -81,12 +88,15 @@ def cases() -> list[Case]:
     q7 = reduced(load_model_spec(os.path.join(MODELS_DIR, "qwen2.5-7b")), 4)
     q32 = reduced(load_model_spec(os.path.join(MODELS_DIR, "qwen2.5-32b")), 4)
     moe = reduced(load_model_spec(os.path.join(MODELS_DIR, "qwen3-30b-a3b")), 4)
+    llama8b = reduced(model_spec_from_dict(LLAMA_8B, name="llama-3.1-8b"), 4)
     return [
         Case("dense-0.5b", small, tp=1, seq_len=2048, micro_batch=2),
         Case("dense-0.5b-eager", small, tp=1, seq_len=1024, attention="eager"),
         Case("qwen2.5-7b", q7, tp=1, seq_len=4096),
         Case("qwen2.5-7b", q7, tp=4, seq_len=4096, recompute_micro_batch=2),
+        Case("qwen2.5-7b-full-recompute", q7, tp=2, seq_len=8192, recompute="full"),
         Case("qwen2.5-32b", q32, tp=8, seq_len=4096),
+        Case("llama-3.1-8b", llama8b, tp=2, seq_len=8192),
         Case("qwen3-30b-a3b", moe, tp=1, seq_len=2048),
         Case("qwen3-30b-a3b", moe, tp=2, seq_len=4096),
     ]
@@ -95,7 +105,7 @@ def cases() -> list[Case]:
 # ------------------------------------------------------------------------------------------ the model
 def hf_config(spec: ModelSpec, tp: int, attention: str) -> Any:
     """transformers config of one TP rank's shard of `spec`."""
-    from transformers import Qwen2Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     common = dict(
         hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
@@ -109,17 +119,19 @@ def hf_config(spec: ModelSpec, tp: int, attention: str) -> Any:
                              num_experts_per_tok=spec.num_experts_per_tok, decoder_sparse_step=1,
                              norm_topk_prob=True, **common)
         cfg._experts_implementation = "grouped_mm"  # static shapes: what Megatron's grouped GEMM does
+    elif spec.model_type == "llama":
+        cfg = LlamaConfig(intermediate_size=spec.intermediate_size // tp, attention_bias=False, **common)
     else:
         cfg = Qwen2Config(intermediate_size=spec.intermediate_size // tp, **common)
     cfg._attn_implementation = "sdpa" if attention == "flash" else "eager"
     return cfg
 
 
-def build_model(spec: ModelSpec, tp: int, attention: str) -> torch.nn.Module:
-    from transformers import Qwen2ForCausalLM, Qwen3MoeForCausalLM
+def build_model(spec: ModelSpec, tp: int, attention: str, recompute: str = "none") -> torch.nn.Module:
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM
 
     cfg = hf_config(spec, tp, attention)
-    cls = Qwen3MoeForCausalLM if spec.is_moe else Qwen2ForCausalLM
+    cls = Qwen3MoeForCausalLM if spec.is_moe else LlamaForCausalLM if spec.model_type == "llama" else Qwen2ForCausalLM
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -127,6 +139,8 @@ def build_model(spec: ModelSpec, tp: int, attention: str) -> torch.nn.Module:
     finally:
         torch.set_default_dtype(previous)
     model.train()
+    if recompute == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
@@ -148,12 +162,17 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def total_bytes(snapshot: dict[Any, dict[Any, int]]) -> int:
+    return int(sum(v["Total"] for v in snapshot.values()))
+
+
 def tracked_peak(run: Any, tracked: list[Any]) -> int:
+    """Peak bytes while `run(tracker)` runs; `run` calls `tracker.reset_mod_stats()` between iterations."""
     tracker = MemTracker()
     tracker.track_external(*tracked)
     with tracker:
-        run(tracker.reset_mod_stats)  # the callback is called between iterations of the same modules
-    return int(sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
+        run(tracker)
+    return total_bytes(tracker.get_tracker_snapshot("peak"))
 
 
 @contextlib.contextmanager
@@ -175,7 +194,7 @@ def measure(case: Case) -> dict[str, int]:
     """Peak bytes of each phase and the exact bytes of each resident category."""
     with FakeTensorMode(), unpacked_sequences():
         torch.manual_seed(0)
-        model = build_model(case.spec, case.tp, case.attention)
+        model = build_model(case.spec, case.tp, case.attention, case.recompute)
         params = [p for p in model.parameters()]
         main_grads = [torch.zeros(p.shape, dtype=torch.float32) for p in params]
         main_params = [p.detach().float().requires_grad_(True) for p in params]
@@ -203,32 +222,38 @@ def measure(case: Case) -> dict[str, int]:
         advantages = torch.randn(batch, case.seq_len)
         old_logprobs: list[torch.Tensor] = []
 
-        def recompute(next_iteration: Any) -> None:
+        after_forward: list[int] = []
+
+        def recompute(tracker: MemTracker) -> None:
             with torch.no_grad():
                 for chunk in ids.split(case.recompute_micro_batch):
                     old_logprobs.append(token_logprobs(model(input_ids=chunk).logits, chunk))
-                    next_iteration()
+                    tracker.reset_mod_stats()
 
-        def train(next_iteration: Any) -> None:
+        def train(tracker: MemTracker) -> None:
             old = torch.cat(old_logprobs)
             for i in range(case.micro_batches):
                 rows = slice(i * case.micro_batch, (i + 1) * case.micro_batch)
                 logprobs = token_logprobs(model(input_ids=ids[rows]).logits, ids[rows])
-                grpo_loss(logprobs, old[rows], advantages[rows]).backward()
-                next_iteration()
+                loss = grpo_loss(logprobs, old[rows], advantages[rows])
+                after_forward.append(total_bytes(tracker.get_tracker_snapshot("current")))
+                loss.backward()
+                del logprobs, loss
+                tracker.reset_mod_stats()
 
         state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         resident = [model, optimizer, *main_grads, *main_params, ids, advantages]
         peaks = {"logprob_recompute": tracked_peak(recompute, resident)}
         resident += old_logprobs
         peaks["train"] = tracked_peak(train, resident)
-        peaks["optimizer_step"] = tracked_peak(lambda _next: optimizer_step(), resident)
+        peaks["optimizer_step"] = tracked_peak(lambda _tracker: optimizer_step(), resident)
         inputs_bytes = storage_bytes([ids, advantages, *old_logprobs])
         return {
             "weights": storage_bytes(params),
             "gradients": storage_bytes(main_grads),
             "optimizer_state": storage_bytes(main_params) + storage_bytes(state),
             "inputs": inputs_bytes,
+            "after_forward": max(after_forward),
             **{f"peak_{k}": v for k, v in peaks.items()},
         }
 
@@ -241,7 +266,8 @@ def planner_inputs(case: Case) -> PlannerInputs:
                         recompute_logprobs=True, recompute_micro_batch_size=case.recompute_micro_batch,
                         train_micro_batch_size=case.micro_batch)
     train = TrainOptions(sequence_parallel=False, implementation="hf", attention_backend=case.attention,
-                         use_distributed_optimizer=True, fused_optimizer=True)
+                         use_distributed_optimizer=True, fused_optimizer=True,
+                         recompute_granularity=case.recompute)  # type: ignore[arg-type]
     budget = MemoryBudget(check_enabled=True, safety_margin_bytes=0, logits_dtype_bytes=LOGITS_DTYPE_BYTES,
                           workspace_factor=WORKSPACE_FACTOR)
     return PlannerInputs(model=case.spec, cluster=ClusterSpec(1, case.tp, gpu), workload=workload, train=train,
@@ -258,32 +284,39 @@ def compare(case: Case) -> dict[str, Any]:
     got = measure(case)
     elapsed = time.perf_counter() - t0
     static_measured = got["weights"] + got["gradients"] + got["optimizer_state"] + got["inputs"]
-    phases_measured = {
-        "train": got["peak_train"] - static_measured,
-        "logprob_recompute": got["peak_logprob_recompute"] - static_measured,
-        "optimizer_step": got["peak_optimizer_step"] - static_measured,
+    measured = {
+        "weights": got["weights"], "gradients": got["gradients"], "optimizer_state": got["optimizer_state"],
+        # kept for backward at the end of a micro-batch's forward (activations, output layer input, log-softmax)
+        "train:after_forward": got["after_forward"] - static_measured,
+        "train:peak": got["peak_train"] - static_measured,
+        "logprob_recompute:peak": got["peak_logprob_recompute"] - static_measured,
+        "optimizer_step:peak": got["peak_optimizer_step"] - static_measured,
     }
-    phases_estimated = {
-        "train": est.phase_bytes("train"),
-        "logprob_recompute": max(est.phase_bytes("logprob_recompute"), est.phase_bytes("logprob_forward")),
-        "optimizer_step": est.phase_bytes("optimizer_step"),
+    kept = sum(est.term(n).bytes for n in ("activations", "embedding_activations", "output_activations",
+                                            "loss_logits"))
+    estimated = {
+        "weights": est.term("weights").bytes, "gradients": est.term("gradients").bytes,
+        "optimizer_state": est.term("optimizer_state").bytes,
+        "train:after_forward": kept,
+        "train:peak": max(est.phase_bytes("loss_backward"), est.phase_bytes("layer_backward")),
+        "logprob_recompute:peak": max(est.phase_bytes("logprob_recompute"), est.phase_bytes("logprob_forward")),
+        "optimizer_step:peak": est.phase_bytes("optimizer_step"),
     }
-    measured_peak = max(got[f"peak_{p}"] for p in phases_measured)
+    measured_peak = max(got["peak_train"], got["peak_logprob_recompute"], got["peak_optimizer_step"])
     estimated_peak = est.peak_bytes
-    terms = [{"term": name, "estimated_bytes": int(est.term(name).bytes), "measured_bytes": int(got[name])}
-             for name in ("weights", "gradients", "optimizer_state")]
-    terms += [{"term": f"phase:{p}", "estimated_bytes": int(phases_estimated[p]),
-               "measured_bytes": int(phases_measured[p])} for p in phases_measured]
-    for t in terms:
-        m = t["measured_bytes"]
-        t["rel_error"] = round((t["estimated_bytes"] - m) / m, 5) if m else 0.0
+    terms = []
+    for name, m in measured.items():
+        e = int(estimated[name])
+        terms.append({"term": name, "estimated_bytes": e, "measured_bytes": int(m),
+                      "rel_error": round((e - m) / m, 5) if m else None,
+                      "error_of_peak": round((e - m) / measured_peak, 5)})
     return {
         "model": case.name, "tp": case.tp, "seq_len": case.seq_len, "micro_batch": case.micro_batch,
         "micro_batches": case.micro_batches, "recompute_micro_batch": case.recompute_micro_batch,
-        "layers": case.spec.num_layers, "attention": case.attention,
+        "layers": case.spec.num_layers, "attention": case.attention, "recompute": case.recompute,
         "estimated_bytes": int(estimated_peak), "measured_bytes": int(measured_peak),
         "rel_error": round((estimated_peak - measured_peak) / measured_peak, 5),
-        "estimated_peak_phase": est.peak_phase,
+        "estimated_peak_moment": est.peak_phase,
         "inputs_bytes_not_modelled": got["inputs"],
         "terms": terms, "measure_s": round(elapsed, 2),
     }
@@ -302,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
         print(f"{row['model']:>18} tp={row['tp']} est={row['estimated_bytes'] / 2**30:8.3f} GiB "
               f"meas={row['measured_bytes'] / 2**30:8.3f} GiB err={row['rel_error']:+.2%}  "
-              + " ".join(f"{t['term']}={t['rel_error']:+.1%}" for t in row["terms"]), flush=True)
+              + " ".join(f"{t['term']}={t['error_of_peak']:+.2%}" for t in row["terms"]), flush=True)
     out = {
         "benchmark": "memory_accuracy",
         "method": "torch FakeTensorMode + torch.distributed._tools.mem_tracker.MemTracker on transformers models",

@@ -31,7 +31,7 @@ from planner.workload import (
 
 CPU_GPU_TYPE = "cpu-logical"
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-MAX_DERIVED_PP = 16
+MAX_DERIVED_PP = 32
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -48,17 +48,16 @@ def derived_tp(spec: ModelSpec, gpus_per_node: int) -> tuple[int, ...]:
                  if spec.num_attention_heads % t == 0 and spec.num_kv_heads % t == 0)
 
 
-def derived_pp(spec: ModelSpec, total_gpus: int) -> tuple[int, ...]:
-    """Powers of two (up to 16 and the cluster) that divide the layer count."""
-    return tuple(p for p in _powers_of_two(min(MAX_DERIVED_PP, total_gpus, spec.num_layers))
-                 if spec.num_layers % p == 0)
+def derived_pp(spec: ModelSpec) -> tuple[int, ...]:
+    """Divisors of the layer count up to 32 (uneven pipelines are not planned)."""
+    return tuple(p for p in range(1, min(MAX_DERIVED_PP, spec.num_layers) + 1) if spec.num_layers % p == 0)
 
 
-def derived_ep(spec: ModelSpec, total_gpus: int) -> tuple[int, ...]:
-    """Dense: 1. MoE: powers of two that divide the expert count, up to the cluster size."""
+def derived_ep(spec: ModelSpec) -> tuple[int, ...]:
+    """Dense: 1. MoE: powers of two that divide the expert count."""
     if not spec.is_moe:
         return (1,)
-    return tuple(e for e in _powers_of_two(min(spec.num_experts, total_gpus)) if spec.num_experts % e == 0)
+    return tuple(e for e in _powers_of_two(spec.num_experts) if spec.num_experts % e == 0)
 
 
 def is_cpu_job(cfg: Config) -> bool:
@@ -116,9 +115,9 @@ def planner_inputs(cfg: Config) -> PlannerInputs:
                               rollout_tp=cfg.rollout_tp_size)
     space = SearchSpace(
         allowed_tp=tuple(grp.allowed_train_tp) or derived_tp(spec, cfg.cluster.gpus_per_node) or (1,),
-        allowed_pp=tuple(grp.allowed_train_pp) or derived_pp(spec, total) or (1,),
+        allowed_pp=tuple(grp.allowed_train_pp) or derived_pp(spec),
         allowed_cp=tuple(grp.allowed_train_cp) or (1,),
-        allowed_ep=tuple(grp.allowed_train_ep) or derived_ep(spec, total),
+        allowed_ep=tuple(grp.allowed_train_ep) or derived_ep(spec),
         allowed_rollout_tp=tuple(_powers_of_two(cfg.cluster.gpus_per_node)),
         allocation_granularity_gpus=granularity(cfg),
         min_train_gpus=grp.min_train_gpus or 1,

@@ -29,7 +29,7 @@ def memory_message(kind: str, est: MemoryEstimate) -> str:
     counted = [t for t in est.terms if t.counted and t.bytes > 0 and t.phase in ("static", "reserve", est.peak_phase)]
     top = sorted(counted, key=lambda t: -t.bytes)[:4]
     terms = ", ".join(f"{t.name} {gb(t.bytes)}" for t in top)
-    return (f"{kind} peak {gb(est.peak_bytes)} > {gb(est.capacity_bytes)} per GPU on the {est.where} "
+    return (f"{kind} peak {gb(est.peak_bytes)} > {gb(est.capacity_bytes)} per GPU on {est.where} "
             f"(during {est.peak_phase}; {terms})")
 
 
@@ -68,19 +68,35 @@ def plan_warnings(inputs: PlannerInputs, ev: Evaluation) -> list[str]:
 
 
 def _best_training_floor(inputs: PlannerInputs) -> tuple[MemoryEstimate, str] | None:
-    """Smallest training peak over structurally valid layouts using as many GPUs as the cluster allows."""
+    """Smallest training peak over structurally valid layouts that fit in the training pool's largest size."""
     s, total = inputs.space, inputs.cluster.total_gpus
     most = total - max(1, s.min_rollout_gpus)
     best: tuple[MemoryEstimate, str] | None = None
     for layout in enumerate_layouts(s.allowed_tp, s.allowed_pp, s.allowed_cp, s.allowed_ep, inputs.train.vpp):
-        if layout_rule_violation(inputs.model, layout, inputs.cluster.gpus_per_node, inputs.workload.max_model_len,
-                                 inputs.train.attention_backend):
+        if layout.model_parallel > most or layout_rule_violation(
+                inputs.model, layout, inputs.cluster.gpus_per_node, inputs.workload.max_model_len,
+                inputs.train.attention_backend):
             continue
-        gpus = max(layout.model_parallel, most - most % layout.model_parallel)
-        est = train_memory(inputs, layout, max(1, gpus // layout.model_parallel))
+        gpus = most - most % layout.model_parallel
+        est = train_memory(inputs, layout, gpus // layout.model_parallel)
         if best is None or est.peak_bytes < best[0].peak_bytes:
             best = (est, f"{layout.label()} on {gpus} GPUs")
     return best
+
+
+def model_state_floor(inputs: PlannerInputs) -> str | None:
+    """Weights + gradients + optimizer state of the whole model spread over every GPU of the cluster."""
+    t, spec = inputs.train, inputs.model
+    per_param = t.params_dtype_bytes + t.main_grad_bytes + t.optimizer_bytes_per_param * (1 - t.offloaded_fraction)
+    total = spec.total_params * per_param
+    per_gpu = total / inputs.cluster.total_gpus
+    if per_gpu <= inputs.cluster.gpu.memory_bytes:
+        return None
+    return (f"memory: the training state alone ({spec.total_params / 1e9:.1f} B params x {per_param:g} B: weights "
+            f"{t.params_dtype_bytes} + gradients {t.main_grad_bytes} + optimizer "
+            f"{t.optimizer_bytes_per_param * (1 - t.offloaded_fraction):g}) is {total / 1e12:.2f} TB, "
+            f"{gb(per_gpu)} per GPU even spread over all {inputs.cluster.total_gpus} GPUs "
+            f"(capacity {gb(inputs.cluster.gpu.memory_bytes)})")
 
 
 def _feasible(inputs: PlannerInputs) -> bool:
@@ -95,11 +111,19 @@ def _feasible(inputs: PlannerInputs) -> bool:
 
 def minimum_nodes(inputs: PlannerInputs) -> int | None:
     """Fewest nodes (same GPU type) on which the search finds a feasible plan, or None up to MAX_NODES."""
+    from planner.memory import kv_capacity_sequences
+
+    gpn = inputs.cluster.gpus_per_node
+    usable = [r for r in inputs.space.allowed_rollout_tp if not rollout_rule_violation(inputs.model, r, gpn)]
+    if not any(kv_capacity_sequences(inputs, r) >= 1 for r in usable):
+        return None  # a rollout instance does not fit whatever the cluster size
+    coarse = replace(inputs, space=replace(inputs.space, allocation_granularity_gpus=max(
+        inputs.space.allocation_granularity_gpus, gpn)))
     low, high = inputs.cluster.num_nodes, None
     n = max(1, low)
     while n < MAX_NODES:
         n = min(MAX_NODES, n * 2)
-        if _feasible(inputs.with_cluster(n)):
+        if _feasible(coarse.with_cluster(n)):
             high = n
             break
         low = n
@@ -107,7 +131,7 @@ def minimum_nodes(inputs: PlannerInputs) -> int | None:
         return None
     while high - low > 1:
         mid = (low + high) // 2
-        if _feasible(inputs.with_cluster(mid)):
+        if _feasible(coarse.with_cluster(mid)):
             high = mid
         else:
             low = mid
@@ -132,9 +156,11 @@ def _option_fixes(inputs: PlannerInputs) -> list[str]:
     half = w.max_model_len // 2
     if half > w.max_new_tokens:
         trials.append((f"max_model_len: {half}", replace(inputs, workload=replace(w, max_model_len=half))))
-    more_pp = tuple(sorted(set(s.allowed_pp) | {2 * max(s.allowed_pp), 4 * max(s.allowed_pp)}))
-    trials.append((f"global_resource_planner.allowed_train_pp: {list(more_pp)}",
-                   replace(inputs, space=replace(s, allowed_pp=more_pp))))
+    layers = inputs.model.num_layers
+    more_pp = tuple(sorted(set(s.allowed_pp) | {p for p in range(1, min(64, layers) + 1) if layers % p == 0}))
+    if more_pp != tuple(sorted(set(s.allowed_pp))):
+        trials.append((f"global_resource_planner.allowed_train_pp: {list(more_pp)}",
+                       replace(inputs, space=replace(s, allowed_pp=more_pp))))
     trials += _threshold_trials(inputs)
     fixes = [f"{label} makes it plan on this cluster" for label, trial in trials if _feasible(trial)]
     return fixes
@@ -181,9 +207,12 @@ def infeasible_advice(inputs: PlannerInputs, plan: Plan) -> list[str]:
     counts = plan.pruned_counts()
     if counts:
         lines.append("every candidate was pruned: " + ", ".join(f"{k} x{v}" for k, v in counts.items()))
+    state = model_state_floor(inputs)
+    if state:
+        lines.append(state)
     floor = _best_training_floor(inputs)
     if floor is not None and not floor[0].fits:
-        lines.append(f"memory: even the smallest training layout ({floor[1]}) needs " + memory_message("a", floor[0])
+        lines.append(f"memory: the smallest training layout ({floor[1]}) needs " + memory_message("a", floor[0])
                      .replace("a peak ", "a peak of ", 1))
     r_max = max((r for r in inputs.space.allowed_rollout_tp
                  if not rollout_rule_violation(inputs.model, r, inputs.cluster.gpus_per_node)), default=None)
@@ -195,8 +224,9 @@ def infeasible_advice(inputs: PlannerInputs, plan: Plan) -> list[str]:
         lines.append(f"cluster.num_nodes: {nodes} ({nodes * inputs.cluster.gpus_per_node} x "
                      f"{inputs.cluster.gpu.name}) is the smallest cluster on which this job plans")
     else:
-        lines.append(f"no cluster of up to {MAX_NODES} nodes of {inputs.cluster.gpu.name} fits this job as "
-                     "configured: change the options above or use a GPU with more memory")
+        lines.append(f"more nodes of {inputs.cluster.gpu.name} alone do not help (a rollout instance must fit in one "
+                     f"node, training was checked up to {MAX_NODES} nodes): change the options above or use a GPU "
+                     "with more memory")
     return lines
 
 
@@ -206,10 +236,13 @@ def no_split_advice(inputs: PlannerInputs) -> list[str]:
              f"between min_train_gpus {s.min_train_gpus} and {total} - min_rollout_gpus {max(1, s.min_rollout_gpus)}"
              " leave none; lower global_resource_planner.allocation_granularity_gpus or add nodes"]
     if s.allocation_granularity_gpus > 1:
+        state = model_state_floor(inputs)
+        if state:
+            lines.append(state)
         finer = replace(inputs, space=replace(s, allocation_granularity_gpus=1))
         floor = _best_training_floor(finer)
         if floor is not None and not floor[0].fits:
-            lines.append(f"memory: even the smallest training layout ({floor[1]}) needs "
+            lines.append(f"memory: the smallest training layout ({floor[1]}) needs "
                          + memory_message("a", floor[0]).replace("a peak ", "a peak of ", 1))
         r_max = max((r for r in s.allowed_rollout_tp
                      if not rollout_rule_violation(inputs.model, r, inputs.cluster.gpus_per_node)), default=1)

@@ -1,9 +1,11 @@
-"""Memory model: bytes per training rank and per rollout instance GPU, as named terms grouped by phase.
+"""Memory model: bytes per training rank and per rollout instance GPU, as named terms.
 
-A term belongs to one phase. ``static`` terms (weights, gradients, optimizer state) are resident for the
-whole step; ``reserve`` is the safety margin; the other phases (``train``, ``logprob_recompute``,
-``logprob_forward``, ``optimizer_step``) run one after the other, so the peak is
-``static + reserve + max(phase sums)``. The worst rank is the larger of the first pipeline stage (embedding,
+Each term carries a phase tag. ``static`` terms (weights, gradients, optimizer state) are resident for the
+whole step and ``reserve`` is the safety margin. The transient terms belong to moments that happen one after
+the other (`MOMENTS`): the loss backward (activations kept for backward + the loss's logits buffers), a
+layer's backward (activations kept + the recomputed layer + one layer's activation gradients), the log-prob
+recomputation (logits temporaries, or one layer's forward transients) and the optimizer step. The peak is
+``static + reserve + max(moment sums)``. The worst rank is the larger of the first pipeline stage (embedding,
 most micro-batches in flight) and the last (output layer, logits).
 
 The training functions accept the data-parallel size as an int or a numpy array, so the search evaluates
@@ -22,8 +24,16 @@ from planner.layout import TrainLayout
 from planner.model_spec import ModelSpec
 from planner.workload import PlannerInputs
 
-PHASES = ("static", "train", "logprob_recompute", "logprob_forward", "optimizer_step", "reserve")
-TRANSIENT_PHASES = ("train", "logprob_recompute", "logprob_forward", "optimizer_step")
+PHASES = ("static", "train", "train_loss", "train_backward", "logprob_recompute", "logprob_forward",
+          "optimizer_step", "reserve", "host")
+# moment -> the phase tags whose terms are live together at that moment
+MOMENTS: dict[str, tuple[str, ...]] = {
+    "loss_backward": ("train", "train_loss"),
+    "layer_backward": ("train", "train_backward"),
+    "logprob_recompute": ("logprob_recompute",),
+    "logprob_forward": ("logprob_forward",),
+    "optimizer_step": ("optimizer_step",),
+}
 TRAIN_LOGITS_BUFFERS = 3  # log-softmax output kept for backward, its gradient, the gradient of the logits
 
 
@@ -49,16 +59,21 @@ class MemoryEstimate:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def phase_bytes(self, phase: str) -> int:
-        return sum(t.bytes for t in self.terms if t.phase == phase and t.counted)
+        """Counted bytes of the terms tagged `phase`, or of every term live at moment `phase`."""
+        tags = MOMENTS.get(phase, (phase,))
+        return sum(t.bytes for t in self.terms if t.phase in tags and t.counted)
 
     @property
     def peak_phase(self) -> str:
-        order = TRANSIENT_PHASES
-        return max(order, key=lambda p: (self.phase_bytes(p), -order.index(p)))
+        """The moment with the most transient memory ("static" when there is none)."""
+        order = tuple(MOMENTS)
+        best = max(order, key=lambda m: (self.phase_bytes(m), -order.index(m)))
+        return best if self.phase_bytes(best) > 0 else "static"
 
     @property
     def peak_bytes(self) -> int:
-        return self.phase_bytes("static") + self.phase_bytes("reserve") + self.phase_bytes(self.peak_phase)
+        transient = 0 if self.peak_phase == "static" else self.phase_bytes(self.peak_phase)
+        return self.phase_bytes("static") + self.phase_bytes("reserve") + transient
 
     @property
     def headroom_bytes(self) -> int:
@@ -182,33 +197,37 @@ def train_terms(inputs: PlannerInputs, layout: TrainLayout, dp: Any, stage: str)
         ("gradients", "static", params.total * opts.main_grad_bytes, True,
          f"{params.total:.4g} params x {opts.main_grad_bytes} B (main grads)"),
         ("optimizer_state", "static", sharded * opt_bytes * keep, True,
-         f"params / DP shard x {opt_bytes} B (fp32 main params + Adam moments)"
+         f"params / DP shard x {opt_bytes} B (main params + Adam moments)"
          + (f" x {keep:.2f} kept on GPU" if keep < 1 else "")),
         ("activations", "train", chunks * layers_per_chunk * per_layer * tokens, True,
-         f"{layers_per_chunk:g} layers x in-flight micro-batches x {per_layer:.0f} B/token x {tokens:g} tokens "
-         f"({opts.implementation}/{opts.attention_backend}, recompute={opts.recompute_granularity})"),
+         f"{layers_per_chunk:g} layers x {_count(chunks)} micro-batch chunks in flight x {per_layer:.0f} B/token x "
+         f"{tokens:g} tokens ({opts.implementation}/{opts.attention_backend}, "
+         f"recompute={opts.recompute_granularity})"),
     ]
     if opts.offloaded_fraction > 0:
         terms.append(("optimizer_state_on_host", "host", sharded * opt_bytes * opts.offloaded_fraction, False,
                       f"offloaded fraction {opts.offloaded_fraction:g} of the optimizer state (CPU memory)"))
-    if recompute_layer:
-        terms.append(("recompute_layer_workspace", "train", recompute_layer * tokens, True,
-                      "one layer's activations rebuilt during backward (full recomputation)"))
     if first:
         per_token = sum(act.embedding_stage_parts(spec, shape).values())
         terms.append(("embedding_activations", "train", chunks * per_token * tokens, True,
                       f"{per_token:.0f} B/token per micro-batch in flight"))
+    if recompute_layer:
+        terms.append(("recompute_layer_workspace", "train_backward", recompute_layer * tokens, True,
+                      "one layer's activations rebuilt during backward (full recomputation)"))
+    layer_grads = max(per_layer, recompute_layer)
+    terms.append(("layer_backward_workspace", "train_backward", layer_grads * tokens, True,
+                  f"activation gradients of one layer, bounded by its activations ({layer_grads:.0f} B/token)"))
     if last:
         per_token = sum(act.output_stage_parts(spec, shape).values())
-        terms.append(("output_activations", "train", per_token * tokens, True,
+        terms.append(("output_activations", "train_loss", per_token * tokens, True,
                       f"final norm + output-layer input, {per_token:.0f} B/token"))
         logits = tokens * vocab * budget.logits_dtype_bytes
-        terms.append(("loss_logits", "train", logits, True,
+        terms.append(("loss_logits", "train_loss", logits, True,
                       f"log-softmax kept for backward: micro-batch x seq x vocab/TP ({vocab:g}) x "
                       f"{budget.logits_dtype_bytes} B"))
-        terms.append(("loss_logits_grad", "train", logits * (TRAIN_LOGITS_BUFFERS - 1), True,
+        terms.append(("loss_logits_grad", "train_loss", logits * (TRAIN_LOGITS_BUFFERS - 1), True,
                       f"backward of the loss: gradients of the log-softmax and of the logits, "
-                      f"{TRAIN_LOGITS_BUFFERS - 1} x {logits / 2**20:.0f} MiB"))
+                      f"{TRAIN_LOGITS_BUFFERS - 1} x {_count(logits / 2**20)} MiB"))
         if w.recompute_logprobs:
             rtokens = w.recompute_micro_batch_size * seq / layout.cp
             terms.append(("logprob_recompute_logits", "logprob_recompute",
@@ -229,19 +248,26 @@ def train_terms(inputs: PlannerInputs, layout: TrainLayout, dp: Any, stage: str)
     return terms
 
 
+def _count(value: Any) -> str:
+    return str(int(value)) if np.ndim(value) == 0 else "the"
+
+
 def _peak(terms: list[tuple[str, str, Any, bool, str]]) -> Any:
     fixed: Any = 0.0
-    phases: dict[str, Any] = {}
+    by_phase: dict[str, Any] = {}
     for _name, phase, value, counted, _ in terms:
         if not counted or phase == "host":
             continue
         if phase in ("static", "reserve"):
             fixed = fixed + value
         else:
-            phases[phase] = phases.get(phase, 0.0) + value
+            by_phase[phase] = by_phase.get(phase, 0.0) + value
     transient: Any = 0.0
-    for value in phases.values():
-        transient = np.maximum(transient, value)
+    for tags in MOMENTS.values():
+        moment: Any = 0.0
+        for tag in tags:
+            moment = moment + by_phase.get(tag, 0.0)
+        transient = np.maximum(transient, moment)
     return fixed + transient
 
 
@@ -261,7 +287,7 @@ def train_memory(inputs: PlannerInputs, layout: TrainLayout, dp: int) -> MemoryE
         raw = train_terms(inputs, layout, dp, stage)
         terms = tuple(MemoryTerm(n, p, int(round(float(v))), c, f) for n, p, v, c, f in raw)
         host = sum(t.bytes for t in terms if t.phase == "host")
-        where = "every rank" if layout.pp == 1 else f"{stage} pipeline stage"
+        where = "every training rank" if layout.pp == 1 else f"the {stage} pipeline stage"
         est = MemoryEstimate(terms, inputs.cluster.gpu.memory_bytes, where=where, host_bytes=host)
         if best is None or est.peak_bytes > best.peak_bytes:
             best = est
@@ -319,4 +345,4 @@ def rollout_memory(inputs: PlannerInputs, rollout_tp: int, admitted: int) -> Mem
     kv = MemoryTerm("kv_cache", "static", int(admitted * context * per_token), True,
                     f"{admitted} sequences x {context} tokens x {per_token:.0f} B/token")
     terms = tuple(rollout_static_terms(inputs, rollout_tp)) + (kv,)
-    return MemoryEstimate(terms, rollout_capacity_bytes(inputs), where=f"rollout GPU (TP {rollout_tp})")
+    return MemoryEstimate(terms, rollout_capacity_bytes(inputs), where=f"every rollout GPU (TP {rollout_tp})")

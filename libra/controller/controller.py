@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from libra.controller.state import ROLLOUT, TRAIN, DesiredState
 from libra.controller.tracker import MemberTracker
 from libra.observability.console import make_console
 from libra.observability.metrics import LibraMetrics
-from libra.observability.phase_trace import PhaseTracer, get_tracer, set_tracer
+from libra.observability.phase_trace import ENV_DIR, ENV_ENABLE, PhaseTracer, get_tracer, set_tracer
 from libra.run_dir import RunDir, truncate_jsonl_after_step, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class Controller:
         self._last_checkpoint_step = -1
         self._rollout_version = 0
         self._loop_started: float | None = None
+        self._saved_env: dict[str, str | None] = {}
 
     # ---- entry point ----------------------------------------------------------------------------------
     def run_job(self) -> RunResult:
@@ -142,6 +144,11 @@ class Controller:
             yaml.safe_dump(dump(cfg), fh, sort_keys=False)
         for warning in cfg.warnings:
             self.events.emit("config_warning", warning)
+        if cfg.phase_trace_enabled:
+            # Every process the job starts (Ray workers, rollout servers) inherits these and traces into the run
+            self._saved_env = {name: os.environ.get(name) for name in (ENV_ENABLE, ENV_DIR)}
+            os.environ[ENV_ENABLE] = "1"
+            os.environ.setdefault(ENV_DIR, str(run.traces))
         self._tracer = PhaseTracer.open(run.root, role="controller", rank=0, enabled=cfg.phase_trace_enabled)
         set_tracer(self._tracer)
         if "prometheus" in cfg.tracking.backends or cfg.tracking.prometheus_port > 0:
@@ -579,6 +586,11 @@ class Controller:
         if self._tracer is not None:
             self._tracer.close()
             set_tracer(PhaseTracer.disabled())
+        for name, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _report_fields(report: Any) -> dict[str, Any]:

@@ -161,6 +161,9 @@ class Executor:
         t = self.tracker
         for member_id, view in zip(member_ids, views, strict=False):
             t.bind(member_id, view.key, view.info)
+            if view.info.get("adopted"):
+                self.events.emit("member_adopted", f"{member_id} is the running {view.key} of an earlier controller",
+                                 member=member_id, pool=pool, key=view.key)
             t.set_busy(member_id, False)
             t.move(member_id, view.state, now, "pool created" if not view.error else view.error)
         for member_id in member_ids[len(views):]:

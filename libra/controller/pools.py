@@ -56,7 +56,7 @@ def rollout_spec(cfg: Config, run: RunDir, num_instances: int) -> Any:
         reload_method=cfg.rollout_weight_reload_method,
         reload_strategy=cfg.rollout_weight_reload_strategy,
         max_concurrent_requests=cfg.effective_max_concurrent_rollouts,
-        run_dir=str(run.rollout),
+        run_dir=str(run.root),  # the pool keeps its registry and server logs under <run_dir>/rollout
         seed=cfg.seed,
         gpu_memory_utilization=cfg.rollout_gpu_memory_utilization,
     )
@@ -152,19 +152,22 @@ class RolloutPoolEdge:
             except Exception:
                 log.debug("shutdown after a failed start", exc_info=True)
             raise
-        with self._lock:
-            self.pool = pool
+        self.pool = pool
         return self.views()
 
     def add(self) -> MemberView:
-        instance_id = self._pool().add_instance()
+        # One membership change at a time: the pool names a new instance from the ones it already knows,
+        # so two concurrent adds could pick the same name.
+        with self._lock:
+            instance_id = self._pool().add_instance()
         for view in self.views():
             if view.key == instance_id:
                 return view
         return MemberView(str(instance_id), S.READY)
 
     def remove(self, key: str, drain: bool) -> None:
-        self._pool().remove_instance(key, drain=drain)
+        with self._lock:
+            self._pool().remove_instance(key, drain=drain)
 
     def views(self) -> list[MemberView]:
         pool = self.pool
@@ -187,7 +190,7 @@ def instance_view(info: Any) -> MemberView:
     if not healthy and state in (S.READY, S.LOADING):
         state, error = S.FAILED, f"instance reported unhealthy (state {state_name})"
     details = {}
-    for name in ("host", "port", "pid", "gpu_ids", "weight_version"):
+    for name in ("host", "port", "pid", "gpu_ids", "weight_version", "adopted"):
         if hasattr(info, name):
             value = getattr(info, name)
             details[name] = list(value) if isinstance(value, tuple | list) else value

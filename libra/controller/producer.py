@@ -3,8 +3,9 @@ them, scores each finished group and hands it to the buffer.
 
 It runs its own asyncio event loop on a background thread, so generation overlaps training in
 asynchronous mode (max_head_offpolicyness > 0) and the controller's main thread stays synchronous.
-A failed generation releases its slot, is counted, and is retried with the next prompt after a short
-back-off; it never stops the producer.
+A failed generation releases its slot, is counted, puts its prompt back at the head of the stream and
+pauses all admissions for a back-off that doubles with each consecutive failure (reset by a success); it
+never stops the producer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +79,7 @@ class RolloutProducer:
         prompts_drawn: int = 0,
         poll_s: float = 0.005,
         error_backoff_s: float = 1.0,
+        max_error_backoff_s: float = 30.0,
     ) -> None:
         self.generate = generate
         self.prompts = prompts
@@ -87,6 +90,10 @@ class RolloutProducer:
         self.prompts_drawn = prompts_drawn
         self.poll_s = poll_s
         self.error_backoff_s = error_backoff_s
+        self.max_error_backoff_s = max_error_backoff_s
+        self._consecutive_failures = 0
+        self._pause_until = 0.0
+        self._retry: deque[tuple[int, Any]] = deque()
         self.groups_done = 0
         self.failures = 0
         self.response_tokens = 0
@@ -148,17 +155,20 @@ class RolloutProducer:
 
     async def _main(self) -> None:
         while not self._stop.is_set():
-            if self._paused.is_set() or not self.buffer.admit():
+            if (self._paused.is_set() or time.monotonic() < self._pause_until) or not self.buffer.admit():
                 await asyncio.sleep(self.poll_s)
                 continue
-            try:
-                prompt = next(self.prompts)
-            except StopIteration:
-                self.buffer.cancel()
-                self.events.emit("error", "the prompt stream is exhausted")
-                break
-            index = self.prompts_drawn
-            self.prompts_drawn += 1
+            if self._retry:
+                index, prompt = self._retry.popleft()
+            else:
+                try:
+                    prompt = next(self.prompts)
+                except StopIteration:
+                    self.buffer.cancel()
+                    self.events.emit("error", "the prompt stream is exhausted")
+                    break
+                index = self.prompts_drawn
+                self.prompts_drawn += 1
             task = asyncio.create_task(self._one(index, prompt))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -185,19 +195,28 @@ class RolloutProducer:
                 responses = [list(c.token_ids) for c in completions]
                 rewards = [float(self.score(prompt, r)) for r in responses]
         except asyncio.CancelledError:
+            self.busy.exit()
             self.buffer.cancel()
             raise
         except Exception as exc:
-            self.buffer.cancel()
+            self.busy.exit()
             self.failures += 1
+            self._consecutive_failures += 1
+            backoff = min(self.max_error_backoff_s, self.error_backoff_s * 2 ** (self._consecutive_failures - 1))
+            self._pause_until = max(self._pause_until, time.monotonic() + backoff)
+            self._retry.append((index, prompt))
+            self.buffer.cancel()
             now = time.monotonic()
             if now - self._last_error_event > 10.0:  # one event per burst of failures
                 self._last_error_event = now
-                self.events.emit("rollout_error", f"{type(exc).__name__}: {exc}", failures=self.failures)
-            await asyncio.sleep(self.error_backoff_s)
+                self.events.emit("rollout_error", f"{type(exc).__name__}: {exc}", failures=self.failures,
+                                 backoff_s=round(backoff, 2))
             return
-        finally:
+        except BaseException:
             self.busy.exit()
+            raise
+        self.busy.exit()
+        self._consecutive_failures = 0
         group = Group(
             index=index,
             prompt=prompt,

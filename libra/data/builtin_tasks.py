@@ -33,7 +33,9 @@ class EnumeratedTask:
         self.check_params()
         count = self.num_problems()
         if count > MAX_PROBLEMS:
-            raise TaskError(f"task '{self.name}' has {count} problems (limit {MAX_PROBLEMS}); use smaller params")
+            raise TaskError(
+                f"task '{self.name}' has {count} problems (limit {MAX_PROBLEMS}); use smaller params"
+            )
         fraction = float(self.params["holdout_fraction"])
         if not 0.0 < fraction < 1.0:
             raise TaskError(
@@ -97,7 +99,7 @@ def _positive(task: str, params: Mapping[str, Any], key: str, minimum: int = 1) 
 
 @register_task("mod_add")
 class ModAdd(EnumeratedTask):
-    """"a + b mod m =" -> (a + b) % m, with operands in 0..operand_limit-1 (operand_limit 0 means m)."""
+    """ "a + b mod m =" -> (a + b) % m, with operands in 0..operand_limit-1 (operand_limit 0 means m)."""
 
     name = "mod_add"
     PARAMS: ClassVar[dict[str, ParamValue]] = {"modulus": 5, "operand_limit": 0, **_SPLIT_PARAMS}
@@ -106,7 +108,9 @@ class ModAdd(EnumeratedTask):
         self.modulus = _positive(self.name, self.params, "modulus", 2)
         self.limit = int(self.params["operand_limit"]) or self.modulus
         if self.limit < 1:
-            raise TaskError(f"task.params.operand_limit: {self.limit} must be at least 1 (or 0 for the modulus)")
+            raise TaskError(
+                f"task.params.operand_limit: {self.limit} must be at least 1 (or 0 for the modulus)"
+            )
 
     def num_problems(self) -> int:
         return self.limit * self.limit
@@ -144,7 +148,7 @@ class _ListTask(EnumeratedTask):
 
 @register_task("copy_first")
 class CopyFirst(_ListTask):
-    """"7 3 9 ?" -> 7: repeat the first value of the list."""
+    """ "7 3 9 ?" -> 7: repeat the first value of the list."""
 
     name = "copy_first"
 
@@ -155,7 +159,7 @@ class CopyFirst(_ListTask):
 
 @register_task("max_of")
 class MaxOf(_ListTask):
-    """"7 , 3 , 9 =" -> 9: the largest value of the list."""
+    """ "7 , 3 , 9 =" -> 9: the largest value of the list."""
 
     name = "max_of"
 

@@ -138,7 +138,9 @@ class DatasetTask:
     def __init__(self, spec: TaskSpec, encode: Encode) -> None:
         params = resolve_params("task 'dataset'", self.PARAMS, spec.params)
         if not spec.dataset_path:
-            raise TaskError("task.dataset_path: required when task.name is 'dataset'; give a .jsonl or .parquet")
+            raise TaskError(
+                "task.dataset_path: required when task.name is 'dataset'; give a .jsonl or .parquet"
+            )
         self.encode = encode
         records = load_records(spec.dataset_path, spec.input_key, spec.label_key)
         fraction = float(params["eval_holdout_fraction"])
@@ -163,7 +165,9 @@ class DatasetTask:
         self.train_records = [r for r in records if r.text not in held_texts]
         self.dropped_overlap = len(records) - len(self.train_records)
         if not self.train_records:
-            raise TaskError(f"task.dataset_path: every prompt of '{spec.dataset_path}' is also an eval prompt")
+            raise TaskError(
+                f"task.dataset_path: every prompt of '{spec.dataset_path}' is also an eval prompt"
+            )
 
     def _prompt(self, record: PromptRecord) -> Prompt:
         return make_prompt(self.encode, record.text, record.label, record.metadata)

@@ -14,7 +14,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from libra.data.prompt import Encode, ParamValue, Prompt, TaskError, as_encode
 
@@ -149,12 +149,15 @@ def coerce_param(owner: str, key: str, value: Any, default: ParamValue) -> Param
         return float(value)
     if isinstance(value, bool) or not isinstance(value, expected):
         raise TaskError(
-            f"task.params.{key}: {owner} expects a {expected.__name__} (default {default!r}), got {value!r}"
+            f"task.params.{key}: {value!r} is not of type {expected.__name__} that {owner} expects "
+            f"(default {default!r})"
         )
-    return value  # type: ignore[no-any-return]
+    return cast(ParamValue, value)
 
 
-def resolve_params(owner: str, declared: Mapping[str, ParamValue], given: Mapping[str, Any]) -> dict[str, Any]:
+def resolve_params(
+    owner: str, declared: Mapping[str, ParamValue], given: Mapping[str, Any]
+) -> dict[str, Any]:
     """The declared parameters, defaults overridden by the given ones that `owner` declares."""
     resolved: dict[str, Any] = dict(declared)
     for key, value in given.items():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import random
+from array import array
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -135,7 +136,7 @@ class _PhaseAcc:
         self.total = 0
         self.min = 0
         self.max = 0
-        self.samples: list[int] = []
+        self.samples = array("q")  # 8 bytes per duration
         self.ranks: set[int] = set()
 
 
@@ -198,7 +199,7 @@ def summarize(
         step_time = 0 if step_lo is None or step_hi is None else step_hi - step_lo
     phase_stats: dict[str, PhaseStats] = {}
     for name, acc in sorted(phases.items()):
-        p50, p95 = np.percentile(np.asarray(acc.samples, dtype=np.float64), [50, 95])
+        p50, p95 = np.percentile(np.frombuffer(acc.samples, dtype=np.int64).astype(np.float64), [50, 95])
         per_rank = acc.total / len(acc.ranks)
         phase_stats[name] = PhaseStats(
             name=name, registered=is_registered(name), count=acc.count, ranks=len(acc.ranks),

@@ -17,8 +17,10 @@ from dataclasses import replace
 from typing import Any
 
 from libra.rollout.server import ServerLaunch, ServerProcess, pick_free_port, port_is_free
+from libra.rollout.spec import ServerStartError
 
 NODE_IP = "node-ip"
+PORT_ATTEMPTS = 3
 
 
 def _resolve_bind_host(bind_host: str) -> str:
@@ -56,15 +58,28 @@ class ServerHost:
                     f"instance {self.instance_id} already runs a server (pid {self._server.pid})"
                 )
             launch = replace(launch, host=self.host)
-            if launch.port == 0:
-                launch = replace(launch, port=pick_free_port(self.host))
-            elif not port_is_free(self.host, launch.port):
+            pick_port = launch.port == 0
+            if not pick_port and not port_is_free(self.host, launch.port):
                 raise RuntimeError(
                     f"port {launch.port} on {self.host} is in use; choose another port_base or free the port"
                 )
             start = time.monotonic()
-            self._server = ServerProcess.start(launch, self.identity()["gpu_ids"])
-            self._server.wait_healthy(timeout_s)
+            for attempt in range(PORT_ATTEMPTS if pick_port else 1):
+                if pick_port:
+                    launch = replace(launch, port=pick_free_port(self.host))
+                self._server = ServerProcess.start(launch, self.identity()["gpu_ids"])
+                try:
+                    self._server.wait_healthy(timeout_s)
+                    break
+                except ServerStartError as exc:
+                    # A free port can be taken between picking and binding; pick again.
+                    if (
+                        attempt + 1 < PORT_ATTEMPTS
+                        and pick_port
+                        and "address already in use" in str(exc).lower()
+                    ):
+                        continue
+                    raise
             return self._describe(startup_s=time.monotonic() - start)
 
     def adopt(self, launch: ServerLaunch, pid: int, start_ticks: int) -> bool:

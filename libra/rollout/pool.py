@@ -41,6 +41,8 @@ from libra.rollout.reload import (
 from libra.rollout.router import DRAINING, FAILED, READY, RELOADING, STOPPED, InstanceSlot, Router
 from libra.rollout.server import pid_alive
 from libra.rollout.spec import (
+    RELOAD_METHODS,
+    RELOAD_STRATEGIES,
     Completion,
     GenerationAborted,
     InstanceInfo,
@@ -100,6 +102,7 @@ class RolloutPool:
         self._weight_version = 0
         self._model_path = spec.model_path
         self._checksum = ""
+        self._abort_epoch = 0
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -315,7 +318,10 @@ class RolloutPool:
         """n completions of one prompt (one group), from one instance."""
         self._check_request(prompt_ids, n, max_new_tokens, temperature, top_p)
         loop = self._require_loop()
-        future = loop.submit(self._generate(list(prompt_ids), n, max_new_tokens, temperature, top_p, seed))
+        epoch = self._abort_epoch
+        future = loop.submit(
+            self._generate(list(prompt_ids), n, max_new_tokens, temperature, top_p, seed, epoch)
+        )
         return await asyncio.wrap_future(future)
 
     def generate_batch(
@@ -332,16 +338,17 @@ class RolloutPool:
                 f"generate_batch got unknown sampling options {sorted(unknown)}; use temperature, top_p, seed"
             )
         with get_tracer().span("rollout.generate_batch", groups=len(prompts), n=n):
-            return self._run(self._generate_batch(prompts, n, max_new_tokens, sampling))
+            return self._run(self._generate_batch(prompts, n, max_new_tokens, sampling, self._abort_epoch))
 
     async def _generate_batch(
-        self, prompts: list[list[int]], n: int, max_new_tokens: int, sampling: dict[str, Any]
+        self, prompts: list[list[int]], n: int, max_new_tokens: int, sampling: dict[str, Any], epoch: int
     ) -> list[list[Completion]]:
         results = await asyncio.gather(
             *(
                 self._generate(
                     list(p), n, max_new_tokens, sampling.get("temperature", 1.0), sampling.get("top_p", 1.0),
                     sampling.get("seed"),
+                    epoch,
                 )
                 for p in prompts
             ),
@@ -360,8 +367,11 @@ class RolloutPool:
         temperature: float,
         top_p: float,
         seed: int | None,
+        epoch: int,
     ) -> list[Completion]:
         router = self._require_router()
+        if epoch != self._abort_epoch:  # submitted before an abort_all that ran before this task did
+            raise GenerationAborted("generation aborted at a step boundary (abort_all) or by shutdown")
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
@@ -450,6 +460,7 @@ class RolloutPool:
         self._run(self._abort_all(notify_servers=True))
 
     async def _abort_all(self, notify_servers: bool) -> None:
+        self._abort_epoch += 1
         for task in list(self._tasks):
             task.cancel()
         if notify_servers:
@@ -480,10 +491,27 @@ class RolloutPool:
 
     # ---- weight reload protocol ------------------------------------------------------------------------
 
-    def publish_weights(self, version: int, hf_dir: str, expected_checksum: str) -> ReloadReport:
+    def publish_weights(
+        self,
+        version: int,
+        hf_dir: str,
+        expected_checksum: str,
+        *,
+        method: str | None = None,
+        strategy: str | None = None,
+    ) -> ReloadReport:
         """Reload every instance with the HF weights in `hf_dir` (one request for the whole set), wait for the
-        ACK batch and validate it; raises WeightSyncError naming each instance whose ACK is missing or wrong."""
+        ACK batch and validate it; raises WeightSyncError naming each instance whose ACK is missing or wrong.
+        `method` / `strategy` override the spec's reload_method / reload_strategy for this publish."""
+        method = method or self.spec.reload_method
+        strategy = strategy or self.spec.reload_strategy
         problems = []
+        if method not in RELOAD_METHODS:
+            problems.append(f"method={method!r}: choose one of {RELOAD_METHODS}")
+        elif method == "restart" and not self.spec.manage_processes:
+            problems.append("method='restart' needs manage_processes=True; use 'inplace'")
+        if strategy not in RELOAD_STRATEGIES:
+            problems.append(f"strategy={strategy!r}: choose one of {RELOAD_STRATEGIES}")
         if not isinstance(version, int) or version < self._weight_version:
             problems.append(
                 f"version={version!r}: must be an int >= the current version {self._weight_version}"
@@ -498,29 +526,23 @@ class RolloutPool:
             raise ValueError("invalid weight publish: " + "; ".join(problems))
         with (
             self._publish_lock,
-            get_tracer().span(
-                "rollout.publish_weights",
-                step=version,
-                method=self.spec.reload_method,
-                strategy=self.spec.reload_strategy,
-            ),
+            get_tracer().span("rollout.publish_weights", step=version, method=method, strategy=strategy),
         ):
-            return self._run(self._publish(version, os.path.abspath(hf_dir), expected_checksum))
+            expect = AckExpectation(version, expected_checksum, method, strategy)
+            return self._run(self._publish(expect, os.path.abspath(hf_dir)))
 
-    async def _publish(self, version: int, hf_dir: str, checksum: str) -> ReloadReport:
+    async def _publish(self, expect: AckExpectation, hf_dir: str) -> ReloadReport:
         router = self._require_router()
-        spec = self.spec
+        version, checksum = expect.version, expect.checksum
         members = [s for s in self._slots() if s.state not in (STOPPED, DRAINING)]
-        expect = AckExpectation(
-            version, checksum, spec.reload_method, spec.reload_strategy, [s.id for s in members]
-        )
+        expect.instance_ids = [s.id for s in members]
         pairs = [(s.id, s.hostname or s.host) for s in members]
-        waves = serial_waves(pairs) if spec.reload_strategy == "serial" else parallel_waves(pairs)
+        waves = serial_waves(pairs) if expect.strategy == "serial" else parallel_waves(pairs)
         start = time.monotonic()
         acks: list[ReloadAck] = []
         for wave in waves:
             wave_acks = await asyncio.gather(
-                *(self._reload_one(router.slots[iid], expect, hf_dir) for iid in wave)
+                *(self._reload_one(router.slots[iid], expect, hf_dir, start) for iid in wave)
             )
             for ack in wave_acks:
                 problem = ack_problem(expect, ack)
@@ -546,7 +568,14 @@ class RolloutPool:
         )  # fmt: skip
         return report
 
-    async def _reload_one(self, slot: InstanceSlot, expect: AckExpectation, hf_dir: str) -> ReloadAck:
+    async def _reload_one(
+        self, slot: InstanceSlot, expect: AckExpectation, hf_dir: str, publish_start: float
+    ) -> ReloadAck:
+        ack = await self._reload_one_timed(slot, expect, hf_dir)
+        end = time.monotonic()
+        return replace(ack, started_s=end - ack.total_s - publish_start, finished_s=end - publish_start)
+
+    async def _reload_one_timed(self, slot: InstanceSlot, expect: AckExpectation, hf_dir: str) -> ReloadAck:
         router = self._require_router()
         start = time.monotonic()
         async with slot.lock:
@@ -566,6 +595,10 @@ class RolloutPool:
                 )  # fmt: skip
             await router.set_state(slot, RELOADING)
             try:
+                # Requests this pool already sent finish on the old weights (and carry the old version);
+                # the server-side pause below then only waits for other clients' requests.
+                if not await router.wait_drained(slot, self.spec.reload_timeout_s):
+                    raise RolloutError(f"requests still running after {self.spec.reload_timeout_s:.0f}s")
                 if expect.method == "inplace":
                     process_stop_s, report = 0.0, await self._reload_inplace(slot, expect.version, hf_dir)
                     model_load_s = report["load_s"]

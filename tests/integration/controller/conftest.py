@@ -1,0 +1,200 @@
+"""Fixtures of the controller integration tests: a small job configuration (tiny model, one rollout
+instance, one training GPU) and helpers to run `libra launch` as a real subprocess in its own session and
+to find every process it left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def job_config(model_dir: Path, prometheus_port: int) -> dict[str, Any]:
+    """A job that finishes a step in seconds on 2 cores: batch 4 x 4 samples, answers of 2 tokens."""
+    return {
+        "name": "itest",
+        "model_path": str(model_dir),
+        "build_tiny_model": {
+            "enabled": True, "arch": "llama", "hidden_size": 64, "num_layers": 2, "num_heads": 2,
+            "num_kv_heads": 1, "intermediate_size": 128, "max_position_embeddings": 256, "init_std": 0.02,
+        },
+        "cluster": {"num_nodes": 1, "gpus_per_node": 2, "gpu_type": "cpu-logical", "logical_gpus": True,
+                    "cpus_per_gpu": 0.5},
+        "train_gpus": 1,
+        "rollout_gpus": 1,
+        "batch_size": 4,
+        "n_samples": 4,
+        "train_micro_batch_size": 4,
+        "recompute_micro_batch_size": 4,
+        "max_model_len": 64,
+        "max_new_tokens": 2,
+        "total_steps": 100,
+        "max_head_offpolicyness": 1,
+        "phase_trace_enabled": True,
+        "rollout_kv_cache_bytes": 64 * 2**20,
+        "rollout_enforce_eager": True,
+        "rollout_weight_reload_method": "inplace",
+        "megatron_use_cpu_initialization": True,
+        "megatron_params_dtype": "fp32",
+        "optimizer": {"lr": 1.0e-3, "clip_grad": 0},
+        "task": {"name": "mod_add", "params": {"modulus": 10}, "eval_interval": 2, "eval_size": 8},
+        "global_resource_planner": {"initial_allocation_strategy": "configured",
+                                    "memory_budget_safety_margin_bytes": 256 * 2**20},
+        "checkpoint": {"interval_steps": 2, "keep_last": 2},
+        "tracking": {"backends": ["jsonl", "prometheus"], "prometheus_port": prometheus_port, "console": "plain"},
+    }
+
+
+class Launch:
+    """`libra launch` in its own process session (so that everything it starts, apart from the rollout
+    servers, which start their own sessions, shares its process group)."""
+
+    def __init__(self, config: Path, run_dir: Path, *extra: str) -> None:
+        self.log = run_dir.parent / f"launch-{int(time.time() * 1000)}.log"
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+        command = [sys.executable, "-m", "libra.cli.main", "launch", str(config), "--run-dir", str(run_dir),
+                   "--console", "plain", *extra]
+        self._log_fh = open(self.log, "wb")
+        self.proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=self._log_fh, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.pgid = self.proc.pid
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self._log_fh.flush()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill_group(self) -> None:
+        """SIGKILL everything in the launch's process group (what a crashed controller leaves behind)."""
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log_fh.close()
+
+
+def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def events(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, launch: Launch | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if launch is not None and launch.proc.poll() is not None:
+            raise AssertionError(f"launch exited ({launch.proc.returncode}) before {what}:\n{launch.output()[-4000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def server_pids(run_dir: Path) -> list[int]:
+    """The vLLM server pids the rollout registry of the run lists (live or not)."""
+    path = run_dir / "rollout" / "registry.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    return [int(e["pid"]) for e in data.get("instances", {}).values() if e.get("pid")]
+
+
+def live(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def group_members(pgid: int) -> list[int]:
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+            pass
+    return found
+
+
+def processes_using(path: Path) -> list[int]:
+    """Live processes whose command line mentions `path` (servers, Ray workers of this run)."""
+    needle = str(path)
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(needle in part for part in proc.info["cmdline"] or ()) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+@pytest.fixture(scope="session")
+def controller_workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A run directory and its job file; at the end every process the launches left is stopped."""
+    root = tmp_path_factory.mktemp("controller")
+    run_dir = root / "run"
+    config = root / "itest.yaml"
+    port = free_port()
+    config.write_text(yaml.safe_dump(job_config(root / "model", port), sort_keys=False))
+    launches: list[Launch] = []
+
+    def launch(*extra: str) -> Launch:
+        started = Launch(config, run_dir, *extra)
+        launches.append(started)
+        return started
+
+    try:
+        yield {"root": root, "run_dir": run_dir, "config": config, "launch": launch, "port": port}
+    finally:
+        for started in launches:
+            if started.proc.poll() is None:
+                started.proc.send_signal(signal.SIGTERM)
+                try:
+                    started.proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    pass
+            started.kill_group()
+        for pid in live(server_pids(run_dir)) + processes_using(run_dir):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass

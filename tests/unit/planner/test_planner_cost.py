@@ -1,0 +1,99 @@
+"""Cost model: compute scaling, where communication lands, pipeline bubble, decode roofline, step time."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from planner_cases import inputs
+
+from planner.cost import decode_step_s, forward_flops_per_token, linear_params, rollout_costs, step_seconds, train_costs
+from planner.layout import TrainLayout
+
+
+def test_forward_flops_count_matmuls_and_causal_attention() -> None:
+    inp = inputs()
+    spec = inp.model
+    flops = forward_flops_per_token(spec, 1000.0)
+    attention = 2 * spec.num_layers * spec.num_attention_heads * spec.head_dim * 1000.0
+    assert flops == pytest.approx(2 * linear_params(spec) + attention)
+    assert linear_params(spec) == spec.total_params - spec.embedding_params
+
+
+def test_compute_time_halves_when_data_parallel_doubles() -> None:
+    costs = train_costs(inputs(), TrainLayout(), np.array([1, 2, 4]))
+    assert costs["compute_s"][0] == pytest.approx(2 * costs["compute_s"][1])
+    assert costs["compute_s"][1] == pytest.approx(2 * costs["compute_s"][2])
+
+
+def test_tp_communication_is_zero_at_tp1_and_grows_across_nodes() -> None:
+    inp = inputs(nodes=2, gpus_per_node=4)
+    assert train_costs(inp, TrainLayout(tp=1), 2)["tp_comm_s"] == 0.0
+    assert train_costs(inp, TrainLayout(tp=4), 2)["tp_comm_ratio"] > 0.0
+
+
+def test_expert_all_to_all_is_slower_when_the_ep_group_spans_nodes() -> None:
+    inp = inputs("qwen3-30b-a3b", nodes=4)
+    inside = train_costs(inp, TrainLayout(tp=1, ep=8), 8)  # EP group = 8 GPUs of one node
+    across = train_costs(inp, TrainLayout(tp=2, ep=8), 4)  # EP group spans 16 GPUs = 2 nodes
+    assert across["ep_comm_ratio"] > 3 * inside["ep_comm_ratio"] > 0
+
+
+def test_data_parallel_gradients_cross_nodes_beyond_one_node() -> None:
+    inp = inputs(nodes=4)
+    inside = train_costs(inp, TrainLayout(), 8)["dp_comm_s"]
+    across = train_costs(inp, TrainLayout(), 16)["dp_comm_s"]
+    assert across > 5 * inside
+
+
+@pytest.mark.parametrize(("pp", "vpp", "dp"), [(2, 1, 1), (4, 1, 2), (4, 2, 2), (8, 1, 4)])
+def test_bubble_is_p_minus_1_over_v_m(pp: int, vpp: int, dp: int) -> None:
+    inp = inputs(train_micro_batch_size=2, vpp=vpp)
+    microbatches = inp.workload.samples_per_step // (dp * 2)
+    costs = train_costs(inp, TrainLayout(pp=pp, vpp=vpp), dp)
+    assert costs["bubble_ratio"] == pytest.approx((pp - 1) / (vpp * microbatches))
+
+
+def test_full_recompute_costs_an_extra_forward() -> None:
+    none = train_costs(inputs(), TrainLayout(), 4)["compute_s"]
+    full = train_costs(inputs(recompute_granularity="full"), TrainLayout(), 4)["compute_s"]
+    assert full == pytest.approx(none * 4 / 3)
+
+
+def test_decode_is_memory_bound_at_small_batch_and_amortises_weights() -> None:
+    inp = inputs()
+    one, many = decode_step_s(inp, 1, 1), decode_step_s(inp, 1, 64)
+    weights_time = inp.model.total_params * 2 / (inp.cluster.gpu.hbm_bytes_per_s * inp.cost.hbm_efficiency)
+    assert one >= weights_time
+    assert 64 / many > 20 / one  # batching raises tokens/s many times
+
+
+def test_rollout_generation_uses_the_kv_bound_batch() -> None:
+    inp = inputs(max_concurrent_rollouts=1000)
+    small = rollout_costs(inp, 1, 4, kv_capacity=8)
+    large = rollout_costs(inp, 1, 4, kv_capacity=200)
+    assert small["batch_per_instance"] == 8
+    assert large["tokens_per_s"] > small["tokens_per_s"]
+
+
+def test_sync_generation_waits_for_the_longest_response() -> None:
+    inp = inputs(max_new_tokens=2048, expected_response_tokens=64)
+    sync = rollout_costs(inp, 1, 64, kv_capacity=200)["generation_s"]
+    asyn = rollout_costs(replace(inp, workload=replace(inp.workload, max_head_offpolicyness=1)), 1, 64, 200)
+    assert sync >= 2048 * decode_step_s(inp, 1, 1)
+    assert asyn["generation_s"] < sync
+
+
+def test_step_time_sync_adds_async_overlaps() -> None:
+    sync = inputs()
+    asyn = inputs(max_head_offpolicyness=2)
+    assert step_seconds(sync, 3.0, 5.0) == 8.0
+    assert step_seconds(asyn, 3.0, 5.0) == 5.0
+    assert step_seconds(asyn, 7.0, 5.0) == 7.0
+
+
+def test_speed_factors_scale_the_predictions() -> None:
+    inp = inputs()
+    fast = replace(inp, cost=replace(inp.cost, rollout_speed_factor=2.0))
+    assert decode_step_s(fast, 1, 16) == pytest.approx(decode_step_s(inp, 1, 16) / 2)
