@@ -106,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         proc.send_signal(signal.SIGINT)
         returncode = proc.wait(timeout=600)
     finished_at = time.time()
-    rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = Path(run_dir, "metrics.jsonl")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    if not rows:
+        print(f"the launch exited with {returncode} before finishing a training step; see {run_dir}", file=sys.stderr)
+        return 1
     result = summarize(rows, launched_at)
     result.update(
         command=" ".join(command[1:]),

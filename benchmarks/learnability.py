@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ class Setting:
     """One candidate: task, model shape and the RL hyperparameters, named as in the job configuration."""
 
     name: str
-    task: str = "mod_add"
+    task: str = "copy_first"
     task_params: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)
     lr: float = 3e-3
@@ -65,10 +65,43 @@ class Setting:
     recompute_logprobs: bool = True
 
 
+_COPY_FIRST = Setting(
+    name="copy_first_bs32",
+    task="copy_first",
+    task_params={"num_values": 5, "length": 3, "format_reward": 0.1},
+    lr=3e-3,
+    batch_size=32,
+    n_samples=8,
+    max_new_tokens=1,
+    entropy_coef=0.1,
+)
+
 CANDIDATES: dict[str, Setting] = {
     s.name: s
     for s in [
-        Setting("mod_add_m5", task_params={"modulus": 5, "format_reward": 0.1}, entropy_coef=0.01),
+        _COPY_FIRST,
+        replace(_COPY_FIRST, name="copy_first_bs16", batch_size=16),
+        replace(_COPY_FIRST, name="copy_first_bs32_lag1", policy_lag=1),
+        replace(_COPY_FIRST, name="copy_first_bs32_tokens2", max_new_tokens=2),
+        replace(
+            _COPY_FIRST,
+            name="copy_first_bs32_no_shaping",
+            task_params={"num_values": 5, "length": 3, "format_reward": 0.0},
+        ),
+        replace(_COPY_FIRST, name="copy_first_bs32_lr6e-3", lr=6e-3),
+        replace(
+            _COPY_FIRST,
+            name="copy_first_bs32_hidden128",
+            model={"hidden_size": 128, "intermediate_size": 256},
+        ),
+        replace(
+            _COPY_FIRST,
+            name="mod_add_m5_bs32",
+            task="mod_add",
+            task_params={"modulus": 5, "format_reward": 0.1},
+            lr=1e-3,
+            entropy_coef=0.05,
+        ),
     ]
 }
 
@@ -232,7 +265,7 @@ def run(setting: Setting, seed: int, max_steps: int, work_dir: str) -> dict[str,
             if setting.clip_grad > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), setting.clip_grad)
             optimizer.step()
-        entropy_per_step.append(float((entropy * mask).sum() / mask.sum()))
+        entropy_per_step.append(float((entropy.detach() * mask).sum() / mask.sum()))
         rewards_per_step.append(float(rewards.mean()))
         ma = moving_average(rewards_per_step[-WINDOW:], WINDOW)[-1]
         if reached_at is None and step >= WINDOW and ma >= TARGET:
@@ -261,6 +294,37 @@ def run(setting: Setting, seed: int, max_steps: int, work_dir: str) -> dict[str,
     }
 
 
+def recommend_dev_yaml(setting: Setting, worst_steps: int) -> dict[str, Any]:
+    """The job-configuration values of a setting; `total_steps` leaves three times the worst seed's need."""
+    model = {**asdict(TinyModelSpec()), **setting.model}
+    for key in ("seed", "tie_word_embeddings"):  # the job's seed; untied is the only choice of the config
+        model.pop(key)
+    return {
+        "task": {"name": setting.task, "params": dict(setting.task_params)},
+        "build_tiny_model": model,
+        "batch_size": setting.batch_size,
+        "n_samples": setting.n_samples,
+        "max_new_tokens": setting.max_new_tokens,
+        "rollout_temperature": setting.temperature,
+        "total_steps": int(math.ceil(3 * worst_steps / 50) * 50),
+        "recompute_logprobs": setting.recompute_logprobs,
+        "max_head_offpolicyness": setting.policy_lag,
+        "algorithm": {
+            "advantage_norm_mode": setting.advantage_norm_mode,
+            "clip_ratio_low": setting.clip_ratio_low,
+            "clip_ratio_high": setting.clip_ratio_high,
+            "entropy_coef": setting.entropy_coef,
+            "ref_kl": {"enable": setting.ref_kl_coef > 0, "coef": setting.ref_kl_coef, "kl_type": "k3"},
+        },
+        "optimizer": {
+            "lr": setting.lr,
+            "min_lr": setting.lr,
+            "weight_decay": setting.weight_decay,
+            "clip_grad": setting.clip_grad,
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -268,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/learnability.json")
     parser.add_argument("--settings", default=",".join(CANDIDATES), help="comma-separated candidate names")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--max-steps", type=int, default=300)
+    parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument(
         "--step-budget", type=int, default=150, help="steps a setting may need, in every seed"
     )
@@ -306,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
             }
     passing = [n for n in names if results[n]["reached_in_every_seed_within_budget"]]
     chosen = min(passing, key=lambda n: results[n]["worst_steps_to_target"]) if passing else None
+    recommended = (
+        recommend_dev_yaml(CANDIDATES[chosen], results[chosen]["worst_steps_to_target"]) if chosen else None
+    )
     report = {
         "target_moving_average_reward": TARGET,
         "moving_average_window": WINDOW,
@@ -317,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "total_wall_s": round(time.perf_counter() - started, 1),
         "chosen": chosen,
+        "recommended_dev_yaml": recommended,
         "settings": results,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

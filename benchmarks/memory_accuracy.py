@@ -28,7 +28,8 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,15 @@ from planner.hardware import GPUSpec  # noqa: E402
 from planner.layout import TrainLayout  # noqa: E402
 from planner.memory import MemoryEstimate, train_memory  # noqa: E402
 from planner.model_spec import ModelSpec, load_model_spec, model_spec_from_dict  # noqa: E402
-from planner.workload import ClusterSpec, MemoryBudget, PlannerInputs, TrainOptions, Workload  # noqa: E402
+from planner.workload import (  # noqa: E402
+    AttentionBackend,
+    ClusterSpec,
+    MemoryBudget,
+    PlannerInputs,
+    RecomputeGranularity,
+    TrainOptions,
+    Workload,
+)
 
 MODELS_DIR = os.path.join(ROOT, "configs", "models")
 LOGITS_DTYPE_BYTES = 4  # log-probs are computed in fp32
@@ -73,8 +82,8 @@ class Case:
     micro_batch: int = 1
     micro_batches: int = 2
     recompute_micro_batch: int = 1
-    attention: str = "flash"  # "flash" -> transformers sdpa, "eager" -> eager attention
-    recompute: str = "none"  # "full" -> transformers gradient checkpointing of every decoder layer
+    attention: AttentionBackend = "flash"  # "flash" -> transformers sdpa, "eager" -> eager attention
+    recompute: RecomputeGranularity = "none"  # "full" -> transformers gradient checkpointing of every layer
 
 
 def reduced(spec: ModelSpec, layers: int) -> ModelSpec:
@@ -107,12 +116,13 @@ def hf_config(spec: ModelSpec, tp: int, attention: str) -> Any:
     """transformers config of one TP rank's shard of `spec`."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
-    common = dict(
+    common: dict[str, Any] = dict(
         hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_attention_heads // tp, num_key_value_heads=spec.num_kv_heads // tp,
         head_dim=spec.head_dim, vocab_size=spec.vocab_size // tp, tie_word_embeddings=spec.tie_word_embeddings,
         max_position_embeddings=max(spec.max_position_embeddings, 1), use_cache=False,
     )
+    cfg: Any
     if spec.is_moe:
         cfg = Qwen3MoeConfig(intermediate_size=spec.intermediate_size // tp,
                              moe_intermediate_size=spec.moe_intermediate_size // tp, num_experts=spec.num_experts,
@@ -154,7 +164,7 @@ def grpo_loss(logprobs: torch.Tensor, old: torch.Tensor, advantages: torch.Tenso
     return -torch.minimum(ratio * advantages, clipped * advantages).mean()
 
 
-def storage_bytes(tensors: list[torch.Tensor]) -> int:
+def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         st = t.untyped_storage()
@@ -170,7 +180,8 @@ def tracked_peak(run: Any, tracked: list[Any]) -> int:
     """Peak bytes while `run(tracker)` runs; `run` calls `tracker.reset_mod_stats()` between iterations."""
     tracker = MemTracker()
     tracker.track_external(*tracked)
-    with tracker:
+    with tracker, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
         run(tracker)
     return total_bytes(tracker.get_tracker_snapshot("peak"))
 
@@ -200,6 +211,7 @@ def measure(case: Case) -> dict[str, int]:
         main_params = [p.detach().float().requires_grad_(True) for p in params]
         for p, g in zip(params, main_grads, strict=True):
             def accumulate(param: torch.Tensor, buf: torch.Tensor = g) -> None:
+                assert param.grad is not None
                 buf.add_(param.grad)
                 param.grad = None
             p.register_post_accumulate_grad_hook(accumulate)
@@ -267,7 +279,7 @@ def planner_inputs(case: Case) -> PlannerInputs:
                         train_micro_batch_size=case.micro_batch)
     train = TrainOptions(sequence_parallel=False, implementation="hf", attention_backend=case.attention,
                          use_distributed_optimizer=True, fused_optimizer=True,
-                         recompute_granularity=case.recompute)  # type: ignore[arg-type]
+                         recompute_granularity=case.recompute)
     budget = MemoryBudget(check_enabled=True, safety_margin_bytes=0, logits_dtype_bytes=LOGITS_DTYPE_BYTES,
                           workspace_factor=WORKSPACE_FACTOR)
     return PlannerInputs(model=case.spec, cluster=ClusterSpec(1, case.tp, gpu), workload=workload, train=train,
@@ -336,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['model']:>18} tp={row['tp']} est={row['estimated_bytes'] / 2**30:8.3f} GiB "
               f"meas={row['measured_bytes'] / 2**30:8.3f} GiB err={row['rel_error']:+.2%}  "
               + " ".join(f"{t['term']}={t['error_of_peak']:+.2%}" for t in row["terms"]), flush=True)
-    out = {
+    out: dict[str, Any] = {
         "benchmark": "memory_accuracy",
         "method": "torch FakeTensorMode + torch.distributed._tools.mem_tracker.MemTracker on transformers models",
         "target_rel_error": 0.05,

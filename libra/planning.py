@@ -107,7 +107,6 @@ def planner_inputs(cfg: Config) -> PlannerInputs:
                           safety_margin_bytes=grp.memory_budget_safety_margin_bytes,
                           logits_dtype_bytes=grp.memory_budget_logits_dtype_bytes,
                           workspace_factor=grp.memory_budget_workspace_factor)
-    total = cluster.total_gpus
     pinned = None
     if cfg.train_gpus and cfg.rollout_gpus:
         pinned = PinnedLayout(train_gpus=cfg.train_gpus, rollout_gpus=cfg.rollout_gpus, tp=cfg.train_tp_size,

@@ -173,22 +173,24 @@ def _threshold_trials(inputs: PlannerInputs) -> list[tuple[str, PlannerInputs]]:
     plan = plan_without_validation(inputs, advise=False)
     s = inputs.space
     trials: list[tuple[str, PlannerInputs]] = []
-    for code, field, current in (("tp_comm_ratio", "comm_compute_ratio_threshold", s.comm_compute_ratio_threshold),
-                                 ("ep_comm_ratio", "ep_comm_compute_ratio_threshold",
-                                  s.ep_comm_compute_ratio_threshold),
-                                 ("bubble_ratio", "bubble_ratio_threshold", s.bubble_ratio_threshold)):
-        values = [_first_number(p.reason) for p in plan.pruned if p.code == code]
-        values = [v for v in values if v is not None and v > current]
+    for code, config_name, current in (
+            ("tp_comm_ratio", "train_comm_compute_ratio_threshold", s.comm_compute_ratio_threshold),
+            ("ep_comm_ratio", "train_ep_comm_compute_ratio_threshold", s.ep_comm_compute_ratio_threshold),
+            ("bubble_ratio", "train_pipeline_bubble_ratio_threshold", s.bubble_ratio_threshold)):
+        values = [v for v in (_first_number(p.reason) for p in plan.pruned if p.code == code)
+                  if v is not None and v > current]
         if not values:
             continue
         needed = round(min(values) * 1.05 + 0.005, 2)
-        if field == "bubble_ratio_threshold" and needed > 1:
+        if code == "tp_comm_ratio":
+            space = replace(s, comm_compute_ratio_threshold=needed)
+        elif code == "ep_comm_ratio":
+            space = replace(s, ep_comm_compute_ratio_threshold=needed)
+        elif needed <= 1.0:
+            space = replace(s, bubble_ratio_threshold=needed)
+        else:
             continue
-        config_name = {"comm_compute_ratio_threshold": "train_comm_compute_ratio_threshold",
-                       "ep_comm_compute_ratio_threshold": "train_ep_comm_compute_ratio_threshold",
-                       "bubble_ratio_threshold": "train_pipeline_bubble_ratio_threshold"}[field]
-        trials.append((f"global_resource_planner.{config_name}: {needed}",
-                       replace(inputs, space=replace(s, **{field: needed}))))
+        trials.append((f"global_resource_planner.{config_name}: {needed}", replace(inputs, space=space)))
     return trials
 
 

@@ -30,10 +30,6 @@ ALTERNATIVES = 5
 # per-split training rules, in the order they are checked (the first failing one is the recorded reason)
 SPLIT_CODES = ("split_divisibility", "ep_data_parallel", "batch_divisibility", "interleave_microbatches",
                "tp_comm_ratio", "ep_comm_ratio", "bubble_ratio", "train_memory")
-STRUCTURAL_CODES = frozenset({"tp_heads", "tp_kv_heads", "tp_node", "vpp_needs_pp", "pp_layers", "ep_dense",
-                              "ep_experts", "cp_sequence", "cp_backend", "split_divisibility", "ep_data_parallel",
-                              "batch_divisibility", "interleave_microbatches", "rollout_tp_heads",
-                              "rollout_tp_kv_heads", "rollout_tp_node", "rollout_split", "split_exceeds_cluster"})
 THRESHOLD_CODES = frozenset({"tp_comm_ratio", "ep_comm_ratio", "bubble_ratio"})
 
 

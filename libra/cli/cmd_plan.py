@@ -12,23 +12,17 @@ import argparse
 import json
 import shutil
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:  # the heavy modules load when the command runs, not when `libra` builds its parser
+    from rich.console import Console
+    from rich.table import Table
 
-from libra.config import ConfigError, load
-from libra.planning import plan_job
-from planner.hardware import UnknownGPUError
-from planner.memory import MemoryEstimate
-from planner.model_spec import ModelSpecError
-from planner.plan import Evaluation, Plan
-from planner.report import plan_dict
-from planner.workload import PlannerInputError
+    from planner.memory import MemoryEstimate
+    from planner.plan import Evaluation, Plan
 
 EXIT_OK = 0
 EXIT_INVALID = 2
-GB = 1e9
 
 
 def register(subparsers: Any) -> None:
@@ -46,6 +40,15 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from libra.config import ConfigError, load
+    from libra.planning import plan_job
+    from planner.hardware import UnknownGPUError
+    from planner.model_spec import ModelSpecError
+    from planner.report import plan_dict
+    from planner.workload import PlannerInputError
+
     try:
         cfg = load(args.config, args.overrides)
     except ConfigError as err:
@@ -68,15 +71,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------------- render
-def _gb(value: float) -> str:
-    return f"{value / GB:,.2f}"
+def _size(value: float) -> str:
+    """Bytes in decimal units, 3 significant digits (GB, MB, kB)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+def _params(count: float) -> str:
+    return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.2f} M"
 
 
 def _title(plan: Plan, source: str) -> str:
     m, c, w = plan.inputs.model, plan.inputs.cluster, plan.inputs.workload
     moe = f", MoE {m.num_experts} experts / {m.num_experts_per_tok} active" if m.is_moe else ""
     mode = (f"async (max_head_offpolicyness {w.max_head_offpolicyness})" if w.is_async else "sync")
-    return (f"[bold]Plan[/bold] for {source}: {m.name} ({m.total_params / 1e9:.2f} B params{moe}) on "
+    return (f"[bold]Plan[/bold] for {source}: {m.name} ({_params(m.total_params)} params{moe}) on "
             f"{c.num_nodes} x {c.gpus_per_node} {c.gpu.name} -- strategy {plan.strategy}, {mode}")
 
 
@@ -93,26 +104,34 @@ def _split_lines(ev: Evaluation) -> list[str]:
 
 
 def _memory_table(title: str, est: MemoryEstimate) -> Table:
+    from rich.table import Table
+
+    from planner.memory import MOMENTS
+
     table = Table(title=f"{title} -- {est.where}", title_justify="left", show_lines=False)
     table.add_column("term")
     table.add_column("phase")
-    table.add_column("GB", justify="right")
+    table.add_column("size", justify="right")
     table.add_column("how")
+    at_peak = MOMENTS.get(est.peak_phase, ())
     for t in est.terms:
         if t.bytes == 0 and t.phase != "reserve":
             continue
         mark = "" if t.counted else " (not counted)"
-        peak = " *" if t.phase == est.peak_phase else ""
-        table.add_row(t.name, t.phase + peak, _gb(t.bytes), t.formula + mark)
+        peak = " *" if t.phase in at_peak else ""
+        table.add_row(t.name, t.phase + peak, _size(t.bytes), t.formula + mark)
     status = "fits" if est.fits else "[bold red]DOES NOT FIT[/bold red]"
-    table.add_row("[bold]peak[/bold]", f"static + {est.peak_phase}", f"[bold]{_gb(est.peak_bytes)}[/bold]",
-                  f"of {_gb(est.capacity_bytes)} GB capacity, headroom {_gb(est.headroom_bytes)} GB: {status}")
+    moment = "static" if est.peak_phase == "static" else f"static + {est.peak_phase} (*)"
+    table.add_row("[bold]peak[/bold]", moment, f"[bold]{_size(est.peak_bytes)}[/bold]",
+                  f"of {_size(est.capacity_bytes)} capacity, headroom {_size(est.headroom_bytes)}: {status}")
     if est.host_bytes:
-        table.add_row("host memory", "host", _gb(est.host_bytes), "offloaded optimizer state per GPU")
+        table.add_row("host memory", "host", _size(est.host_bytes), "offloaded optimizer state per GPU")
     return table
 
 
 def _times_table(ev: Evaluation) -> Table:
+    from rich.table import Table
+
     t, r = ev.train, ev.rollout
     table = Table(title="Predicted phase times per step", title_justify="left")
     table.add_column("phase")
@@ -133,11 +152,13 @@ def _times_table(ev: Evaluation) -> Table:
 
 
 def _alternatives_table(plan: Plan) -> Table:
+    from rich.table import Table
+
     assert plan.chosen is not None
     best = plan.chosen.samples_per_s
     table = Table(title="Next best alternatives", title_justify="left")
-    for name in ("#", "training", "rollout", "samples/s", "vs chosen", "train peak GB"):
-        table.add_column(name, justify="right" if name in ("#", "samples/s", "vs chosen", "train peak GB") else "left")
+    for name in ("#", "training", "rollout", "samples/s", "vs chosen", "train peak"):
+        table.add_column(name, justify="right" if name in ("#", "samples/s", "vs chosen", "train peak") else "left")
     rows = [("baseline", plan.baseline)] if plan.baseline is not None else []
     rows += [(str(i), a) for i, a in enumerate(plan.alternatives, 1)]
     for label, ev in rows:
@@ -146,11 +167,13 @@ def _alternatives_table(plan: Plan) -> Table:
         table.add_row(label, f"{c.train_gpus} GPUs {c.layout.label()} dp={c.dp}",
                       f"{c.rollout_gpus} GPUs {c.rollout_instances} x tp={c.rollout_tp}{extra}",
                       f"{ev.samples_per_s:.3f}", f"{ev.samples_per_s / best - 1:+.1%}",
-                      _gb(ev.train_memory.peak_bytes))
+                      _size(ev.train_memory.peak_bytes))
     return table
 
 
 def _pruned_table(plan: Plan) -> Table:
+    from rich.table import Table
+
     table = Table(title="Pruned candidates", title_justify="left")
     table.add_column("candidates")
     table.add_column("reason")

@@ -42,10 +42,23 @@ class Allocation:
         )
 
 
+class InfeasiblePlanError(RuntimeError):
+    """The planner found no split and layout that fits; the message says what to change."""
+
+
+def _planner_document(cfg: Config) -> tuple[Any, dict[str, Any]]:
+    from libra.planning import plan_job
+    from planner.report import plan_dict
+
+    plan = plan_job(cfg)
+    return plan, plan_dict(plan)
+
+
 def configured_allocation(cfg: Config) -> Allocation:
+    """The pinned split; the planner's evaluation of it (memory, predicted times) is recorded alongside."""
     layout = TrainLayout(tp=cfg.train_tp_size, pp=cfg.train_pp_size, cp=cfg.train_cp_size, ep=cfg.train_ep_size,
                          vpp=cfg.train_vpp_size)
-    plan = {
+    plan: dict[str, Any] = {
         "strategy": "configured",
         "train_gpus": cfg.train_gpus,
         "rollout_gpus": cfg.rollout_gpus,
@@ -54,27 +67,29 @@ def configured_allocation(cfg: Config) -> Allocation:
         "train_layout": dataclasses.asdict(layout) | {"dp": layout.dp(cfg.train_gpus)},
         "why": "global_resource_planner.initial_allocation_strategy is configured: the pinned split is kept",
     }
+    try:
+        _, plan["planner"] = _planner_document(cfg)
+    except Exception as exc:  # the evaluation is informative only; the pinned split runs regardless
+        plan["planner_error"] = f"{type(exc).__name__}: {exc}"
     return Allocation(cfg.train_gpus, cfg.rollout_gpus, cfg.rollout_tp_size, layout, "configured", plan)
 
 
 def grp_allocation(cfg: Config) -> Allocation:
-    """Ask the planner (libra.planning) for the split and layout."""
-    from libra import planning
-
-    result = planning.plan_for_config(cfg)
-    plan = planning.plan_to_dict(result) if hasattr(planning, "plan_to_dict") else dict(result.to_dict())
-    chosen = plan.get("chosen", plan)
-    layout_data = chosen.get("train_layout", {})
-    layout = TrainLayout(
-        tp=int(layout_data.get("tp", 1)),
-        pp=int(layout_data.get("pp", 1)),
-        cp=int(layout_data.get("cp", 1)),
-        ep=int(layout_data.get("ep", 1)),
-        vpp=int(layout_data.get("vpp", 1)),
-    )
-    plan = {"strategy": "grp", **plan}
-    return Allocation(int(chosen["train_gpus"]), int(chosen["rollout_gpus"]),
-                      int(chosen.get("rollout_tp", cfg.rollout_tp_size)), layout, "grp", plan)
+    """The planner's choice of split and layout (`libra plan` shows the same)."""
+    plan, document = _planner_document(cfg)
+    if not plan.feasible or plan.chosen is None:
+        hints = "; ".join(plan.suggestions) or "run `libra plan CONFIG --explain` for the pruned candidates"
+        raise InfeasiblePlanError(
+            f"the planner found no feasible train/rollout split for {cfg.total_gpus} GPUs: {hints}"
+        )
+    chosen = plan.chosen.candidate
+    layout = TrainLayout(tp=chosen.layout.tp, pp=chosen.layout.pp, cp=chosen.layout.cp, ep=chosen.layout.ep,
+                         vpp=chosen.layout.vpp)
+    document = {"strategy": "grp", "train_gpus": chosen.train_gpus, "rollout_gpus": chosen.rollout_gpus,
+                "rollout_tp": chosen.rollout_tp, "rollout_instances": chosen.rollout_instances,
+                "train_layout": dataclasses.asdict(layout) | {"dp": layout.dp(chosen.train_gpus)},
+                "why": f"planner choice: {chosen.label()}", "planner": document}
+    return Allocation(chosen.train_gpus, chosen.rollout_gpus, chosen.rollout_tp, layout, "grp", document)
 
 
 def initial_allocation(cfg: Config) -> Allocation:

@@ -62,7 +62,7 @@ class LaunchOptions:
     keep_servers: bool = False  # leave rollout servers running at exit (for adoption by the next launch)
     startup_timeout_s: float = 1800.0
     tick_interval_s: float = 1.0
-    curve_every_steps: int = 5
+    curve_interval_s: float = 30.0
     install_signal_handlers: bool = True
     timeouts: StateTimeouts = field(default_factory=StateTimeouts)
 
@@ -159,7 +159,7 @@ class Controller:
         console = make_console(self.options.console or cfg.tracking.console)
         self.reporter = Reporter(run, cfg.name or "libra", self.end_step, console, self.events, self.metrics,
                                  write_jsonl="jsonl" in cfg.tracking.backends,
-                                 curve_every_steps=self.options.curve_every_steps)
+                                 curve_interval_s=self.options.curve_interval_s)
         self.reporter.start(0, "starting")
         self.events.emit("launch", "resuming an existing run" if resuming else "new run", run_dir=str(run.root),
                          end_step=self.end_step, resuming=resuming)
@@ -218,6 +218,7 @@ class Controller:
             )
         self.events.emit("pools_ready", self._pool_summary())
         self.reporter.pools(self._pool_status())
+        self.reporter.set_state("starting", message="pools ready")
 
     def _desired(self) -> DesiredState:
         assert self.desired is not None

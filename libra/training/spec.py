@@ -222,6 +222,11 @@ def cpu_not_validated(spec: TrainingPoolSpec, arch: HFArch | None = None) -> lis
         )
     if meg.grouped_gemm and arch is not None and arch.is_moe:
         out.append("training.megatron.grouped_gemm=true: grouped GEMM kernels need CUDA")
+    if arch is not None and arch.is_moe and spec.tp > 1:
+        out.append(
+            f"training.tp={spec.tp} with a mixture-of-experts model: Megatron needs sequence parallelism there, "
+            "which the local layer spec's torch norm does not support; use ep for the experts and tp=1 on CPU"
+        )
     if spec.params_dtype != "fp32":
         out.append(f"training.params_dtype='{spec.params_dtype}': mixed precision is validated on CUDA only")
     return out

@@ -161,7 +161,12 @@ class TrainingWorker:
         dp_rank, dp = self._dp()
         start, stop = batching.dp_block(len(samples), dp, dp_rank)
         rows = batching.rows_per_rank(len(samples), dp, *micro_sizes)
-        return batching.pack(samples[start:stop], rows, batching.step_seq_len(samples)), start
+        return batching.pack(samples[start:stop], rows, self._seq_len(batching.step_seq_len(samples))), start
+
+    def _seq_len(self, length: int) -> int:
+        """`length` rounded up to what the layout needs (a multiple of TP under sequence parallelism)."""
+        multiple = self.layout.tp if megatron_setup.uses_sequence_parallel(self.arch, self.layout) else 1
+        return -(-length // multiple) * multiple
 
     def _logprob_pass(self, chunks: list[torch.nn.Module], batch: StepBatch, size: int) -> torch.Tensor | None:
         results = forward_logprobs(chunks, batching.micro_batches(batch, size), self.arch.vocab_size)
@@ -287,8 +292,11 @@ class TrainingWorker:
         from megatron.core import parallel_state as ps
 
         with cpu_compat.device_scope():
-            tokens = torch.tensor(token_ids, dtype=torch.long)
-            rows, seq = tokens.shape
+            given = torch.tensor(token_ids, dtype=torch.long)
+            rows, length = given.shape
+            seq = self._seq_len(length)
+            tokens = torch.full((rows, seq), batching.PAD_ID, dtype=torch.long)
+            tokens[:, :length] = given
             batch = StepBatch(
                 tokens=tokens,
                 positions=torch.arange(seq).unsqueeze(0).expand(rows, -1).contiguous(),
@@ -301,14 +309,16 @@ class TrainingWorker:
             logits = forward_full_logits(self.chunks, batch)
             if logits is None or ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
                 return None
-            return logits[..., : self.arch.vocab_size].tolist()
+            return logits[:, :length, : self.arch.vocab_size].tolist()
 
-    def recompute_probe(self, seq_len: int) -> dict[str, int]:
-        """Collective: peak bytes of one log-prob recomputation micro batch of `seq_len` tokens."""
+    def recompute_probe(self, seq_len: int, micro_batch_size: int = 0) -> dict[str, int]:
+        """Collective: peak bytes of one log-prob recomputation micro batch of `seq_len` tokens
+        (`micro_batch_size` rows, default the spec's recompute_micro_batch_size)."""
         from libra.training.memory_probe import measure_peak
 
         with cpu_compat.device_scope():
-            rmbs = self.spec.recompute_micro_batch_size
+            rmbs = micro_batch_size or self.spec.recompute_micro_batch_size
+            seq_len = self._seq_len(seq_len)
             tokens = torch.randint(4, self.arch.vocab_size, (rmbs, seq_len), generator=torch.Generator().manual_seed(0))
             batch = StepBatch(
                 tokens=tokens,

@@ -167,14 +167,14 @@ def processes_using(path: Path) -> list[int]:
     return found
 
 
-@pytest.fixture(scope="session")
-def controller_workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """A run directory and its job file; at the end every process the launches left is stopped."""
-    root = tmp_path_factory.mktemp("controller")
+def make_workspace(root: Path, ray_address: str = "") -> tuple[dict[str, Any], list[Launch]]:
     run_dir = root / "run"
     config = root / "itest.yaml"
     port = free_port()
-    config.write_text(yaml.safe_dump(job_config(root / "model", port), sort_keys=False))
+    data = job_config(root / "model", port)
+    if ray_address:
+        data["cluster"]["ray_address"] = ray_address
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
     launches: list[Launch] = []
 
     def launch(*extra: str) -> Launch:
@@ -182,19 +182,67 @@ def controller_workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
         launches.append(started)
         return started
 
-    try:
-        yield {"root": root, "run_dir": run_dir, "config": config, "launch": launch, "port": port}
-    finally:
-        for started in launches:
-            if started.proc.poll() is None:
-                started.proc.send_signal(signal.SIGTERM)
-                try:
-                    started.proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    pass
-            started.kill_group()
-        for pid in live(server_pids(run_dir)) + processes_using(run_dir):
+    return {"root": root, "run_dir": run_dir, "config": config, "launch": launch, "port": port}, launches
+
+
+def stop_everything(run_dir: Path, launches: list[Launch]) -> None:
+    """Stop whatever the launches of a workspace left running (normally nothing)."""
+    for started in launches:
+        if started.proc.poll() is None:
+            started.proc.send_signal(signal.SIGTERM)
             try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+                started.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
                 pass
+        started.kill_group()
+    for pid in live(server_pids(run_dir)) + processes_using(run_dir):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@pytest.fixture(scope="session")
+def controller_workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A run directory and its job file (Ray started by each launch); every process left is stopped."""
+    ws, launches = make_workspace(tmp_path_factory.mktemp("controller"))
+    try:
+        yield ws
+    finally:
+        stop_everything(ws["run_dir"], launches)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Ray cluster with 2 logical GPUs that outlives the controllers joining it; its address."""
+    tmp = tmp_path_factory.mktemp("ray-holder")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    holder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ray_holder.py")), "2", str(tmp)],
+                              cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              start_new_session=True, text=True)
+    try:
+        assert holder.stdout is not None
+        line = holder.stdout.readline()
+        yield json.loads(line)["address"]
+    finally:
+        if holder.stdin is not None:
+            holder.stdin.close()
+        try:
+            holder.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(holder.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        holder.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def shared_cluster_workspace(tmp_path_factory: pytest.TempPathFactory, ray_cluster: str) -> Iterator[dict[str, Any]]:
+    """A run directory whose launches join `ray_cluster` (so rollout servers can outlive a controller)."""
+    ws, launches = make_workspace(tmp_path_factory.mktemp("controller-shared"), ray_cluster)
+    try:
+        yield ws
+    finally:
+        stop_everything(ws["run_dir"], launches)

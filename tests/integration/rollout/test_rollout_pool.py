@@ -22,7 +22,7 @@ from libra.cluster.ray_runtime import RayRuntime
 from libra.rollout.pool import RolloutPool, stop_registered_servers
 from libra.rollout.registry import InstanceRegistry
 from libra.rollout.reload import WeightSyncError
-from libra.rollout.spec import GenerationAborted, RolloutPoolSpec
+from libra.rollout.spec import Completion, GenerationAborted, RolloutPoolSpec
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +72,13 @@ def holder(
             stop_registered_servers(run_dir)
 
 
+def finished(completion: Completion, max_new_tokens: int) -> bool:
+    """Ran to the length limit, or stopped early on the end-of-sequence token (kept as the last token)."""
+    if completion.finish_reason == "length":
+        return len(completion.token_ids) == max_new_tokens
+    return completion.finish_reason == "stop" and 0 < len(completion.token_ids) <= max_new_tokens
+
+
 def greedy(pool: RolloutPool, prompt: list[int] = PROMPT, tokens: int = 12) -> list[int]:
     return pool.generate_batch([prompt], n=1, max_new_tokens=tokens, temperature=0.0)[0][0].token_ids
 
@@ -97,7 +104,7 @@ def test_two_instances_on_distinct_logical_gpus_generate(holder: PoolHolder) -> 
         assert len(group) == 3 and len({c.instance_id for c in group}) == 1  # a group stays on one instance
         for c in group:
             assert c.prompt_ids == prompt and c.weight_version == 0
-            assert len(c.token_ids) == len(c.logprobs) == 10 and c.finish_reason == "length"
+            assert len(c.token_ids) == len(c.logprobs) and finished(c, 10)
             assert all(lp <= 0.0 for lp in c.logprobs)
     stats = holder.pool.stats()
     assert stats.tokens_generated >= len(PROMPTS) * 3 * 10 and stats.tokens_per_s > 0
@@ -180,7 +187,7 @@ def test_reload_during_generation_finishes_every_request_on_one_version(
     groups = results[0]
     assert isinstance(groups, list) and len(groups) == len(PROMPTS) * 2
     assert {c.weight_version for g in groups for c in g} <= {version - 1, version}
-    assert all(len(c.token_ids) == 60 for g in groups for c in g)
+    assert all(finished(c, 60) for g in groups for c in g)
 
 
 def test_abort_all_stops_requests_at_a_step_boundary(holder: PoolHolder) -> None:
@@ -204,7 +211,7 @@ def test_abort_all_stops_requests_at_a_step_boundary(holder: PoolHolder) -> None
     assert not worker.is_alive() and time.monotonic() - started < 30
     assert len(errors) == 1 and isinstance(errors[0], GenerationAborted)
     assert pool.stats().in_flight == 0
-    assert len(greedy(pool)) == 12, "the pool keeps serving after an abort"
+    assert greedy(pool), "the pool keeps serving after an abort"
 
 
 def test_wrong_checksum_is_an_error_naming_every_instance(
@@ -269,7 +276,7 @@ def test_adoption_after_controller_restart_reuses_live_servers(
     infos = holder.pool.instances()
     assert {i.id: (i.pid, i.weight_version) for i in infos} == before
     assert all(i.adopted and i.state == "ready" for i in infos)
-    assert len(greedy(holder.pool)) == 12
+    assert greedy(holder.pool)
 
 
 def test_kill9_mid_generation_retries_on_the_other_instance(
@@ -292,7 +299,7 @@ def test_kill9_mid_generation_retries_on_the_other_instance(
     worker.join(timeout=300)
     groups = results[0]
     assert isinstance(groups, list) and len(groups) == len(PROMPTS) * 2
-    assert all(len(c.token_ids) == 100 for g in groups for c in g)
+    assert all(finished(c, 100) for g in groups for c in g)
     assert pool.stats().retries >= 1
     states = {i.id: (i.state, i.healthy) for i in pool.instances()}
     assert states == {victim.id: ("failed", False), survivor.id: ("ready", True)}

@@ -25,15 +25,13 @@ def percentile(values: list[int], q: float) -> float:
 
 
 def merged_length(intervals: list[tuple[int, int]]) -> int:
-    total, cur_s, cur_e = 0, None, None
+    merged: list[list[int]] = []
     for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
         else:
-            cur_e = max(cur_e, e)
-    return total + (0 if cur_e is None else cur_e - cur_s)
+            merged.append([s, e])
+    return sum(e - s for s, e in merged)
 
 
 def test_phase_statistics_match_independent_figures(synthetic_trace: SyntheticTrace) -> None:

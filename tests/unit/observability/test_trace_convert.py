@@ -97,7 +97,7 @@ def test_counter_tracks_and_step_markers(converted: tuple) -> None:
     assert [c["args"] for c in counters if c["name"] == "pool.gpus"] == [{"train": 2, "rollout": 2}] * 3
     assert [c["args"]["prompts"] for c in counters if c["name"] == "queue.depth"] == [8, 7, 6]
     markers = [e for e in by_phase(doc["traceEvents"], "i") if e.get("s") == "g"]
-    expected = {}
+    expected: dict[int, int] = {}
     for r in trace.records:
         if r["name"] == "train.step":
             expected[r["step"]] = min(expected.get(r["step"], r["start_ns"]), r["start_ns"])

@@ -22,7 +22,7 @@ class SyntheticTrace:
         return [r for r in self.records if r.get("kind", "span") == "span"]
 
 
-def _rec(name: str, role: str, rank: int, step: int | None, start: int, end: int, **extra: Any) -> dict:
+def _rec(name: str, role: str, rank: int, step: Any, start: int, end: int, **extra: Any) -> dict:
     rec: dict[str, Any] = {"schema": 1, "name": name, "role": role, "rank": rank, "step": step,
                            "start_ns": start, "end_ns": end}
     rec.update(extra)

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 from planner_cases import inputs
 
-from planner.cost import decode_step_s, forward_flops_per_token, linear_params, rollout_costs, step_seconds, train_costs
+from planner.cost import (
+    decode_step_s,
+    forward_flops_per_token,
+    linear_params,
+    rollout_costs,
+    step_seconds,
+    train_costs,
+)
 from planner.layout import TrainLayout
 
 

@@ -4,6 +4,7 @@ infeasible jobs with advice."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from planner_cases import dense, inputs, model
@@ -15,7 +16,7 @@ from planner.report import plan_dict
 from planner.search import SPLIT_CODES, brute_force, evaluate, search, split_sizes
 from planner.workload import PinnedLayout, PlannerInputs
 
-BRUTE_FORCE_CASES = {
+BRUTE_FORCE_CASES: dict[str, dict[str, Any]] = {
     "7b-8gpu-sync": dict(spec="qwen2.5-7b", nodes=1, allowed_pp=(1, 2, 4)),
     "7b-16gpu-async": dict(spec="qwen2.5-7b", nodes=2, allocation_granularity_gpus=2, max_head_offpolicyness=2,
                            allowed_pp=(1, 2, 4)),
@@ -62,7 +63,7 @@ def test_every_pruned_split_records_the_first_rule_it_breaks() -> None:
     inp = inputs("qwen2.5-7b", nodes=2, allocation_granularity_gpus=2, bubble_ratio_threshold=0.01,
                  allowed_pp=(1, 2, 4, 7), train_micro_batch_size=4)
     plan = search(inp)
-    recorded: dict[tuple[TrainLayout, int], str] = {}
+    recorded: dict[tuple[TrainLayout | None, int], str] = {}
     for p in plan.pruned:
         if p.kind == "train_layout":
             for t in plan.splits:
@@ -129,8 +130,17 @@ def test_configured_split_that_does_not_fit_says_what_to_change() -> None:
     assert not plan.chosen.train_memory.fits
     text = "\n".join(plan.suggestions)
     assert text.startswith("train_memory: training peak")
-    assert "megatron_recompute_granularity: full makes it plan" in text
     assert "initial_allocation_strategy: grp would choose" in text
+
+
+def test_single_option_fixes_are_verified_by_a_search() -> None:
+    inp = _pinned(inputs("qwen2.5-7b", use_distributed_optimizer=False), train_gpus=4, rollout_gpus=4, tp=2)
+    plan = search(inp)
+    assert not plan.feasible
+    fix = "megatron_optimizer_cpu_offload: true with megatron_optimizer_offload_fraction: 1.0 makes it plan"
+    assert any(s.startswith(fix) for s in plan.suggestions)
+    offloaded = replace(inp, train=replace(inp.train, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0))
+    assert search(offloaded).feasible
 
 
 def test_configured_structural_error_is_reported() -> None:
@@ -158,13 +168,23 @@ def test_infeasible_advice_finds_a_cluster_that_works() -> None:
     assert any(s.startswith("cluster.num_nodes:") for s in plan.suggestions)
 
 
-def test_layout_rules_name_the_broken_divisibility() -> None:
-    spec = dense(num_hidden_layers=6)
-    assert layout_rule_violation(spec, TrainLayout(tp=3), 8, 4096, "flash").code == "tp_heads"
-    assert layout_rule_violation(spec, TrainLayout(pp=4), 8, 4096, "flash").code == "pp_layers"
-    assert layout_rule_violation(spec, TrainLayout(ep=2), 8, 4096, "flash").code == "ep_dense"
-    assert layout_rule_violation(spec, TrainLayout(tp=16), 16, 4096, "flash").code == "tp_kv_heads"
-    assert layout_rule_violation(model("qwen3-30b-a3b"), TrainLayout(ep=3), 8, 4096, "flash").code == "ep_experts"
-    assert layout_rule_violation(spec, TrainLayout(cp=2), 8, 4096, "eager").code == "cp_backend"
-    assert layout_rule_violation(spec, TrainLayout(tp=2), 8, 4096, "flash") is None
+@pytest.mark.parametrize(("layout", "gpn", "backend", "code"), [
+    (TrainLayout(tp=3), 8, "flash", "tp_heads"),
+    (TrainLayout(pp=4), 8, "flash", "pp_layers"),
+    (TrainLayout(ep=2), 8, "flash", "ep_dense"),
+    (TrainLayout(tp=16), 16, "flash", "tp_kv_heads"),
+    (TrainLayout(tp=4), 2, "flash", "tp_node"),
+    (TrainLayout(pp=2, vpp=2), 8, "flash", "pp_layers"),
+    (TrainLayout(cp=2), 8, "eager", "cp_backend"),
+    (TrainLayout(tp=2), 8, "flash", None),
+])
+def test_layout_rules_name_the_broken_divisibility(layout: TrainLayout, gpn: int, backend: str,
+                                                   code: str | None) -> None:
+    rule = layout_rule_violation(dense(num_hidden_layers=6), layout, gpn, 4096, backend)
+    assert (rule.code if rule else None) == code
+
+
+def test_expert_count_must_divide_by_ep() -> None:
+    rule = layout_rule_violation(model("qwen3-30b-a3b"), TrainLayout(ep=3), 8, 4096, "flash")
+    assert rule is not None and rule.code == "ep_experts"
     assert set(SPLIT_CODES) >= {"train_memory", "bubble_ratio", "batch_divisibility"}

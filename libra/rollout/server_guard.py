@@ -1,0 +1,94 @@
+"""Guard of one vLLM server's process group (standard library only; runs as its own small process).
+
+    python -m libra.rollout.server_guard [--owner-pid PID] -- <server command ...>
+
+The guard leads the server's session and runs the server as its child. When the server exits, the guard
+kills whatever is left in the group (vLLM's engine core outlives a killed API server otherwise, holding its
+memory and cores) and exits with the server's code. With `--owner-pid`, it also stops the server when that
+owner (the Ray host actor that holds the instance's GPUs) is gone, so no server runs on GPUs nobody holds.
+SIGTERM/SIGINT sent to the guard alone are passed on to the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+
+STOP_GRACE_S = 10.0
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes in process group `pgid` (from /proc)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry))
+    return members
+
+
+def kill_rest_of_group() -> None:
+    me = os.getpid()
+    for pid in group_members(os.getpgrp()):
+        if pid != me:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="run a vLLM server and keep its process group tidy")
+    parser.add_argument(
+        "--owner-pid", type=int, default=0, help="stop the server when this parent process is gone"
+    )
+    parser.add_argument("--poll-s", type=float, default=1.0)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no server command given after --")
+
+    child = subprocess.Popen(command)
+
+    def forward(signum: int, _frame: object) -> None:
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while True:
+        try:
+            code = child.wait(timeout=args.poll_s)
+            reason = f"server exited with code {code}"
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if args.owner_pid and os.getppid() != args.owner_pid:
+            child.terminate()
+            try:
+                code = child.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                code = child.wait()
+            reason = f"owner process {args.owner_pid} is gone; server stopped"
+            break
+    print(
+        f"[libra server guard] {reason}; clearing process group {os.getpgrp()}", file=sys.stderr, flush=True
+    )
+    kill_rest_of_group()
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Online re-planning: calibration reproduces observations, hysteresis prevents flapping, switches must pay."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from planner_cases import inputs
+
+from planner.layout import TrainLayout
+from planner.plan import Candidate
+from planner.replan import Observation, ReplanPolicy, calibrate, replan, switch_cost_s
+from planner.search import evaluate, search
+
+
+def _setup():  # type: ignore[no-untyped-def]
+    inp = inputs("qwen2.5-7b", nodes=4, allocation_granularity_gpus=8, max_head_offpolicyness=1,
+                 expected_response_tokens=1024, max_new_tokens=2048, batch_size=48)
+    inp = replace(inp, rollout=replace(inp.rollout, reload_method="inplace"))
+    plan = search(inp)
+    assert plan.chosen is not None
+    return inp, plan.chosen
+
+
+def _observe_prediction(inp, candidate: Candidate, slow_rollout: float = 1.0, slow_train: float = 1.0,
+                        response: float | None = None) -> Observation:  # type: ignore[no-untyped-def]
+    ev = evaluate(inp, candidate, check_thresholds=False)
+    return Observation(rollout_tokens_per_s=ev.rollout["tokens_per_s"] / slow_rollout,
+                       train_step_s=ev.train_side_s * slow_train,
+                       mean_response_tokens=response if response is not None else inp.workload.response_tokens)
+
+
+def test_calibration_reproduces_the_observed_rates() -> None:
+    inp, chosen = _setup()
+    obs = Observation(rollout_tokens_per_s=12345.0, train_step_s=77.0, mean_response_tokens=900.0)
+    cal = calibrate(inp, chosen.candidate, obs, horizon_steps=20)
+    ev = evaluate(cal, chosen.candidate, check_thresholds=False)
+    assert ev.rollout["tokens_per_s"] == pytest.approx(12345.0, rel=0.02)
+    assert ev.train_side_s == pytest.approx(77.0, rel=0.02)
+    assert cal.workload.expected_response_tokens == 900
+
+
+def test_response_length_trend_is_projected_over_half_the_horizon() -> None:
+    inp, chosen = _setup()
+    obs = Observation(1e4, 50.0, mean_response_tokens=800.0, response_tokens_per_step=10.0)
+    cal = calibrate(inp, chosen.candidate, obs, horizon_steps=40)
+    assert cal.workload.expected_response_tokens == 1000
+
+
+def test_matching_observations_keep_the_current_split() -> None:
+    inp, chosen = _setup()
+    decision = replan(inp, chosen.candidate, _observe_prediction(inp, chosen.candidate), ReplanPolicy())
+    assert not decision.change
+    assert decision.target.candidate == chosen.candidate
+
+
+POOR = Candidate(train_gpus=8, rollout_gpus=24, layout=TrainLayout(tp=1, pp=2), rollout_tp=2)
+
+
+def test_a_starved_training_pool_gets_more_gpus() -> None:
+    inp, chosen = _setup()
+    obs = _observe_prediction(inp, POOR)
+    decision = replan(inp, POOR, obs, ReplanPolicy(min_gain=0.05, horizon_steps=200))
+    assert decision.change, decision.reason
+    assert decision.target.candidate.train_gpus > POOR.train_gpus
+    assert decision.target.candidate == chosen.candidate
+    assert decision.predicted_gain >= 0.05
+    assert decision.predicted_gain >= 0.05
+    assert decision.time_saved_s > decision.switch_cost_s > 0
+
+
+def test_hysteresis_band_prevents_flapping() -> None:
+    inp, chosen = _setup()
+    policy = ReplanPolicy(min_gain=0.5, horizon_steps=200)
+    current = chosen.candidate
+    moves = 0
+    for slow in (1.3, 0.8, 1.3, 0.8, 1.3, 0.8):  # estimates wobbling around the current operating point
+        decision = replan(inp, current, _observe_prediction(inp, current, slow_train=slow), policy)
+        if decision.change:
+            moves += 1
+            current = decision.target.candidate
+    assert moves == 0
+
+
+def test_a_switch_that_does_not_pay_off_within_the_horizon_is_declined() -> None:
+    inp, _ = _setup()
+    obs = _observe_prediction(inp, POOR)
+    expensive = replace(inp, cost=replace(inp.cost, rollout_restart_s=1e7, train_restart_s=1e7))
+    decision = replan(expensive, POOR, obs, ReplanPolicy(min_gain=0.01, horizon_steps=5))
+    assert not decision.change
+    assert "switch" in decision.reason
+
+
+def test_fixed_training_pool_only_changes_the_rollout_side() -> None:
+    inp, _ = _setup()
+    obs = _observe_prediction(inp, POOR)
+    policy = ReplanPolicy(min_gain=0.0, horizon_steps=1000, allow_train_resize=False,
+                          allow_train_layout_change=False)
+    decision = replan(inp, POOR, obs, policy)
+    assert decision.target.candidate.train_gpus == POOR.train_gpus
+    assert decision.target.candidate.layout == POOR.layout
+
+
+def test_switch_cost_counts_the_slower_pool_change() -> None:
+    inp, chosen = _setup()
+    c = chosen.candidate
+    other = replace(c, rollout_tp=c.rollout_tp * 2 if c.rollout_tp < 8 else 1)
+    assert switch_cost_s(inp, c, c) == 0.0
+    assert switch_cost_s(inp, c, other) == inp.cost.rollout_restart_s
+    moved = replace(c, train_gpus=c.train_gpus + 8, rollout_gpus=c.rollout_gpus - 8)
+    assert switch_cost_s(inp, c, moved) == max(inp.cost.rollout_restart_s, inp.cost.train_restart_s)

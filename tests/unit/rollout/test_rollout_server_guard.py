@@ -1,0 +1,102 @@
+"""The server guard clears the server's process group when the server exits or its owner dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from libra.rollout.server import pid_alive
+from libra.rollout.server_guard import group_members
+
+# A "server" that leaves a long-lived grandchild behind (as vLLM's API server leaves its engine core).
+SERVER_WITH_ORPHAN = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(child.pid, flush=True)
+time.sleep(float(sys.argv[1]))
+sys.exit(int(sys.argv[2]))
+"""
+
+GUARD = [sys.executable, "-m", "libra.rollout.server_guard", "--poll-s", "0.1"]
+
+
+def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_server_exit_clears_the_group_and_keeps_the_exit_code() -> None:
+    guard = subprocess.Popen(
+        [*GUARD, "--", sys.executable, "-c", SERVER_WITH_ORPHAN, "0.3", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert guard.stdout is not None
+        orphan = int(guard.stdout.readline())
+        assert guard.wait(timeout=20) == 3
+        assert wait_gone(orphan), "the server's leftover child must not survive it"
+        assert group_members(guard.pid) == []
+        assert guard.stderr is not None and b"server exited with code 3" in guard.stderr.read()
+    finally:
+        if guard.poll() is None:
+            os.killpg(guard.pid, signal.SIGKILL)
+
+
+OWNER = """
+import subprocess, sys, time
+guard = subprocess.Popen(sys.argv[1:] + ["--owner-pid", str(__import__("os").getpid()), "--", sys.executable,
+                          "-c", "import time; time.sleep(60)"], start_new_session=True)
+print(guard.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_owner_death_stops_the_server() -> None:
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, *GUARD], stdout=subprocess.PIPE)
+    guard_pid = 0
+    try:
+        assert owner.stdout is not None
+        guard_pid = int(owner.stdout.readline())
+        time.sleep(0.5)
+        members = group_members(guard_pid)
+        assert guard_pid in members and len(members) == 2, "guard + server"
+        owner.kill()  # the host actor dies: its GPUs are released, the server must go
+        owner.wait()
+        assert wait_gone(guard_pid) and all(wait_gone(pid) for pid in members)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        if guard_pid and group_members(guard_pid):
+            os.killpg(guard_pid, signal.SIGKILL)
+
+
+def test_a_command_is_required() -> None:
+    result = subprocess.run([*GUARD], capture_output=True, timeout=30)
+    assert result.returncode == 2 and b"no server command" in result.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signals_to_the_guard_reach_the_server(signum: int) -> None:
+    guard = subprocess.Popen(
+        [*GUARD, "--", sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        time.sleep(0.5)
+        guard.send_signal(signum)
+        code = guard.wait(timeout=20)
+        assert code == 128 + signum or code == -signum or code == 128 - (-signum)
+        assert group_members(guard.pid) == []
+    finally:
+        if guard.poll() is None:
+            os.killpg(guard.pid, signal.SIGKILL)
