@@ -19,7 +19,9 @@ Figures written:
   slowest_instance                       slowest instance of the restart refresh (per refresh: `refreshes`)
   phases                                 per method/strategy: max and mean of lock_wait_s, process_stop_s,
                                          model_load_s and total_s over the ACKs of every repeat
-  throughput                             tokens/s of the pool with one and with two instances
+  throughput                             tokens/s of the pool with one and with two instances (median of
+                                         --runs batches; on a 2-core host the two servers and their API
+                                         processes share the same two cores, so two cannot beat one there)
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ from libra.rollout.weights_checksum import checksum_hf_weights  # noqa: E402
 TARGET_SPEEDUP = 5.0
 
 
+def note(message: str) -> None:
+    print(f"[weight_reload] {message}", file=sys.stderr, flush=True)
+
+
 def build_models(root: str, hidden: int, layers: int) -> list[tuple[str, str]]:
     models = []
     for seed in (0, 1):
@@ -60,20 +66,22 @@ def build_models(root: str, hidden: int, layers: int) -> list[tuple[str, str]]:
     return models
 
 
-def throughput(pool: RolloutPool, groups: int, n: int, tokens: int) -> dict[str, float]:
-    """Tokens/s of one batch of `groups` prompts x `n` samples, wall clock."""
+def throughput(pool: RolloutPool, groups: int, n: int, tokens: int, runs: int) -> dict[str, Any]:
+    """Tokens/s of `runs` batches of `groups` prompts x `n` samples (wall clock); the median run is reported."""
     prompts = [[5 + (i % 50), 6, 7, 8, 9 + (i % 7)] for i in range(groups)]
-    pool.generate_batch(prompts[:2], n=1, max_new_tokens=4, temperature=1.0)  # warm both paths
-    start = time.perf_counter()
-    result = pool.generate_batch(prompts, n=n, max_new_tokens=tokens, temperature=1.0, seed=0)
-    wall = time.perf_counter() - start
-    generated = sum(len(c.token_ids) for g in result for c in g)
-    used = sorted({c.instance_id for g in result for c in g})
+    pool.generate_batch(prompts[:4], n=1, max_new_tokens=4, temperature=1.0)  # warm every instance
+    rates, used = [], set()
+    for run in range(runs):
+        start = time.perf_counter()
+        result = pool.generate_batch(prompts, n=n, max_new_tokens=tokens, temperature=1.0, seed=run)
+        wall = time.perf_counter() - start
+        rates.append(sum(len(c.token_ids) for g in result for c in g) / wall)
+        used |= {c.instance_id for g in result for c in g}
     return {
-        "tokens": generated,
-        "wall_s": round(wall, 3),
-        "tokens_per_s": round(generated / wall, 1),
+        "tokens_per_s": round(statistics.median(rates), 1),
+        "runs_tokens_per_s": [round(r, 1) for r in rates],
         "instances_used": len(used),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
     }
 
 
@@ -118,6 +126,9 @@ def main() -> int:
     parser.add_argument("--groups", type=int, default=32, help="prompts per throughput batch")
     parser.add_argument("--samples", type=int, default=4, help="completions per prompt")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per completion")
+    parser.add_argument(
+        "--runs", type=int, default=3, help="throughput batches per pool size (median reported)"
+    )
     args = parser.parse_args()
     if args.hidden % 32:
         parser.error(f"--hidden={args.hidden}: must be a multiple of 32 (vLLM-CPU head size 32)")
@@ -137,14 +148,16 @@ def main() -> int:
             run_dir=run_dir, max_concurrent_requests=64,
         )  # fmt: skip
         pool = RolloutPool(runtime, spec)
+        note("starting one vLLM instance")
         started = time.perf_counter()
         pool.start()
         first_start_s = time.perf_counter() - started
-        one = throughput(pool, args.groups, args.samples, args.tokens)
+        one = throughput(pool, args.groups, args.samples, args.tokens, args.runs)
+        note(f"one instance: {one['tokens_per_s']} tokens/s; adding a second instance")
         started = time.perf_counter()
         pool.add_instance()
         add_instance_s = time.perf_counter() - started
-        two = throughput(pool, args.groups, args.samples, args.tokens)
+        two = throughput(pool, args.groups, args.samples, args.tokens, args.runs)
 
         reports: dict[str, list[ReloadReport]] = {
             "inplace-parallel": [],
@@ -159,11 +172,13 @@ def main() -> int:
                 reports[f"inplace-{strategy}"].append(
                     pool.publish_weights(version, path, checksum, method="inplace", strategy=strategy)
                 )
+        note(f"two instances: {two['tokens_per_s']} tokens/s; {version} in-place refreshes done; restarting")
         version += 1
         path, checksum = models[version % 2]
         restart = pool.publish_weights(version, path, checksum, method="restart", strategy="parallel")
         reports["restart-parallel"].append(restart)
-        after_restart = throughput(pool, 4, 1, 8)
+        after_restart = pool.generate_batch([[5, 6, 7]] * 4, n=1, max_new_tokens=8, temperature=0.0)
+        served_after_restart = sorted({c.instance_id for g in after_restart for c in g})
     finally:
         if pool is not None:
             pool.shutdown()
@@ -195,13 +210,18 @@ def main() -> int:
             "one_instance": one,
             "two_instances": two,
             "scaling": round(two["tokens_per_s"] / one["tokens_per_s"], 2),
-            "after_restart_smoke": after_restart,
+            "instances_serving_after_restart": served_after_restart,
         },
         "startup": {"first_instance_s": round(first_start_s, 1), "add_instance_s": round(add_instance_s, 1)},
         "refreshes": [refresh_summary(r) for r in all_reports],
         "setup": {
             "model": {"arch": "llama", "hidden": args.hidden, "layers": args.layers, "head_dim": 32},
-            "workload": {"groups": args.groups, "samples": args.samples, "new_tokens": args.tokens},
+            "workload": {
+                "groups": args.groups,
+                "samples": args.samples,
+                "new_tokens": args.tokens,
+                "runs": args.runs,
+            },
             "repeats": args.repeats,
             "instances": 2,
             "vllm": vllm.__version__,

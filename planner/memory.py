@@ -14,7 +14,9 @@ every pool size of a layout in one call; `train_memory` wraps the scalar case in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,7 @@ import numpy as np
 from planner import activations as act
 from planner.layout import TrainLayout
 from planner.model_spec import ModelSpec
-from planner.workload import PlannerInputs
+from planner.workload import PlannerInputs, TrainOptions
 
 PHASES = ("static", "train", "train_loss", "train_backward", "logprob_recompute", "logprob_forward",
           "optimizer_step", "reserve", "host")
@@ -34,6 +36,7 @@ MOMENTS: dict[str, tuple[str, ...]] = {
     "logprob_forward": ("logprob_forward",),
     "optimizer_step": ("optimizer_step",),
 }
+RawTerm = tuple[str, str, Any, bool, Callable[[], str]]  # name, phase, bytes, counted, formula
 TRAIN_LOGITS_BUFFERS = 3  # log-softmax output kept for backward, its gradient, the gradient of the logits
 
 
@@ -111,6 +114,7 @@ class StageParams:
         return self.dense + self.expert
 
 
+@lru_cache(maxsize=4096)
 def stage_params(spec: ModelSpec, layout: TrainLayout, implementation: str, first: bool, last: bool) -> StageParams:
     """Parameters on one rank of the first/last stage (TP-sharded, experts EP- and TP-sharded)."""
     tp, pp, ep = layout.tp, layout.pp, layout.ep
@@ -147,8 +151,13 @@ def in_flight_chunks(layout: TrainLayout, microbatches: Any, rank: int) -> Any:
 
 def _layer_bytes_per_token(inputs: PlannerInputs, layout: TrainLayout, seq_len: int) -> tuple[float, float]:
     """(bytes kept per token per layer in flight, one layer's full activations recomputed during backward)."""
-    spec, opts = inputs.model, inputs.train
-    shape = _rank_shape(inputs, layout)
+    return _layer_bytes(inputs.model, inputs.train, layout, seq_len)
+
+
+@lru_cache(maxsize=4096)
+def _layer_bytes(spec: ModelSpec, opts: TrainOptions, layout: TrainLayout, seq_len: int) -> tuple[float, float]:
+    shape = act.RankShape(tp=layout.tp, ep=layout.ep, sequence_parallel=opts.sequence_parallel,
+                          implementation=opts.implementation, attention_backend=opts.attention_backend)
     dense_parts = act.layer_parts(spec, shape, seq_len, moe=False)
     parts = act.layer_parts(spec, shape, seq_len, moe=True) if spec.is_moe else dense_parts
     n_moe = spec.num_moe_layers
@@ -171,9 +180,9 @@ def microbatches_per_step(inputs: PlannerInputs, dp: Any) -> Any:
     return np.maximum(1, inputs.workload.samples_per_step // (dp * inputs.workload.train_micro_batch_size))
 
 
-def train_terms(inputs: PlannerInputs, layout: TrainLayout, dp: Any, stage: str) -> list[tuple[str, str, Any, bool, str]]:
+def train_terms(inputs: PlannerInputs, layout: TrainLayout, dp: Any, stage: str) -> list[RawTerm]:
     """Terms for the first (`stage="first"`) or last (`"last"`) pipeline stage: (name, phase, bytes, counted,
-    formula). Bytes are floats or arrays shaped like `dp`."""
+    formula). Bytes are floats or arrays shaped like `dp`; formulas are built only when asked for."""
     spec, opts, w, budget = inputs.model, inputs.train, inputs.workload, inputs.budget
     first = stage == "first" or layout.pp == 1
     last = stage == "last" or layout.pp == 1
@@ -191,60 +200,61 @@ def train_terms(inputs: PlannerInputs, layout: TrainLayout, dp: Any, stage: str)
     per_layer, recompute_layer = _layer_bytes_per_token(inputs, layout, seq)
     layers_per_chunk = spec.num_layers / (layout.pp * layout.vpp)
     chunks = in_flight_chunks(layout, microbatches_per_step(inputs, dp), rank)
-    terms: list[tuple[str, str, Any, bool, str]] = [
+    terms: list[RawTerm] = [
         ("weights", "static", params.total * opts.params_dtype_bytes, True,
-         f"{params.total:.4g} params x {opts.params_dtype_bytes} B"),
+         lambda: f"{params.total:.4g} params x {opts.params_dtype_bytes} B"),
         ("gradients", "static", params.total * opts.main_grad_bytes, True,
-         f"{params.total:.4g} params x {opts.main_grad_bytes} B (main grads)"),
+         lambda: f"{params.total:.4g} params x {opts.main_grad_bytes} B (main grads)"),
         ("optimizer_state", "static", sharded * opt_bytes * keep, True,
-         f"params / DP shard x {opt_bytes} B (main params + Adam moments)"
+         lambda: f"params / DP shard x {opt_bytes} B (main params + Adam moments)"
          + (f" x {keep:.2f} kept on GPU" if keep < 1 else "")),
         ("activations", "train", chunks * layers_per_chunk * per_layer * tokens, True,
-         f"{layers_per_chunk:g} layers x {_count(chunks)} micro-batch chunks in flight x {per_layer:.0f} B/token x "
-         f"{tokens:g} tokens ({opts.implementation}/{opts.attention_backend}, "
+         lambda: f"{layers_per_chunk:g} layers x {_count(chunks)} micro-batch chunks in flight x "
+         f"{per_layer:.0f} B/token x {tokens:g} tokens ({opts.implementation}/{opts.attention_backend}, "
          f"recompute={opts.recompute_granularity})"),
     ]
     if opts.offloaded_fraction > 0:
         terms.append(("optimizer_state_on_host", "host", sharded * opt_bytes * opts.offloaded_fraction, False,
-                      f"offloaded fraction {opts.offloaded_fraction:g} of the optimizer state (CPU memory)"))
+                      lambda: f"offloaded fraction {opts.offloaded_fraction:g} of the optimizer state (CPU memory)"))
     if first:
-        per_token = sum(act.embedding_stage_parts(spec, shape).values())
-        terms.append(("embedding_activations", "train", chunks * per_token * tokens, True,
-                      f"{per_token:.0f} B/token per micro-batch in flight"))
+        embed_token = sum(act.embedding_stage_parts(spec, shape).values())
+        terms.append(("embedding_activations", "train", chunks * embed_token * tokens, True,
+                      lambda: f"{embed_token:.0f} B/token per micro-batch in flight"))
     if recompute_layer:
         terms.append(("recompute_layer_workspace", "train_backward", recompute_layer * tokens, True,
-                      "one layer's activations rebuilt during backward (full recomputation)"))
+                      lambda: "one layer's activations rebuilt during backward (full recomputation)"))
     layer_grads = max(per_layer, recompute_layer)
     terms.append(("layer_backward_workspace", "train_backward", layer_grads * tokens, True,
-                  f"activation gradients of one layer, bounded by its activations ({layer_grads:.0f} B/token)"))
+                  lambda: f"activation gradients of one layer, bounded by its activations ({layer_grads:.0f} "
+                  "B/token)"))
     if last:
-        per_token = sum(act.output_stage_parts(spec, shape).values())
-        terms.append(("output_activations", "train_loss", per_token * tokens, True,
-                      f"final norm + output-layer input, {per_token:.0f} B/token"))
+        output_token = sum(act.output_stage_parts(spec, shape).values())
+        terms.append(("output_activations", "train_loss", output_token * tokens, True,
+                      lambda: f"final norm + output-layer input, {output_token:.0f} B/token"))
         logits = tokens * vocab * budget.logits_dtype_bytes
         terms.append(("loss_logits", "train_loss", logits, True,
-                      f"log-softmax kept for backward: micro-batch x seq x vocab/TP ({vocab:g}) x "
+                      lambda: f"log-softmax kept for backward: micro-batch x seq x vocab/TP ({vocab:g}) x "
                       f"{budget.logits_dtype_bytes} B"))
         terms.append(("loss_logits_grad", "train_loss", logits * (TRAIN_LOGITS_BUFFERS - 1), True,
-                      f"backward of the loss: gradients of the log-softmax and of the logits, "
+                      lambda: "backward of the loss: gradients of the log-softmax and of the logits, "
                       f"{TRAIN_LOGITS_BUFFERS - 1} x {_count(logits / 2**20)} MiB"))
         if w.recompute_logprobs:
             rtokens = w.recompute_micro_batch_size * seq / layout.cp
             terms.append(("logprob_recompute_logits", "logprob_recompute",
                           rtokens * vocab * budget.logits_dtype_bytes * budget.workspace_factor,
                           budget.check_enabled,
-                          f"recompute micro-batch {w.recompute_micro_batch_size} x seq {seq} x vocab/TP {vocab:g} x "
-                          f"{budget.logits_dtype_bytes} B x workspace {budget.workspace_factor:g}"))
+                          lambda: f"recompute micro-batch {w.recompute_micro_batch_size} x seq {seq} x vocab/TP "
+                          f"{vocab:g} x {budget.logits_dtype_bytes} B x workspace {budget.workspace_factor:g}"))
     if w.recompute_logprobs:
         rtokens = w.recompute_micro_batch_size * seq / layout.cp
         ws = act.forward_workspace_per_token(spec, shape, seq)
         terms.append(("logprob_forward_workspace", "logprob_forward", rtokens * ws, budget.check_enabled,
-                      f"one layer's forward transients, {ws:.0f} B/token"))
+                      lambda: f"one layer's forward transients, {ws:.0f} B/token"))
     if not opts.fused_optimizer:
         terms.append(("optimizer_step_workspace", "optimizer_step", sharded * opts.main_params_bytes * keep, True,
-                      "unfused Adam: one fp32 temporary per parameter"))
+                      lambda: "unfused Adam: one fp32 temporary per parameter"))
     terms.append(("safety_margin", "reserve", float(budget.safety_margin_bytes), True,
-                  "global_resource_planner.memory_budget_safety_margin_bytes"))
+                  lambda: "global_resource_planner.memory_budget_safety_margin_bytes"))
     return terms
 
 
@@ -252,7 +262,7 @@ def _count(value: Any) -> str:
     return str(int(value)) if np.ndim(value) == 0 else "the"
 
 
-def _peak(terms: list[tuple[str, str, Any, bool, str]]) -> Any:
+def _peak(terms: list[RawTerm]) -> Any:
     fixed: Any = 0.0
     by_phase: dict[str, Any] = {}
     for _name, phase, value, counted, _ in terms:
@@ -285,7 +295,7 @@ def train_memory(inputs: PlannerInputs, layout: TrainLayout, dp: int) -> MemoryE
     best: MemoryEstimate | None = None
     for stage in stages:
         raw = train_terms(inputs, layout, dp, stage)
-        terms = tuple(MemoryTerm(n, p, int(round(float(v))), c, f) for n, p, v, c, f in raw)
+        terms = tuple(MemoryTerm(n, p, int(round(float(v))), c, f()) for n, p, v, c, f in raw)
         host = sum(t.bytes for t in terms if t.phase == "host")
         where = "every training rank" if layout.pp == 1 else f"the {stage} pipeline stage"
         est = MemoryEstimate(terms, inputs.cluster.gpu.memory_bytes, where=where, host_bytes=host)

@@ -1,11 +1,12 @@
 """What a search returns: candidates, their evaluations, pruned candidates with reasons, and the `Plan`.
 
-Pure: stdlib only (numbers come in already computed).
+Pure: stdlib only (numbers come in already computed; pruned split lists may be numpy arrays).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from planner.layout import Rule, TrainLayout
 from planner.memory import MemoryEstimate
@@ -71,14 +72,27 @@ class Evaluation:
 
 @dataclass(frozen=True)
 class Pruned:
-    """Candidates removed for one reason. `train_gpus` empty means every split of that layout/rollout TP."""
+    """Candidates removed for one reason. No training-pool sizes means every split of that layout/rollout TP.
+
+    `gpus` holds the training-pool sizes as a tuple or an integer array (the search passes arrays; they become
+    tuples only when someone asks, so a 4096-GPU search does not build millions of Python ints).
+    """
 
     kind: str  # "train_layout" | "train_split" | "rollout"
     code: str
     reason: str
     layout: TrainLayout | None = None
     rollout_tp: int | None = None
-    train_gpus: tuple[int, ...] = ()
+    gpus: Any = ()
+
+    @property
+    def train_gpus(self) -> tuple[int, ...]:
+        return self.gpus if isinstance(self.gpus, tuple) else tuple(self.gpus.tolist())
+
+    @property
+    def size(self) -> int:
+        """Number of training-pool sizes listed (0 = every split)."""
+        return len(self.gpus)
 
     def subject(self) -> str:
         what = self.layout.label() if self.layout is not None else f"rollout tp={self.rollout_tp}"
@@ -132,6 +146,6 @@ class Plan:
         """Number of pruned (layout or rollout TP, split) candidates per reason code."""
         counts: dict[str, int] = {}
         for p in self.pruned:
-            n = len(p.train_gpus) if p.train_gpus else max(1, len(self.splits))
+            n = p.size or max(1, len(self.splits))
             counts[p.code] = counts.get(p.code, 0) + n
         return dict(sorted(counts.items()))

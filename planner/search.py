@@ -149,9 +149,8 @@ def _rollout_side(inputs: PlannerInputs, splits: np.ndarray, pruned: list[Pruned
             continue
         ok = (rollout_gpus % r == 0) & (rollout_gpus >= r)
         if not ok.all():
-            bad = tuple(splits[~ok].tolist())
             pruned.append(Pruned("rollout", "rollout_split", f"the rollout GPUs left are not a multiple of TP {r}",
-                                 rollout_tp=r, train_gpus=bad))
+                                 rollout_tp=r, gpus=splits[~ok]))
         costs = rollout_costs(inputs, r, np.maximum(rollout_gpus // r, 1), capacity)
         side = np.where(ok, costs["generation_s"] + costs["weight_sync_s"], np.inf)
         better = side < best
@@ -160,48 +159,56 @@ def _rollout_side(inputs: PlannerInputs, splits: np.ndarray, pruned: list[Pruned
     return best, best_tp
 
 
-def _split_codes(inputs: PlannerInputs, layout: TrainLayout, splits: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Rule code per split (0 = feasible, i = SPLIT_CODES[i - 1]) and the numbers behind the reasons: TP/EP
-    ratios, bubble, peak bytes and training-side seconds (NaN where a cheaper integer rule already failed)."""
+_DIVISIBILITY = SPLIT_CODES.index("split_divisibility") + 1
+_EP_DP = SPLIT_CODES.index("ep_data_parallel") + 1
+_BATCH = SPLIT_CODES.index("batch_divisibility") + 1
+
+
+def _integer_codes(inputs: PlannerInputs, model_parallel: int, splits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(DP per split, code after the divisibility and batch rules), shared by layouts of one TP x PP x CP."""
+    w = inputs.workload
+    dp = np.maximum(splits // model_parallel, 1)
+    code = np.where(splits % model_parallel != 0, _DIVISIBILITY,
+                    np.where(w.samples_per_step % (dp * w.train_micro_batch_size) != 0, _BATCH, 0))
+    return dp, code
+
+
+def _split_codes(inputs: PlannerInputs, layout: TrainLayout, splits: np.ndarray,
+                 base: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """Rule code per split (0 = feasible, i = SPLIT_CODES[i - 1]), the splits whose costs were computed, and
+    the numbers behind the reasons for those splits: TP/EP ratios, bubble, peak bytes, training-side seconds."""
     w, s = inputs.workload, inputs.space
-    mp = layout.model_parallel
-    dp = np.maximum(splits // mp, 1)
-    code = np.zeros(len(splits), dtype=np.int64)
-
-    def mark(condition: Any, name: str, rows: Any = slice(None)) -> None:
-        sub = code[rows]
-        sub[(sub == 0) & condition] = SPLIT_CODES.index(name) + 1
-        code[rows] = sub
-
-    mark(splits % mp != 0, "split_divisibility")
-    mark((dp * layout.cp) % layout.ep != 0, "ep_data_parallel")
-    mark(w.samples_per_step % (dp * w.train_micro_batch_size) != 0, "batch_divisibility")
+    dp, code = base[0], base[1].copy()
+    if layout.ep > 1:
+        code[(code != _DIVISIBILITY) & ((dp * layout.cp) % layout.ep != 0)] = _EP_DP
     if layout.vpp > 1:
-        mark((w.samples_per_step // (dp * w.train_micro_batch_size)) % layout.pp != 0, "interleave_microbatches")
-    values = {k: np.full(len(splits), np.nan) for k in ("tp_comm_ratio", "ep_comm_ratio", "bubble_ratio", "peak",
-                                                        "side")}
+        bad = (w.samples_per_step // (dp * w.train_micro_batch_size)) % layout.pp != 0
+        code[(code == 0) & bad] = SPLIT_CODES.index("interleave_microbatches") + 1
     rows = np.flatnonzero(code == 0)
     if len(rows) == 0:
-        return code, values
+        return code, rows, {}
     costs = train_costs(inputs, layout, dp[rows])
-    peak = train_peak_bytes(inputs, layout, dp[rows])
-    computed = {"tp_comm_ratio": costs["tp_comm_ratio"], "ep_comm_ratio": costs["ep_comm_ratio"],
-                "bubble_ratio": costs["bubble_ratio"], "peak": peak,
-                "side": costs["train_s"] + costs["logprob_recompute_s"]}
-    for key, value in computed.items():
-        values[key][rows] = value
-    mark(values["tp_comm_ratio"][rows] > s.comm_compute_ratio_threshold, "tp_comm_ratio", rows)
-    mark(values["ep_comm_ratio"][rows] > s.ep_comm_compute_ratio_threshold, "ep_comm_ratio", rows)
-    mark(values["bubble_ratio"][rows] > s.bubble_ratio_threshold, "bubble_ratio", rows)
-    mark(values["peak"][rows] > inputs.cluster.gpu.memory_bytes, "train_memory", rows)
-    return code, values
+    values = {"tp_comm_ratio": costs["tp_comm_ratio"] + np.zeros(len(rows)),
+              "ep_comm_ratio": costs["ep_comm_ratio"] + np.zeros(len(rows)),
+              "bubble_ratio": costs["bubble_ratio"] + np.zeros(len(rows)),
+              "peak": train_peak_bytes(inputs, layout, dp[rows]) + np.zeros(len(rows)),
+              "side": costs["train_s"] + costs["logprob_recompute_s"] + np.zeros(len(rows))}
+    sub = np.zeros(len(rows), dtype=np.int64)
+    for name, failed in (("tp_comm_ratio", values["tp_comm_ratio"] > s.comm_compute_ratio_threshold),
+                         ("ep_comm_ratio", values["ep_comm_ratio"] > s.ep_comm_compute_ratio_threshold),
+                         ("bubble_ratio", values["bubble_ratio"] > s.bubble_ratio_threshold),
+                         ("train_memory", values["peak"] > inputs.cluster.gpu.memory_bytes)):
+        sub[(sub == 0) & failed] = SPLIT_CODES.index(name) + 1
+    code[rows] = sub
+    return code, rows, values
 
 
 def _split_reason(name: str, inputs: PlannerInputs, layout: TrainLayout, values: dict[str, np.ndarray],
-                  rows: np.ndarray) -> str:
+                  picked: np.ndarray) -> str:
+    """Why splits were pruned; `picked` indexes the computed values (cost-based rules only)."""
     def span(key: str, fmt: str, scale: float = 1.0) -> str:
-        picked = values[key][rows] / scale
-        lo, hi = float(picked.min()), float(picked.max())
+        chosen = values[key][picked] / scale
+        lo, hi = float(chosen.min()), float(chosen.max())
         return format(lo, fmt) if lo == hi else f"{lo:{fmt}}-{hi:{fmt}}"
 
     s, w = inputs.space, inputs.workload
@@ -231,23 +238,32 @@ def _train_side(inputs: PlannerInputs, splits: np.ndarray, pruned: list[Pruned])
     layouts = enumerate_layouts(s.allowed_tp, s.allowed_pp, s.allowed_cp, s.allowed_ep, inputs.train.vpp)
     kept: list[TrainLayout] = []
     rows: list[np.ndarray] = []
+    shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for layout in layouts:
         rule = layout_rule_violation(spec, layout, inputs.cluster.gpus_per_node, inputs.workload.max_model_len,
                                      inputs.train.attention_backend)
         if rule:
             pruned.append(Pruned("train_layout", rule.code, rule.message, layout=layout))
             continue
-        code, values = _split_codes(inputs, layout, splits)
+        mp = layout.model_parallel
+        if mp not in shared:
+            shared[mp] = _integer_codes(inputs, mp, splits)
+        code, computed, values = _split_codes(inputs, layout, splits, shared[mp])
         for index in np.unique(code).tolist():
             if index == 0:
                 continue
             name = SPLIT_CODES[index - 1]
-            where = np.flatnonzero(code == index)
-            gpus = () if len(where) == len(splits) else tuple(splits[where].tolist())
-            pruned.append(Pruned("train_split", name, _split_reason(name, inputs, layout, values, where),
-                                 layout=layout, train_gpus=gpus))
+            where = code == index
+            picked = where[computed] if len(computed) else where[:0]
+            gpus = () if where.all() else splits[where]
+            pruned.append(Pruned("train_split", name, _split_reason(name, inputs, layout, values, picked),
+                                 layout=layout, gpus=gpus))
+        side = np.full(len(splits), np.inf)
+        if len(computed):
+            ok = code[computed] == 0
+            side[computed[ok]] = values["side"][ok]
         kept.append(layout)
-        rows.append(np.where(code == 0, values["side"], np.inf))
+        rows.append(side)
     matrix = np.vstack(rows) if rows else np.zeros((0, len(splits)))
     return kept, matrix, len(layouts)
 

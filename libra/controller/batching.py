@@ -94,6 +94,18 @@ class SampleBuffer:
         self.failed_groups = 0
         self._ready: deque[Group] = deque()
         self._cond = threading.Condition()
+        self._listeners: list[Callable[[], None]] = []
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` (it must not block) whenever admission may have changed."""
+        with self._cond:
+            self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        """Under the lock: wake waiting consumers and listeners (the producer's event loop)."""
+        self._cond.notify_all()
+        for listener in self._listeners:
+            listener()
 
     # ---- producer side --------------------------------------------------------------------------------
     def _admissible(self) -> bool:
@@ -119,20 +131,20 @@ class SampleBuffer:
         with self._cond:
             self.running -= 1
             self._ready.append(group)
-            self._cond.notify_all()
+            self._changed()
 
     def cancel(self) -> None:
         """A reserved group that will never arrive (its generation failed)."""
         with self._cond:
             self.running -= 1
             self.failed_groups += 1
-            self._cond.notify_all()
+            self._changed()
 
     def set_rollout_version(self, version: int) -> None:
         """The weights the rollout servers serve now (after a validated ACK batch)."""
         with self._cond:
             self.rollout_version = version
-            self._cond.notify_all()
+            self._changed()
 
     # ---- consumer side --------------------------------------------------------------------------------
     @property
@@ -175,7 +187,7 @@ class SampleBuffer:
         started = time.monotonic()
         with self._cond:
             self.next_step = step
-            self._cond.notify_all()
+            self._changed()
             for attempt in range(max_retries + 1):
                 stats.attempts = attempt + 1
                 deadline = time.monotonic() + timeout_s
@@ -184,7 +196,7 @@ class SampleBuffer:
                     if len(self._ready) >= self.batch_size:
                         batch = [self._ready.popleft() for _ in range(self.batch_size)]
                         self.next_step = step + 1
-                        self._cond.notify_all()
+                        self._changed()
                         stats.waited_s = time.monotonic() - started
                         stats.max_lag = max(step - g.policy_version for g in batch)
                         return batch, stats

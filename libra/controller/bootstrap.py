@@ -16,6 +16,18 @@ log = logging.getLogger(__name__)
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class _BriefFormatter(logging.Formatter):
+    """One line per record: tracebacks go to the log file only (the CLI shows them with --debug)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        try:
+            return super().format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
 def setup_logging(run: RunDir, level: str, stderr_level: int = logging.WARNING) -> list[logging.Handler]:
     """Controller log into `<run_dir>/controller.log` at `level`; only warnings and errors on stderr (the
     console view owns stdout). Returns the handlers so they can be removed again."""
@@ -24,7 +36,7 @@ def setup_logging(run: RunDir, level: str, stderr_level: int = logging.WARNING) 
     file_handler.setFormatter(logging.Formatter(_LOG_FORMAT))
     file_handler.setLevel(getattr(logging, level.upper(), logging.INFO))
     err_handler = logging.StreamHandler()
-    err_handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    err_handler.setFormatter(_BriefFormatter("%(levelname)s %(name)s: %(message)s"))
     err_handler.setLevel(stderr_level)
     root.addHandler(file_handler)
     root.addHandler(err_handler)

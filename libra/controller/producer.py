@@ -77,7 +77,7 @@ class RolloutProducer:
         sampling: SamplingSettings,
         events: EventLog,
         prompts_drawn: int = 0,
-        poll_s: float = 0.005,
+        poll_s: float = 0.1,
         error_backoff_s: float = 1.0,
         max_error_backoff_s: float = 30.0,
     ) -> None:
@@ -154,9 +154,25 @@ class RolloutProducer:
             self._loop = None
 
     async def _main(self) -> None:
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+
+        def wake() -> None:
+            if not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(changed.set)
+                except RuntimeError:  # the loop closed in between: nobody is waiting any more
+                    pass
+
+        self.buffer.add_listener(wake)
         while not self._stop.is_set():
+            changed.clear()
             if (self._paused.is_set() or time.monotonic() < self._pause_until) or not self.buffer.admit():
-                await asyncio.sleep(self.poll_s)
+                # woken by the buffer (a batch taken, new weights served, a group done) or after poll_s
+                try:
+                    await asyncio.wait_for(changed.wait(), self.poll_s)
+                except TimeoutError:
+                    pass
                 continue
             if self._retry:
                 index, prompt = self._retry.popleft()

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 class Reporter:
     def __init__(self, run: RunDir, name: str, total_steps: int, console: ConsoleView, events: EventLog,
-                 metrics: LibraMetrics | None, write_jsonl: bool = True, curve_interval_s: float = 30.0) -> None:
+                 metrics: LibraMetrics | None, write_jsonl: bool = True, curve_interval_s: float = 120.0) -> None:
         self.run = run
         self.name = name
         self.total_steps = total_steps

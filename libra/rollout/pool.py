@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import signal
@@ -59,6 +60,7 @@ T = TypeVar("T")
 HEALTH_INTERVAL_S = 5.0
 HEALTH_TIMEOUT_S = 10.0
 HEALTH_FAILURES_TO_FAIL = 3  # ~30 s without /health before an idle-looking instance is declared failed
+ABORT_WAIT_S = 30.0
 PAUSE_MODE = "wait"  # drain in-flight requests before a reload: no sequence mixes two weight versions
 
 
@@ -223,6 +225,8 @@ class RolloutPool:
     async def _shutdown(self, keep_servers: bool) -> None:
         if self._monitor is not None:
             self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
         await self._abort_all(notify_servers=False)
         if self._manager is not None and not keep_servers:
             slots = list(self._manager.tracked.values())
@@ -471,7 +475,8 @@ class RolloutPool:
                 *(s.client.abort_requests() for s in self._slots() if s.state in (READY, DRAINING)),
                 return_exceptions=True,
             )
-        while self._tasks:
+        deadline = time.monotonic() + ABORT_WAIT_S
+        while self._tasks and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
     def stats(self) -> PoolStats:

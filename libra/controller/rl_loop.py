@@ -1,0 +1,335 @@
+"""The RL loop of one controller session, on the main thread.
+
+Each step: a lag-bounded batch from the rollout producer -> advantages -> one optimizer step on the
+training pool -> weight publish every `sync_interval` steps (one reload request, validated ACK batch) ->
+evaluation and checkpoint when due -> one metrics row. Resuming loads the newest complete checkpoint and
+brings the rollout servers to its weights first.
+
+The loop talks to the rest of the controller through `LoopHost` (pools, desired state, pool reports).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from libra.config import Config
+from libra.controller.batching import SampleBuffer
+from libra.controller.checkpoints import CheckpointStore, ControllerState
+from libra.controller.events import EventLog
+from libra.controller.producer import RolloutProducer, SamplingSettings
+from libra.controller.reporting import Reporter
+from libra.controller.rl_step import build_samples, rollout_metrics
+from libra.controller.signals import StopRequest
+from libra.controller.state import DesiredState
+from libra.observability.phase_trace import get_tracer
+from libra.run_dir import RunDir, truncate_jsonl_after_step
+
+PHASES = ("rollout", "train", "sync", "eval", "checkpoint")
+
+
+class LoopHost(Protocol):
+    """What the RL loop needs from its controller."""
+
+    def train_pool(self) -> Any: ...
+    def rollout_pool(self) -> Any: ...
+    def desired_state(self) -> DesiredState: ...
+    def set_desired(self, desired: DesiredState) -> None: ...
+    def served_versions(self) -> list[int]: ...
+    def pool_status(self) -> dict[str, Any]: ...
+    def pool_text(self) -> dict[str, str]: ...
+    def wake_reconciler(self) -> None: ...
+    def tick_errors(self) -> int: ...
+
+
+class RLLoop:
+    def __init__(self, cfg: Config, run: RunDir, host: LoopHost, events: EventLog, reporter: Reporter,
+                 task: Any, tokenizer: Any, stop: StopRequest, end_step: int) -> None:
+        self.cfg = cfg
+        self.run = run
+        self.host = host
+        self.events = events
+        self.reporter = reporter
+        self.task = task
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.end_step = end_step
+        self.state = ControllerState()
+        self.start_step = 0
+        self.rollout_version = 0
+        self.timings = {phase: 0.0 for phase in PHASES} | {"loop": 0.0}
+        self.rows: list[dict[str, Any]] = []
+        self.buffer: SampleBuffer | None = None
+        self.producer: RolloutProducer | None = None
+        self.store = CheckpointStore(run, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
+        self._last_checkpoint_step = -1
+        self._loop_started: float | None = None
+
+    # ---- resume ---------------------------------------------------------------------------------------
+    def restore(self) -> None:
+        """Load the newest checkpoint (if any), set up the producer, align the rollout weights."""
+        latest = self.store.latest() if self.cfg.checkpoint.resume else None
+        if latest is not None:
+            state, train_dir = latest
+            self.reporter.set_state("starting", message=f"resuming from step {state.step}")
+            with get_tracer().span("checkpoint.load", step=state.step):
+                loaded = self.host.train_pool().load_checkpoint(str(train_dir))
+            if int(loaded) != state.step:
+                self.events.emit("warning", f"training checkpoint reports step {loaded}, controller state {state.step}")
+            state.sessions += 1
+            self.state = state
+            self._last_checkpoint_step = state.step
+            self.events.emit("resumed", f"resumed from step {state.step}", step=state.step, checkpoint=str(train_dir))
+        else:
+            self.state = ControllerState(sessions=1)
+        metrics = self.run.metrics_jsonl
+        dropped = truncate_jsonl_after_step(metrics, self.state.step) if metrics.exists() else 0
+        if dropped:
+            self.events.emit("metrics_truncated", f"dropped {dropped} metric rows after step {self.state.step}")
+        self.start_step = self.state.step
+        self._make_producer()
+        self._align_rollout_weights(self.state.step)
+
+    def _align_rollout_weights(self, step: int) -> None:
+        """Make the rollout servers serve the trainer's weights of `step` (adopted servers may hold others)."""
+        served = self.host.served_versions()
+        desired = self.host.desired_state()
+        offset = desired.rollout_version_offset
+        # Only servers fresh from model_path (version 0) serving a fresh trainer are known to hold its weights.
+        fresh = step == 0 and offset == 0 and all(v == 0 for v in served)
+        if served and max(served) > step + offset:
+            offset = max(served) - step
+            self.host.set_desired(dataclasses.replace(desired, rollout_version_offset=offset))
+            self.events.emit("version_offset", f"adopted servers hold publish version {max(served)}, newer than "
+                             f"the checkpoint (step {step}); policy versions are published with offset {offset}",
+                             offset=offset)
+        if not fresh:
+            self.publish(step, reason="bring the rollout servers to the trainer's weights")
+        else:
+            self._mark_rollout_version(step)
+
+    def _make_producer(self) -> None:
+        cfg = self.cfg
+        prompts = self.task.train_prompts(cfg.seed)
+        if self.state.prompts_drawn:
+            prompts = itertools.islice(prompts, self.state.prompts_drawn, None)
+        self.buffer = SampleBuffer(
+            batch_size=cfg.batch_size,
+            group_size=cfg.n_samples,
+            max_offpolicyness=cfg.max_head_offpolicyness,
+            max_concurrent_samples=cfg.effective_max_concurrent_rollouts,
+            next_step=self.state.step,
+            rollout_version=self.state.step,
+        )
+        self.producer = RolloutProducer(
+            self._generate,
+            prompts,
+            self._score,
+            self.buffer,
+            SamplingSettings(cfg.n_samples, cfg.max_new_tokens, cfg.rollout_temperature, cfg.rollout_top_p, cfg.seed),
+            self.events,
+            prompts_drawn=self.state.prompts_drawn,
+        )
+
+    async def _generate(self, prompt_ids: list[int], **sampling: Any) -> list[Any]:
+        """The rollout pool's `generate`, with publish versions mapped back to policy versions."""
+        offset = self.host.desired_state().rollout_version_offset
+        completions = await self.host.rollout_pool().generate(prompt_ids, **sampling)
+        if not offset:
+            return list(completions)
+        return [dataclasses.replace(c, weight_version=c.weight_version - offset) for c in completions]
+
+    def _score(self, prompt: Any, response_ids: list[int]) -> float:
+        text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
+        return float(self.task.reward(prompt, response_ids, text))
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def run_steps(self) -> None:
+        assert self.producer is not None and self.buffer is not None
+        if self.state.step >= self.end_step:
+            self.events.emit("nothing_to_do", f"step {self.state.step} already reached {self.end_step}")
+            return
+        self.producer.start()
+        self.reporter.set_state("running", step=self.state.step)
+        loop_started = self._loop_started = time.monotonic()
+        last_tokens, last_time = self.producer.response_tokens, time.monotonic()
+        try:
+            while self.state.step < self.end_step and not self.stop.requested:
+                row = self._one_step()
+                now = time.monotonic()
+                row["rollout_tokens_per_s"] = (self.producer.response_tokens - last_tokens) / max(1e-9, now - last_time)
+                last_tokens, last_time = self.producer.response_tokens, now
+                self.timings["loop"] = now - loop_started
+                row["elapsed_s"] = round(self.state.train_seconds + self.timings["loop"], 3)
+                self.rows.append(row)
+                self.reporter.pools(self.host.pool_status())
+                self.reporter.step(row, self.host.pool_text(), self.buffer.depth(),
+                                   {"tick_errors": self.host.tick_errors(), "rollout_failures": self.producer.failures})
+        finally:
+            self.timings["loop"] = time.monotonic() - loop_started
+            self.state.train_seconds += self.timings["loop"]
+            self._loop_started = None
+
+    def _one_step(self) -> dict[str, Any]:
+        from libra.training.spec import TrainSample
+
+        cfg = self.cfg
+        assert self.buffer is not None and self.producer is not None
+        index = self.state.step  # 0-based index of this step = the policy version it trains
+        number = index + 1
+        gpr = cfg.global_resource_planner
+        times: dict[str, float] = {}
+        started = time.monotonic()
+        with get_tracer().span("controller.step", step=number):
+            with get_tracer().span("batch.collect", step=number):
+                groups, stats = self.buffer.collect(
+                    index, gpr.runtime_batch_collection_timeout_s, gpr.runtime_batch_collection_max_retries,
+                    cancelled=self.stop.event, on_timeout=self._on_collect_timeout,
+                )
+            times["rollout"] = time.monotonic() - started
+            samples = build_samples(groups, cfg.algorithm.advantage_norm_mode, TrainSample)
+            t = time.monotonic()
+            train_metrics = self.host.train_pool().train_step(samples, step=number)
+            times["train"] = time.monotonic() - t
+            self.state.step = number
+            self.state.prompts_drawn = self.producer.prompts_drawn - self.buffer.running - self.buffer.buffered
+            self.state.discarded_groups = self.buffer.discarded_groups
+            self.state.discarded_samples = self.buffer.discarded_samples
+            self.state.rollout_failures = self.producer.failures
+            sync: dict[str, Any] = {}
+            t = time.monotonic()
+            if number % cfg.sync_interval == 0 and number < self.end_step:
+                sync = self.publish(number, reason=f"sync_interval {cfg.sync_interval}")
+            times["sync"] = time.monotonic() - t
+            evaluation: dict[str, float] = {}
+            t = time.monotonic()
+            if cfg.task.eval_interval and (number % cfg.task.eval_interval == 0 or number == self.end_step):
+                evaluation = self._evaluate(number)
+            times["eval"] = time.monotonic() - t
+            t = time.monotonic()
+            if cfg.checkpoint.interval_steps and number % cfg.checkpoint.interval_steps == 0:
+                self.checkpoint()
+            times["checkpoint"] = time.monotonic() - t
+        for phase, seconds in times.items():
+            self.timings[phase] += seconds
+        desired = self.host.desired_state()
+        row: dict[str, Any] = {"step": number, "wall_time": round(time.time(), 3)}
+        row.update(rollout_metrics(groups, index))
+        row.update({f"train_{k}": v for k, v in train_metrics.items() if isinstance(v, int | float)})
+        row.update({f"time_{k}_s": round(v, 4) for k, v in times.items()})
+        row["time_step_s"] = round(time.monotonic() - started, 4)
+        train_tokens = float(train_metrics.get("tokens", 0) or 0)
+        row["train_tokens_per_s"] = train_tokens / times["train"] if times["train"] > 0 else 0.0
+        row.update(
+            policy_version=number,
+            rollout_version=self.rollout_version,
+            discarded_samples=stats.discarded_samples,
+            discarded_samples_total=self.buffer.discarded_samples,
+            collect_attempts=stats.attempts,
+            rollout_instances=desired.rollout_instances,
+            rollout_gpus=desired.rollout_gpus,
+            train_gpus=desired.train_gpus,
+            queue_running=self.buffer.running,
+            queue_buffered=self.buffer.buffered,
+        )
+        row.update({f"eval_{k}": v for k, v in evaluation.items()})
+        row.update({f"sync_{k}": v for k, v in sync.items()})
+        return row
+
+    def _on_collect_timeout(self, attempt: int, have: int) -> None:
+        assert self.buffer is not None
+        self.events.emit(
+            "batch_timeout",
+            f"collected {have} of {self.cfg.batch_size} groups; retry {attempt} of "
+            f"{self.cfg.global_resource_planner.runtime_batch_collection_max_retries}",
+            running=self.buffer.running,
+        )
+        self.host.wake_reconciler()
+
+    # ---- weights, evaluation, checkpoints -------------------------------------------------------------
+    def publish(self, version: int, reason: str) -> dict[str, Any]:
+        """Export the trainer's weights and reload every rollout instance with them (validated ACKs)."""
+        out = self.run.weights_dir(version)
+        started = time.monotonic()
+        with get_tracer().span("weight_sync.publish", step=version, flow_id=version, version=version):
+            checksum = self.host.train_pool().export_hf(str(out))
+            publish_version = version + self.host.desired_state().rollout_version_offset
+            report = self.host.rollout_pool().publish_weights(publish_version, str(out), checksum)
+        seconds = time.monotonic() - started
+        self._mark_rollout_version(version)
+        self.run.prune_weights(keep={version})
+        details = report_fields(report)
+        self.events.emit("weight_sync", reason, version=version, seconds=round(seconds, 3), **details)
+        return {"total_s": round(seconds, 4), **details}
+
+    def _mark_rollout_version(self, version: int) -> None:
+        assert self.buffer is not None
+        self.rollout_version = version
+        self.buffer.set_rollout_version(version)
+        self.host.set_desired(dataclasses.replace(self.host.desired_state(), weight_version=version))
+
+    def _evaluate(self, number: int) -> dict[str, float]:
+        from libra.data import evaluate
+
+        cfg, producer, pool = self.cfg, self.producer, self.host.rollout_pool()
+        assert producer is not None
+
+        async def generate_all(prompts: Sequence[Any]) -> list[tuple[list[int], str]]:
+            outs = await asyncio.gather(*(
+                pool.generate(list(p.token_ids), n=1, max_new_tokens=cfg.max_new_tokens, temperature=0.0,
+                              top_p=1.0, seed=cfg.seed)
+                for p in prompts
+            ))
+            return [(list(o[0].token_ids), self.tokenizer.decode(list(o[0].token_ids), skip_special_tokens=True))
+                    for o in outs]
+
+        def generate_fn(prompts: list[Any]) -> list[tuple[list[int], str]]:
+            return list(producer.run_coroutine(generate_all(prompts), timeout=600.0))
+
+        with get_tracer().span("eval", step=number):
+            result = evaluate(generate_fn, self.task, n=cfg.task.eval_size)
+        if self.state.best_eval_accuracy is None or result["accuracy"] > self.state.best_eval_accuracy:
+            self.state.best_eval_accuracy = result["accuracy"]
+        self.events.emit("eval", f"accuracy {result['accuracy']:.3f} on {int(result['num_prompts'])} prompts",
+                         step=number, **result)
+        return result
+
+    def checkpoint(self) -> None:
+        """Save the training pool's checkpoint of the current step, then the controller state (last)."""
+        step = self.state.step
+        if step == self._last_checkpoint_step:
+            return
+        with get_tracer().span("checkpoint.save", step=step):
+            target = self.store.begin(step)
+            self.host.train_pool().save_checkpoint(str(target), step)
+            snapshot = ControllerState.from_dict(self.state.to_dict())
+            if self._loop_started is not None:
+                snapshot.train_seconds += time.monotonic() - self._loop_started
+            folder = self.store.commit(snapshot)
+        self._last_checkpoint_step = step
+        self.events.emit("checkpoint", f"saved step {step}", step=step, path=str(folder))
+
+    def final_checkpoint(self) -> None:
+        if self.state.step > 0 and self.state.step != self._last_checkpoint_step:
+            self.checkpoint()
+
+    def stop_producer(self) -> None:
+        if self.producer is not None:
+            self.producer.stop()
+
+
+def report_fields(report: Any) -> dict[str, Any]:
+    """The figures of a rollout `ReloadReport` worth a metric: whole-batch reload time, the slowest
+    instance, and how many ACKs were validated."""
+    fields = {
+        "reload_s": getattr(report, "total_s", None),
+        "slowest_instance": getattr(report, "slowest_instance", None),
+        "slowest_instance_s": getattr(report, "slowest_total_s", None),
+        "acks_validated": getattr(report, "acks_validated", None),
+        "method": getattr(report, "method", None),
+    }
+    return {k: v for k, v in fields.items() if isinstance(v, int | float | str)}
