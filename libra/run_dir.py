@@ -103,10 +103,6 @@ class RunDir:
     def training(self) -> Path:
         return self.root / "training"
 
-    @property
-    def models(self) -> Path:
-        return self.root / "models"
-
     def create(self) -> RunDir:
         for folder in (self.root, self.checkpoints, self.traces, self.weights, self.rollout, self.training):
             folder.mkdir(parents=True, exist_ok=True)

@@ -46,8 +46,8 @@ class RayRuntime:
     ) -> RayRuntime:
         """Join `address` when given, else start a local cluster with `num_gpus` (logical) GPUs."""
         if ray.is_initialized():
-            ctx = ray.get_runtime_context()
-            return cls(address=ctx.gcs_address, owned=False, namespace=ctx.namespace or namespace)
+            runtime_ctx = ray.get_runtime_context()
+            return cls(address=runtime_ctx.gcs_address, owned=False, namespace=runtime_ctx.namespace or namespace)
         if address:
             ray.init(address=address, namespace=namespace, log_to_driver=False)
             return cls(address=address, owned=False, namespace=namespace)
@@ -55,7 +55,7 @@ class RayRuntime:
         tmp = tmp_dir or tempfile.mkdtemp(prefix="libra-ray-")
         os.makedirs(tmp, exist_ok=True)
         os.environ["RAY_TMPDIR"] = tmp
-        ctx = ray.init(
+        ctx: Any = ray.init(
             num_gpus=num_gpus,
             num_cpus=num_cpus if num_cpus is not None else max(2 * num_gpus, 4),
             namespace=namespace,

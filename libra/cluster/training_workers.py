@@ -50,6 +50,19 @@ class TrainingWorkerGroup:
             for rank in range(self.num_workers)
         ]
 
+    def rendezvous_host(self) -> str:
+        """Where rank 0 listens for the process-group rendezvous: loopback when every worker is on one node,
+        else the address Ray knows rank 0's node by."""
+        table = ray.util.placement_group_table(self._pg)
+        bundle_nodes = table.get("bundles_to_node_id", {})
+        if len(set(bundle_nodes.values())) <= 1:
+            return "127.0.0.1"
+        node_id = bundle_nodes[0]
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id:
+                return str(node["NodeManagerAddress"])
+        raise RuntimeError(f"{self.name}: rank 0's node {node_id} is not in the cluster's node list")
+
     def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """Call `method(*args)` on every rank (large arguments travel once through the object store)."""
         shared = [ray.put(a) if _is_large(a) else a for a in args]

@@ -69,6 +69,8 @@ class RunResult:
 
 
 class Controller:
+    """One job from launch to exit; `run_job()` never leaves a server, worker or Ray cluster it started."""
+
     def __init__(self, cfg: Config, run: RunDir, options: LaunchOptions | None = None) -> None:
         self.cfg = cfg
         self.run = run

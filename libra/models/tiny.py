@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
+from typing import Any
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 SYMBOLS = ("+", "-", "*", "=", "mod", "?", ",", ":", "answer", "question", "the", "is", "of", "sum", "what")
@@ -57,7 +58,7 @@ def build_tokenizer(out_dir: str) -> None:
 def _hf_config(spec: TinyModelSpec, vocab_size: int):  # type: ignore[no-untyped-def]
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,

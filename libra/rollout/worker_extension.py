@@ -23,38 +23,75 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from libra.rollout.weights_checksum import TensorDigest, combine_digests
 
 STATE_ATTR = "_libra_weight_state"
+HASH_WORKERS = min(8, os.cpu_count() or 1)
+HASH_WINDOW_BYTES = 1 << 30  # tensors held ahead of the model's loader while they are hashed
 
 
 class _DigestingStream:
-    """Wraps a checkpoint iterator: digests every (name, tensor) as it passes to the model."""
+    """Wraps a checkpoint iterator: digests every (name, tensor) before handing it to the model.
 
-    def __init__(self, source: Iterable[tuple[str, Any]], model_dtype: Any) -> None:
+    Digests run in a small thread pool over a bounded look-ahead window (hashlib releases the GIL), so a
+    large checkpoint is hashed on several cores; a tensor is still only yielded once its digest is done, so
+    the digest is of exactly what the model then loads.
+    """
+
+    def __init__(
+        self,
+        source: Iterable[tuple[str, Any]],
+        model_dtype: Any,
+        workers: int = HASH_WORKERS,
+        window_bytes: int = HASH_WINDOW_BYTES,
+    ) -> None:
         self._source = source
         self._model_dtype = model_dtype
+        self._workers = max(1, workers)
+        self._window_bytes = window_bytes
         self.digests: list[TensorDigest] = []
         self.value_digests: dict[str, TensorDigest] = {}
-        self.hash_s = 0.0
+        self.hash_s = 0.0  # summed over the hashing threads
         self.bytes = 0
 
+    def _digest(self, name: str, tensor: Any) -> tuple[TensorDigest, TensorDigest, float]:
+        start = time.perf_counter()
+        digest = TensorDigest.of_tensor(name, tensor)
+        value = digest
+        # Parameters hold the model dtype; compare their values against the tensor cast the same way.
+        if tensor.is_floating_point() and tensor.dtype != self._model_dtype:
+            value = TensorDigest.of_tensor(name, tensor.to(self._model_dtype))
+        return digest, value, time.perf_counter() - start
+
     def __iter__(self) -> Iterator[tuple[str, Any]]:
-        for name, tensor in self._source:
-            start = time.perf_counter()
-            digest = TensorDigest.of_tensor(name, tensor)
-            self.digests.append(digest)
-            # Parameters hold the model dtype; compare their values against the tensor cast the same way.
-            if tensor.is_floating_point() and tensor.dtype != self._model_dtype:
-                self.value_digests[name] = TensorDigest.of_tensor(name, tensor.to(self._model_dtype))
-            else:
-                self.value_digests[name] = digest
-            self.bytes += tensor.numel() * tensor.element_size()
-            self.hash_s += time.perf_counter() - start
-            yield name, tensor
+        window: deque[tuple[str, Any, Future[tuple[TensorDigest, TensorDigest, float]], int]] = deque()
+        held = 0
+        with ThreadPoolExecutor(self._workers, thread_name_prefix="libra-digest") as pool:
+            for name, tensor in self._source:
+                size = tensor.numel() * tensor.element_size()
+                window.append((name, tensor, pool.submit(self._digest, name, tensor), size))
+                held += size
+                while window and (held > self._window_bytes or len(window) > 2 * self._workers):
+                    held -= window[0][3]
+                    yield self._emit(window.popleft())
+            while window:
+                yield self._emit(window.popleft())
+
+    def _emit(
+        self, item: tuple[str, Any, Future[tuple[TensorDigest, TensorDigest, float]], int]
+    ) -> tuple[str, Any]:
+        name, tensor, future, size = item
+        digest, value, seconds = future.result()
+        self.digests.append(digest)
+        self.value_digests[name] = value
+        self.hash_s += seconds
+        self.bytes += size
+        return name, tensor
 
 
 def _value_sources(

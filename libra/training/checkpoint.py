@@ -114,7 +114,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+def model_sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
     """`{"model": ...}` or, with VPP, `{"model0": ..., "model1": ...}` of the unwrapped GPTModel chunks."""
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict()}
@@ -124,7 +124,7 @@ def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
 def save(
     root: str,
     step: int,
-    chunks: list[torch.nn.Module],
+    chunks: list[Any],
     optimizer: Any,
     scheduler: Any,
     layout: Layout,
@@ -169,7 +169,7 @@ def save(
 
 
 def load(
-    path: str, chunks: list[torch.nn.Module], optimizer: Any, scheduler: Any, layout: Layout, seed: int
+    path: str, chunks: list[Any], optimizer: Any, scheduler: Any, layout: Layout, seed: int
 ) -> tuple[int, bool]:
     """Collective: load model + optimizer (+ RNG when the layout matches) from `path`; returns
     (step, rng_restored)."""

@@ -144,7 +144,7 @@ def install() -> bool:
         torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)  # type: ignore[assignment]
         # A device object, not an index: autograd runs backward functions outside the device mode, and
         # their `device=torch.cuda.current_device()` allocations must land on the CPU as well.
-        torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment]
+        torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment,return-value]
         torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
         torch.cuda.empty_cache = lambda: None  # type: ignore[assignment]
         _installed = True

@@ -46,7 +46,8 @@ class TrainingPool:
         self._group = group
         try:
             group.start()
-            addr, port = group.call_rank(0, "rendezvous", timeout=self.spec.call_timeout_s)
+            addr = group.rendezvous_host()
+            port = group.call_rank(0, "rendezvous_port", addr, timeout=self.spec.call_timeout_s)
             self.rank_info = group.call("setup", addr, port, timeout=self.spec.call_timeout_s)
         except BaseException:
             self.shutdown()

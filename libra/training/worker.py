@@ -42,19 +42,10 @@ def _span(name: str, step: int | None = None, **attrs: Any) -> Any:
     return get_tracer().span(name, step=step, **attrs)
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def host_ip() -> str:
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            return str(s.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
 
 
 class TrainingWorker:
@@ -68,17 +59,17 @@ class TrainingWorker:
         self.layout: Layout = check_spec(spec, self.arch, cuda_available())
         if self.layout.world != world_size:
             raise ValueError(f"spec.num_gpus={spec.num_gpus} but the pool started {world_size} workers")
-        self.chunks: list[torch.nn.Module] = []
-        self.ref_chunks: list[torch.nn.Module] = []
+        self.chunks: list[Any] = []  # DDP-wrapped GPTModel chunks
+        self.ref_chunks: list[Any] = []
         self.mappings: list[list[ParamMapping]] = []
         self.optimizer: Any = None
         self.scheduler: Any = None
         self.step = 0
 
     # ---- set-up ------------------------------------------------------------------------------------
-    def rendezvous(self) -> tuple[str, int]:
-        """Address and a free port for the process-group rendezvous (asked of rank 0)."""
-        return host_ip(), free_port()
+    def rendezvous_port(self, host: str) -> int:
+        """A free port on `host` for the process-group rendezvous (asked of rank 0)."""
+        return free_port(host)
 
     def setup(self, master_addr: str, master_port: int) -> dict[str, int]:
         """Join the process group, build Megatron parallel state, the model (loaded from HF) and optimizer."""
@@ -130,7 +121,7 @@ class TrainingWorker:
             "last_stage": int(is_last_stage()),
         }
 
-    def _chunk_mappings(self, chunk: torch.nn.Module, vp_stage: int) -> list[ParamMapping]:
+    def _chunk_mappings(self, chunk: Any, vp_stage: int) -> list[ParamMapping]:
         from megatron.core import parallel_state as ps
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -147,7 +138,7 @@ class TrainingWorker:
         )
 
     @property
-    def _unwrapped(self) -> list[torch.nn.Module]:
+    def _unwrapped(self) -> list[Any]:
         return [c.module for c in self.chunks]
 
     def _dp(self) -> tuple[int, int]:
@@ -168,7 +159,7 @@ class TrainingWorker:
         multiple = self.layout.tp if megatron_setup.uses_sequence_parallel(self.arch, self.layout) else 1
         return -(-length // multiple) * multiple
 
-    def _logprob_pass(self, chunks: list[torch.nn.Module], batch: StepBatch, size: int) -> torch.Tensor | None:
+    def _logprob_pass(self, chunks: list[Any], batch: StepBatch, size: int) -> torch.Tensor | None:
         results = forward_logprobs(chunks, batching.micro_batches(batch, size), self.arch.vocab_size)
         if results is None:
             return None
@@ -181,7 +172,7 @@ class TrainingWorker:
             spec = self.spec
             mbs, rmbs = spec.micro_batch_size, spec.recompute_micro_batch_size
             batch, _ = self._local_batch(samples, mbs, rmbs)
-            old_logp = batch.rollout_logp
+            old_logp: torch.Tensor | None = batch.rollout_logp
             t0 = time.perf_counter()
             if spec.recompute_logprobs:
                 with _span("recompute_logprobs", step=step):

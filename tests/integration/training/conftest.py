@@ -21,7 +21,9 @@ def training_models(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: st
     return {
         "llama": tiny_model_dir,
         "qwen2": build_tiny_model(os.path.join(root, "qwen2"), TinyModelSpec(arch="qwen2", init_std=0.2)),
-        "qwen3": build_tiny_model(os.path.join(root, "qwen3"), TinyModelSpec(arch="qwen3", init_std=0.2)),
+        "qwen3": build_tiny_model(  # tied: the output layer on the last PP stage shares the embedding
+            os.path.join(root, "qwen3"), TinyModelSpec(arch="qwen3", init_std=0.2, tie_word_embeddings=True)
+        ),
         "llama4": build_tiny_model(
             os.path.join(root, "llama4"), TinyModelSpec(arch="llama", num_layers=4, init_std=0.2, seed=1)
         ),

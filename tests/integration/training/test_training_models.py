@@ -17,7 +17,7 @@ from libra.training.spec import OptimizerSpec, TrainingPoolSpec
 
 CASES = {
     "qwen2-tp2-qkv-bias": ("qwen2", dict(num_gpus=2, tp=2)),
-    "qwen3-pp2-qk-norm": ("qwen3", dict(num_gpus=2, pp=2)),
+    "qwen3-pp2-qk-norm-tied-embeddings": ("qwen3", dict(num_gpus=2, pp=2)),
     "qwen3-moe-ep2": ("qwen3_moe", dict(num_gpus=2, ep=2)),
     "llama-pp2-vpp2": ("llama4", dict(num_gpus=2, pp=2, vpp=2, micro_batch_size=1)),
 }

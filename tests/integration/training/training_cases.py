@@ -21,7 +21,7 @@ def build_tiny_qwen3_moe(out_dir: str) -> str:
         return out_dir
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(
+    config = Qwen3MoeConfig(  # type: ignore[call-arg]
         vocab_size=len(vocabulary()), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, max_position_embeddings=512, initializer_range=0.2, norm_topk_prob=True, rms_norm_eps=1e-6,
@@ -71,5 +71,6 @@ def hf_reference_step(model_dir: str, samples: list[TrainSample], spec: Algorith
     )
     loss = grpo_loss(inputs, spec)
     loss.backward()
-    grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
+    squares = [(p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.stack(squares).sum().sqrt()
     return float(loss.detach()), float(grad_norm)

@@ -228,3 +228,15 @@ def test_parameter_values_are_compared_through_packing_and_padding() -> None:
         3,
         ["model.layers.0.self_attn.qkv_proj.weight"],
     )
+
+
+@pytest.mark.parametrize(
+    ("workers", "window"), [(1, 1 << 30), (4, 1), (4, 1 << 30)], ids=["serial", "tiny-window", "wide"]
+)
+def test_threaded_digests_keep_order_and_values(workers: int, window: int) -> None:
+    generator = torch.Generator().manual_seed(0)
+    tensors = [(f"t{i:02d}", torch.randn(64, 8 + i, generator=generator)) for i in range(20)]
+    stream = _DigestingStream(iter(tensors), torch.bfloat16, workers=workers, window_bytes=window)
+    assert [name for name, _ in stream] == [name for name, _ in tensors]
+    assert stream.digests == [TensorDigest.of_tensor(n, t) for n, t in tensors]
+    assert stream.value_digests["t03"] == TensorDigest.of_tensor("t03", tensors[3][1].to(torch.bfloat16))

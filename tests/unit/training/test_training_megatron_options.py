@@ -40,7 +40,7 @@ def test_option_reaches_its_megatron_field(option: str, value: object) -> None:
     config_cls, field = megatron_setup.MEGATRON_OPTION_FIELDS[option]
     default = _kwargs(SPEC)[config_cls][field]
     assert default != value
-    spec = replace(SPEC, megatron=replace(SPEC.megatron, **{option: value}))
+    spec = replace(SPEC, megatron=replace(SPEC.megatron, **{option: value}))  # type: ignore[arg-type]
     assert _kwargs(spec)[config_cls][field] == value
 
 

@@ -117,3 +117,28 @@ def test_every_problem_is_listed_once() -> None:
     with pytest.raises(InvalidTrainingSpecError) as info:
         check_spec(spec, DENSE, cuda=True)
     assert str(info.value).count("\n  - ") == 3
+
+
+def test_pool_refuses_cpu_only_gaps_before_placing_workers() -> None:
+    """The pool checks the spec against the model's config.json in its constructor: nothing is started."""
+    import os
+
+    from libra.cluster.ray_runtime import RayRuntime
+    from libra.training.pool import TrainingPool
+
+    model = os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "models", "qwen2.5-7b")
+    runtime = RayRuntime(address="", owned=False, namespace="unused")
+    spec = TrainingPoolSpec(model_path=model, num_gpus=4, tp=2, cp=2)
+    if torch_cuda():
+        assert TrainingPool(runtime, spec).layout.cp == 2
+        return
+    with pytest.raises(NotValidatedOnCPUError, match="training.cp=2"):
+        TrainingPool(runtime, spec)
+    with pytest.raises(InvalidTrainingSpecError, match="num_gpus=3"):
+        TrainingPool(runtime, replace(spec, num_gpus=3, cp=1))
+
+
+def torch_cuda() -> bool:
+    from libra.device import cuda_available
+
+    return cuda_available()
