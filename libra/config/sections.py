@@ -73,7 +73,7 @@ class PlannerConfig(DataClassJsonMixin):
     allocation_granularity_gpus: int = opt(
         0,
         "Granularity of the initial train/rollout split, normally one node or one DP replica; "
-        "0 derives it (one node).",
+        "0 derives it: one node on a multi-node cluster, one GPU on a single node.",
         ge=0,
     )
     min_train_gpus: int = opt(

@@ -44,6 +44,17 @@ class StepBatch:
     def seq_len(self) -> int:
         return int(self.tokens.shape[1])
 
+    def to(self, device: str | torch.device) -> StepBatch:
+        return StepBatch(
+            tokens=self.tokens.to(device),
+            positions=self.positions.to(device),
+            labels=self.labels.to(device),
+            mask=self.mask.to(device),
+            rollout_logp=self.rollout_logp.to(device),
+            advantages=self.advantages.to(device),
+            num_real=self.num_real,
+        )
+
     def slice(self, start: int, stop: int) -> StepBatch:
         return StepBatch(
             tokens=self.tokens[start:stop],

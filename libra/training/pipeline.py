@@ -42,7 +42,7 @@ def _schedule_padding(num_batches: int) -> int:
 
 
 def _dummy_loss(output: torch.Tensor):  # type: ignore[no-untyped-def]
-    return output.sum() * 0.0, torch.zeros((), dtype=torch.int), {"index": -1}
+    return output.sum() * 0.0, torch.zeros((), dtype=torch.int, device=output.device), {"index": -1}
 
 
 def run_schedule(
@@ -94,7 +94,7 @@ def forward_logprobs(
         out = {"index": i, "logp": logp.detach()}
         if entropy is not None:
             out["entropy"] = entropy.detach()
-        return torch.zeros((), device=logits.device), torch.ones((), dtype=torch.int), out
+        return torch.zeros((), device=logits.device), torch.ones((), dtype=torch.int, device=logits.device), out
 
     for chunk in chunks:
         chunk.eval()
@@ -115,7 +115,8 @@ def forward_full_logits(chunks: list[torch.nn.Module], batch: StepBatch) -> torc
 
     def loss_fn(i: int, mb: StepBatch, logits: torch.Tensor):  # type: ignore[no-untyped-def]
         full = gather_from_tensor_model_parallel_region(logits)
-        return torch.zeros((), device=logits.device), torch.ones((), dtype=torch.int), {"index": i, "logits": full.detach()}
+        one = torch.ones((), dtype=torch.int, device=logits.device)
+        return torch.zeros((), device=logits.device), one, {"index": i, "logits": full.detach()}
 
     for chunk in chunks:
         chunk.eval()

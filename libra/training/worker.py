@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from libra.algo.grpo import LossInputs, grpo_loss_sums
-from libra.device import cuda_available, dist_backend
+from libra.device import cuda_available, dist_backend, torch_device
 from libra.training import batching, checkpoint, cpu_compat, export, megatron_setup
 from libra.training.batching import StepBatch
 from libra.training.convert import HFWeightReader, ParamMapping, chunk_mappings, load_chunk_from_hf
@@ -152,7 +152,8 @@ class TrainingWorker:
         dp_rank, dp = self._dp()
         start, stop = batching.dp_block(len(samples), dp, dp_rank)
         rows = batching.rows_per_rank(len(samples), dp, *micro_sizes)
-        return batching.pack(samples[start:stop], rows, self._seq_len(batching.step_seq_len(samples))), start
+        batch = batching.pack(samples[start:stop], rows, self._seq_len(batching.step_seq_len(samples)))
+        return batch.to(torch_device()), start
 
     def _seq_len(self, length: int) -> int:
         """`length` rounded up to what the layout needs (a multiple of TP under sequence parallelism)."""
@@ -198,7 +199,7 @@ class TrainingWorker:
         algo = spec.algorithm
         use_is = algo.is_correction.enable and spec.recompute_logprobs
         vocab = self.arch.vocab_size
-        sums = torch.zeros(len(METRIC_ORDER), dtype=torch.float64)
+        sums = torch.zeros(len(METRIC_ORDER), dtype=torch.float64, device=torch_device())
 
         def loss_fn(i: int, mb: StepBatch, logits: torch.Tensor):  # type: ignore[no-untyped-def]
             rows = slice(i * mbs, (i + 1) * mbs)
@@ -296,7 +297,7 @@ class TrainingWorker:
                 rollout_logp=torch.zeros((rows, seq)),
                 advantages=torch.zeros(rows),
                 num_real=rows,
-            )
+            ).to(torch_device())
             logits = forward_full_logits(self.chunks, batch)
             if logits is None or ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
                 return None
@@ -319,7 +320,7 @@ class TrainingWorker:
                 rollout_logp=torch.zeros((rmbs, seq_len)),
                 advantages=torch.zeros(rmbs),
                 num_real=rmbs,
-            )
+            ).to(torch_device())
             result = measure_peak(
                 lambda: forward_logprobs(self._unwrapped, [batch], self.arch.vocab_size), modules=self._unwrapped
             )
