@@ -10,9 +10,9 @@ exists it does nothing, so the GPU code path is Megatron's own. What it redirect
    `get_cuda_rng_tracker().fork()` and the checkpointed RNG state work unchanged.
 2. Current device. The global memory buffer, the DDP gradient buffers, the optimizer and the backward of
    the tensor-parallel mappings allocate with `device=torch.cuda.current_device()`, which asserts on a CPU
-   build. `torch.cuda.current_device` returns `torch.device("cpu")`. (Autograd runs backward functions
-   outside any `TorchFunctionMode`, so the mode below cannot catch those.) `torch.cuda.synchronize` / `empty_cache` become
-   no-ops (nothing is queued on a CPU).
+   build. `torch.cuda.current_device` returns `torch.device("cpu")` (autograd runs backward functions
+   outside any `TorchFunctionMode`, so the mode below cannot catch those). `torch.cuda.synchronize` and
+   `empty_cache` become no-ops (nothing is queued on a CPU).
 3. Device arguments. A `torch.overrides.TorchFunctionMode` (`device_scope()`) rewrites `device="cuda"`,
    `device=<int>`, `torch.device("cuda")`, `Tensor.cuda()`, `Tensor.to("cuda")` and `pin_memory()` to the CPU.
    This covers the causal-mask helpers (`device="cuda"`), the pipeline schedules' tensors and the DDP /

@@ -9,14 +9,15 @@ masked out, so the result equals the unpadded HF model's log-softmax.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 
 
 def _tp() -> tuple[int, int, object]:
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
+    parallel_state = sys.modules.get("megatron.core.parallel_state")  # not imported: no TP group exists
+    if parallel_state is None or not parallel_state.model_parallel_is_initialized():
         return 0, 1, None
     return (
         parallel_state.get_tensor_model_parallel_rank(),
