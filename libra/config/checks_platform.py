@@ -52,6 +52,22 @@ def cpu_kv_cache_size(c: RuleContext) -> Iterator[Finding]:
                       "gigabytes per server)", "set rollout_kv_cache_bytes, e.g. 67108864 (64 MiB)")
 
 
+VLLM_CPU_MIN_HEAD_DIM = 32
+
+
+def cpu_attention_head_dim(c: RuleContext) -> Iterator[Finding]:
+    if not (c.is_cpu and c.managed_rollout and c.model is not None):
+        return
+    if c.model.head_dim < VLLM_CPU_MIN_HEAD_DIM:
+        tiny = c.cfg.build_tiny_model
+        path = "build_tiny_model.num_heads" if tiny.enabled else "model_path"
+        yield Finding(path, f"vLLM-CPU's attention kernels need a head dimension of at least "
+                      f"{VLLM_CPU_MIN_HEAD_DIM}; this model has {c.model.head_dim} "
+                      f"(hidden {c.model.hidden_size} / {c.model.num_attention_heads} heads)",
+                      f"use at most {max(1, c.model.hidden_size // VLLM_CPU_MIN_HEAD_DIM)} heads "
+                      f"(or a larger hidden size) on a CPU run", value=c.model.num_attention_heads)
+
+
 def cpu_memory_utilization_ignored(c: RuleContext) -> Iterator[Finding]:
     if c.is_cpu and c.is_set("rollout_gpu_memory_utilization"):
         yield Finding("rollout_gpu_memory_utilization", "is ignored on logical GPUs (the KV cache is sized by "

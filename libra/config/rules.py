@@ -221,6 +221,9 @@ RULES: tuple[Rule, ...] = (
        "on logical GPUs megatron_use_cpu_initialization is true", plat.cpu_initialization),
     _r("cpu.kv_cache_bytes", INVALID, "rollout_kv_cache_bytes, cluster.logical_gpus", "on logical GPUs "
        "rollout_kv_cache_bytes is set explicitly", plat.cpu_kv_cache_size),
+    _r("cpu.attention_head_dim", NOT_VALIDATED, "build_tiny_model.num_heads, model_path, cluster.logical_gpus",
+       "on logical GPUs the model's head dimension is at least 32 (vLLM-CPU attention kernels)",
+       plat.cpu_attention_head_dim),
     _r("cpu.memory_utilization_ignored", WARNING, "rollout_gpu_memory_utilization, cluster.logical_gpus",
        "rollout_gpu_memory_utilization is ignored on logical GPUs", plat.cpu_memory_utilization_ignored),
     # task, data, checkpoint, tracking, tiny model

@@ -279,12 +279,13 @@ class TinyModelConfig(DataClassJsonMixin):
 
     enabled: bool = opt(False, "Build a tiny random model at model_path if none exists there.")
     arch: Literal["llama", "qwen2", "qwen3"] = opt("llama", "Architecture family of the tiny model.")
-    hidden_size: int = opt(64, "Hidden size.", ge=1)
+    hidden_size: int = opt(128, "Hidden size.", ge=1)
     num_layers: int = opt(2, "Decoder layers.", ge=1)
     num_heads: int = opt(4, "Attention heads; must divide hidden_size.", ge=1)
     num_kv_heads: int = opt(2, "Key/value heads; must divide num_heads.", ge=1)
-    intermediate_size: int = opt(128, "MLP intermediate size.", ge=1)
-    vocab_size: int = opt(1000, "Vocabulary size of the locally trained tokenizer.", ge=16)
+    intermediate_size: int = opt(256, "MLP intermediate size.", ge=1)
+    vocab_size: int = opt(256, "Embedding rows of the tiny model; at least the word-level tokenizer's 219 words "
+                           "(ids past them are never produced).", ge=219)
     max_position_embeddings: int = opt(2048, "Maximum positions of the model.", ge=16)
     init_std: float = opt(0.02, "Standard deviation of the random weight initialisation.", gt=0)
     seed: int = opt(0, "Seed of the weight initialisation and tokenizer training.")

@@ -167,6 +167,8 @@ BAD: list[tuple[str, str, dict[str, Any], str, str, str]] = [
     ("cpu-grouped-gemm", "cpu", {"megatron_grouped_gemm": True}, "megatron_grouped_gemm", NV, "cpu.grouped_gemm"),
     ("cpu-initialization", "cpu", {"megatron_use_cpu_initialization": False}, "megatron_use_cpu_initialization", IC,
      "cpu.cpu_initialization"),
+    ("cpu-head-dim", "cpu", {"build_tiny_model.hidden_size": 64}, "build_tiny_model.num_heads", NV,
+     "cpu.attention_head_dim"),
     ("cpu-kv-cache", "cpu", {"rollout_kv_cache_bytes": 0}, "rollout_kv_cache_bytes", IC, "cpu.kv_cache_bytes"),
     # task, files, checkpoint, tracking, tiny model
     ("dataset-without-path", "dense", {"task.name": "dataset"}, "task.dataset_path", IC, "task.dataset_required"),
