@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="benchmarks/results/learnability.json")
     parser.add_argument("--settings", default=",".join(DEFAULT_STUDY), help="comma-separated candidate names")
-    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument(
         "--step-budget", type=int, default=150, help="steps a setting may need, in every seed"

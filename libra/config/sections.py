@@ -17,8 +17,8 @@ GiB = 1024**3
 
 ConsoleMode = Literal["rich", "plain", "off"]
 TrackingBackend = Literal["jsonl", "prometheus"]
-TaskName = Literal["mod_add", "dataset"]
-BUILTIN_TASKS: tuple[str, ...] = ("mod_add",)
+TaskName = Literal["mod_add", "copy_first", "max_of", "dataset"]
+BUILTIN_TASKS: tuple[str, ...] = ("mod_add", "copy_first", "max_of")
 
 
 @dataclass(frozen=True, kw_only=True)
