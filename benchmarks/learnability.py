@@ -36,7 +36,7 @@ import torch
 
 from libra.algo.advantages import compute_advantages
 from libra.algo.grpo import LossInputs, grpo_loss
-from libra.algo.spec import AlgorithmSpec, RefKLSpec
+from libra.algo.spec import AlgorithmSpec, ISCorrectionSpec, RefKLSpec
 from libra.data import Prompt, Task, TaskSpec, build_task
 from libra.models.tiny import TinyModelSpec, build_tiny_model
 
@@ -67,6 +67,7 @@ class Setting:
     weight_decay: float = 0.0
     policy_lag: int = 0
     recompute_logprobs: bool = True
+    is_correction: bool = False  # truncated importance weights (algorithm.is_correction, token level, clip)
     probe: bool = False  # a robustness probe of another setting, never the recommendation
 
 
@@ -87,6 +88,14 @@ CANDIDATES: dict[str, Setting] = {
         _COPY_FIRST,
         replace(_COPY_FIRST, name="copy_first_bs16", batch_size=16),
         replace(_COPY_FIRST, name="copy_first_bs32_lag1", policy_lag=1, probe=True),
+        replace(
+            _COPY_FIRST,
+            name="copy_first_bs32_lag1_rollout_logp",
+            policy_lag=1,
+            recompute_logprobs=False,
+            probe=True,
+        ),
+        replace(_COPY_FIRST, name="copy_first_bs32_lag1_is", policy_lag=1, is_correction=True, probe=True),
         replace(_COPY_FIRST, name="copy_first_bs32_tokens2", max_new_tokens=2),
         replace(
             _COPY_FIRST,
@@ -94,6 +103,7 @@ CANDIDATES: dict[str, Setting] = {
             task_params={"num_values": 5, "length": 3, "format_reward": 0.0},
         ),
         replace(_COPY_FIRST, name="copy_first_bs32_lr6e-3", lr=6e-3),
+        replace(_COPY_FIRST, name="copy_first_bs32_heads2", model={"num_heads": 2, "num_kv_heads": 1}),
         replace(
             _COPY_FIRST,
             name="copy_first_bs32_hidden128",
@@ -109,14 +119,8 @@ CANDIDATES: dict[str, Setting] = {
         ),
     ]
 }
-# what the default invocation runs; the other candidates run with --settings NAME --merge
-DEFAULT_STUDY = (
-    "copy_first_bs32",
-    "copy_first_bs16",
-    "copy_first_bs32_lag1",
-    "copy_first_bs32_no_shaping",
-    "mod_add_m5_bs32",
-)
+# what the default invocation runs (every candidate); a subset runs with --settings A,B --merge
+DEFAULT_STUDY = tuple(CANDIDATES)
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,6 +194,7 @@ def algorithm_spec(setting: Setting) -> AlgorithmSpec:
         clip_ratio_high=setting.clip_ratio_high,
         entropy_coef=setting.entropy_coef,
         ref_kl=RefKLSpec(enable=setting.ref_kl_coef > 0, coef=setting.ref_kl_coef, kl_type="k3"),
+        is_correction=ISCorrectionSpec(enable=setting.is_correction),
     )
 
 
@@ -271,7 +276,7 @@ def run(setting: Setting, seed: int, max_steps: int, work_dir: str) -> dict[str,
                 entropy=entropy,
                 ref_logp=ref_logp,
             )
-            loss = grpo_loss(inputs, spec)
+            loss = grpo_loss(inputs, spec, use_is=setting.is_correction)
             optimizer.zero_grad()
             loss.backward()
             if setting.clip_grad > 0:
@@ -308,7 +313,7 @@ def run(setting: Setting, seed: int, max_steps: int, work_dir: str) -> dict[str,
 
 
 def recommend_dev_yaml(setting: Setting, worst_steps: int) -> dict[str, Any]:
-    """The job-configuration values of a setting; `total_steps` leaves three times the worst seed's need."""
+    """The job-configuration values of a setting; `total_steps` is about three times the worst seed's need."""
     model = {**asdict(TinyModelSpec()), **setting.model}
     for key in ("seed", "tie_word_embeddings"):  # the job's seed; untied is the only choice of the config
         model.pop(key)
@@ -319,7 +324,7 @@ def recommend_dev_yaml(setting: Setting, worst_steps: int) -> dict[str, Any]:
         "n_samples": setting.n_samples,
         "max_new_tokens": setting.max_new_tokens,
         "rollout_temperature": setting.temperature,
-        "total_steps": int(math.ceil(3 * worst_steps / 50) * 50),
+        "total_steps": max(50, round(3 * worst_steps / 50) * 50),
         "recompute_logprobs": setting.recompute_logprobs,
         "max_head_offpolicyness": setting.policy_lag,
         "algorithm": {
@@ -328,6 +333,7 @@ def recommend_dev_yaml(setting: Setting, worst_steps: int) -> dict[str, Any]:
             "clip_ratio_high": setting.clip_ratio_high,
             "entropy_coef": setting.entropy_coef,
             "ref_kl": {"enable": setting.ref_kl_coef > 0, "coef": setting.ref_kl_coef, "kl_type": "k3"},
+            "is_correction": {"enable": setting.is_correction},
         },
         "optimizer": {
             "lr": setting.lr,
@@ -361,7 +367,7 @@ def choose(results: dict[str, Any]) -> str | None:
     return min(passing, key=lambda n: results[n]["worst_steps_to_target"]) if passing else None
 
 
-def write_report(path: str, args: argparse.Namespace, results: dict[str, Any], wall_s: float) -> str | None:
+def write_report(path: str, args: argparse.Namespace, results: dict[str, Any]) -> str | None:
     chosen = choose(results)
     recommended = (
         recommend_dev_yaml(CANDIDATES[chosen], results[chosen]["worst_steps_to_target"]) if chosen else None
@@ -374,7 +380,8 @@ def write_report(path: str, args: argparse.Namespace, results: dict[str, Any], w
         "threads": args.threads,
         "machine": f"{platform.machine()}, {os.cpu_count()} logical CPUs",
         "torch": torch.__version__,
-        "wall_s_this_invocation": round(wall_s, 1),
+        "runs_wall_s": round(sum(run["wall_s"] for r in results.values() for run in r["runs"]), 1),
+        "runs_cpu_s": round(sum(run["cpu_s"] for r in results.values() for run in r["runs"]), 1),
         "chosen": chosen,
         "recommended_dev_yaml": recommended,
         "settings": results,
@@ -409,7 +416,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge and os.path.isfile(args.out):
         with open(args.out, encoding="utf-8") as fh:
             results = {k: v for k, v in json.load(fh)["settings"].items() if k in CANDIDATES}
-    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="libra-learnability-") as work_dir:
         for name in names:
             runs = []
@@ -424,8 +430,8 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
             results[name] = summarize(CANDIDATES[name], runs, args.step_budget)
-            write_report(args.out, args, results, time.perf_counter() - started)
-    chosen = write_report(args.out, args, results, time.perf_counter() - started)
+            write_report(args.out, args, results)
+    chosen = write_report(args.out, args, results)
     print(f"chosen: {chosen}; wrote {args.out}", file=sys.stderr)
     return 0
 

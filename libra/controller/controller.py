@@ -194,8 +194,10 @@ class Controller:
         cfg, run = self.cfg, self.run
         assert self.reporter is not None and self.desired is not None
         self.tracker = MemberTracker(self.events)
-        self.rollout_edge = RolloutPoolEdge(cfg, run, self.runtime)
-        self.train_edge = TrainingPoolEdge(cfg, run, self.runtime)
+        # the pools' processes trace into the controller's directory (ranks 1000+ and 2000+)
+        trace = self._tracer.settings() if self._tracer is not None else None
+        self.rollout_edge = RolloutPoolEdge(cfg, run, self.runtime, trace=trace)
+        self.train_edge = TrainingPoolEdge(cfg, run, self.runtime, trace=trace)
         self.executor = Executor(self.tracker, self.rollout_edge, self.train_edge, self.events)
         self.loop = ControlLoop(self.tracker, self.executor, self.rollout_edge, self.train_edge,
                                 self.desired_state, self.events, self.options.timeouts,

@@ -16,6 +16,7 @@ from libra.controller.members import MemberState
 from libra.controller.state import TrainLayout
 from libra.controller.tracker import MemberView
 from libra.device import cuda_available
+from libra.observability.phase_trace import TraceSettings
 from libra.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ _ROLLOUT_STATES = {
 }
 
 
-def rollout_spec(cfg: Config, run: RunDir, num_instances: int) -> Any:
+def rollout_spec(cfg: Config, run: RunDir, num_instances: int, trace: TraceSettings | None = None) -> Any:
+    """The rollout pool's spec; `trace` (the controller tracer's settings) turns on the instances' traces."""
     from libra.rollout.spec import RolloutPoolSpec
 
     kv_bytes = cfg.rollout_kv_cache_bytes or (0 if cuda_available() else CPU_DEFAULT_KV_CACHE_BYTES)
@@ -59,10 +61,14 @@ def rollout_spec(cfg: Config, run: RunDir, num_instances: int) -> Any:
         run_dir=str(run.root),  # the pool keeps its registry and server logs under <run_dir>/rollout
         seed=cfg.seed,
         gpu_memory_utilization=cfg.rollout_gpu_memory_utilization,
+        trace=trace,
     )
 
 
-def training_spec(cfg: Config, run: RunDir, gpus: int, layout: TrainLayout) -> Any:
+def training_spec(
+    cfg: Config, run: RunDir, gpus: int, layout: TrainLayout, trace: TraceSettings | None = None
+) -> Any:
+    """The training pool's spec; `trace` (the controller tracer's settings) turns on the ranks' traces."""
     from libra.algo.spec import AlgorithmSpec, ISCorrectionSpec, RefKLSpec
     from libra.training.spec import CheckpointRetention, MegatronOptions, OptimizerSpec, TrainingPoolSpec
 
@@ -116,6 +122,7 @@ def training_spec(cfg: Config, run: RunDir, gpus: int, layout: TrainLayout) -> A
         run_dir=str(run.training),
         params_dtype=cfg.megatron_params_dtype,
         retention=CheckpointRetention(keep_last=max(1, cfg.checkpoint.keep_last), keep_every=cfg.checkpoint.keep_every),
+        trace=trace,
     )
 
 
@@ -133,17 +140,18 @@ def check_pool_specs(cfg: Config, run: RunDir, desired: Any) -> None:
 class RolloutPoolEdge:
     """Creates the `RolloutPool` on first use; afterwards adds, removes and reports its instances."""
 
-    def __init__(self, cfg: Config, run: RunDir, runtime: Any) -> None:
+    def __init__(self, cfg: Config, run: RunDir, runtime: Any, trace: TraceSettings | None = None) -> None:
         self.cfg = cfg
         self.run = run
         self.runtime = runtime
+        self.trace = trace
         self.pool: Any = None
         self._lock = threading.Lock()
 
     def create(self, num_instances: int) -> list[MemberView]:
         from libra.rollout.pool import RolloutPool
 
-        pool = RolloutPool(self.runtime, rollout_spec(self.cfg, self.run, num_instances))
+        pool = RolloutPool(self.runtime, rollout_spec(self.cfg, self.run, num_instances, self.trace))
         try:
             pool.start()
         except BaseException:
@@ -201,10 +209,11 @@ def instance_view(info: Any) -> MemberView:
 class TrainingPoolEdge:
     """Creates the `TrainingPool` (actors, process groups, HF -> Megatron load); reports one member per rank."""
 
-    def __init__(self, cfg: Config, run: RunDir, runtime: Any) -> None:
+    def __init__(self, cfg: Config, run: RunDir, runtime: Any, trace: TraceSettings | None = None) -> None:
         self.cfg = cfg
         self.run = run
         self.runtime = runtime
+        self.trace = trace
         self.pool: Any = None
         self.gpus = 0
         self.layout = TrainLayout()
@@ -212,7 +221,7 @@ class TrainingPoolEdge:
     def create(self, gpus: int, layout: TrainLayout) -> list[MemberView]:
         from libra.training.pool import TrainingPool
 
-        pool = TrainingPool(self.runtime, training_spec(self.cfg, self.run, gpus, layout))
+        pool = TrainingPool(self.runtime, training_spec(self.cfg, self.run, gpus, layout, self.trace))
         try:
             pool.start()
         except BaseException:

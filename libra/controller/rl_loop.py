@@ -255,10 +255,11 @@ class RLLoop:
         """Export the trainer's weights and reload every rollout instance with them (validated ACKs)."""
         out = self.run.weights_dir(version)
         started = time.monotonic()
-        with get_tracer().span("weight_sync.publish", step=version, flow_id=version, version=version):
-            checksum = self.host.train_pool().export_hf(str(out))
-            publish_version = version + self.host.desired_state().rollout_version_offset
-            report = self.host.rollout_pool().publish_weights(publish_version, str(out), checksum)
+        # traced by the pools: weight_sync.export on the training ranks, weight_sync.publish (the flow source
+        # of the instances' reloads) by the rollout pool on this process's tracer
+        checksum = self.host.train_pool().export_hf(str(out))
+        publish_version = version + self.host.desired_state().rollout_version_offset
+        report = self.host.rollout_pool().publish_weights(publish_version, str(out), checksum)
         seconds = time.monotonic() - started
         self._mark_rollout_version(version)
         self.run.prune_weights(keep={version})

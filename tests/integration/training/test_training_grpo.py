@@ -1,11 +1,13 @@
 """A training pool on Ray end to end: GRPO steps on a toy reward raise the rewarded token's probability (with
 log-prob recomputation, reference KL, entropy bonus and IS correction all on), then export to HF (reloaded
-by transformers, same checksum), checkpoint and shut down."""
+by transformers, same checksum), checkpoint, resume and shut down; its rank's phase trace records each of
+these phases."""
 
 from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,8 @@ from training_cases import PARITY_IDS
 from libra.algo.advantages import compute_advantages
 from libra.algo.spec import AlgorithmSpec, ISCorrectionSpec, RefKLSpec
 from libra.models.tiny import vocabulary
+from libra.observability.phase_trace import TraceSettings
+from libra.observability.trace_schema import iter_trace
 from libra.rollout.weights_checksum import checksum_hf_weights
 from libra.training.checkpoint import LATEST
 from libra.training.spec import OptimizerSpec, TrainingPoolSpec, TrainSample
@@ -48,9 +52,11 @@ def test_grpo_pool_end_to_end(start_pool: Any, training_models: dict[str, str], 
         ref_kl=RefKLSpec(enable=True, coef=0.01, kl_type="k3"),
         is_correction=ISCorrectionSpec(enable=True, action="clip", level="token"),
     )
+    traces = tmp_path / "traces"
     spec = TrainingPoolSpec(
         model_path=training_models["llama"], num_gpus=1, micro_batch_size=2, recompute_micro_batch_size=4,
         recompute_logprobs=True, algorithm=algorithm, optimizer=OptimizerSpec(lr=5e-3),
+        trace=TraceSettings(True, str(traces)),
     )
     pool = start_pool(spec)
     samples, first_reward = toy_batch(pool)
@@ -84,9 +90,33 @@ def test_grpo_pool_end_to_end(start_pool: Any, training_models: dict[str, str], 
 
     ckpt = pool.save_checkpoint(str(tmp_path / "ckpt"), STEPS)
     assert os.path.isfile(os.path.join(os.path.dirname(ckpt), LATEST))
+    assert pool.load_checkpoint(str(tmp_path / "ckpt")) == STEPS
     probe = pool.recompute_probe(32)
     assert probe["micro_batch_size"] == 4 and probe["added_peak_bytes"] > 4 * 32 * len(VOCAB) * 4
 
     pool.shutdown()
     with pytest.raises(RuntimeError, match="not started"):
         pool.train_step(samples, STEPS + 1)
+    assert_rank_trace(traces)
+
+
+def assert_rank_trace(traces: Path) -> None:
+    """The one rank wrote phase_trace_rank1000.jsonl (flushed by shutdown): every phase of every step, the
+    export and the checkpoint I/O, each with its step."""
+    assert [p.name for p in traces.iterdir()] == ["phase_trace_rank1000.jsonl"]
+    stats, records = iter_trace(traces)
+    steps: dict[str, list[int | None]] = {}
+    for record in records:
+        assert (record["role"], record["rank"]) == ("train", 1000)
+        steps.setdefault(record["name"], []).append(record["step"])
+    assert stats[0].skipped == 0
+    every_step = list(range(1, STEPS + 1))
+    assert steps == {
+        "train.step": every_step,
+        "train.recompute_logprobs": sorted(every_step * 2),  # the policy's and the reference's
+        "train.forward_backward": every_step,
+        "train.optimizer": every_step,
+        "weight_sync.export": [STEPS],
+        "checkpoint.save": [STEPS],
+        "checkpoint.load": [STEPS],
+    }

@@ -168,8 +168,8 @@ def test_no_trained_group_exceeds_the_lag_bound(tmp_path: Path, max_off: int, sy
         assert set(lags) == {0}
     if straggler_rate:
         assert buf.discarded_groups > 0
-    else:
-        assert buf.discarded_groups == 0
+    # Without stragglers a group can still go stale on a loaded machine (the producer runs ahead of a slow
+    # collector), so the discard count is timing-dependent there; the lag bound above is what must hold.
     assert producer.failures == 0 and producer.groups_done >= 12 * batch_size
 
 

@@ -73,7 +73,12 @@ def test_short_run_records_a_curve(learnability: ModuleType, tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     ("worst_steps", "total_steps"),
-    [pytest.param(66, 200, id="66"), pytest.param(50, 150, id="50"), pytest.param(101, 350, id="101")],
+    [
+        pytest.param(66, 200, id="66"),
+        pytest.param(50, 150, id="50"),
+        pytest.param(101, 300, id="101"),
+        pytest.param(10, 50, id="at-least-50"),
+    ],
 )
 def test_recommendation_uses_real_config_keys(
     learnability: ModuleType, worst_steps: int, total_steps: int

@@ -130,3 +130,22 @@ def test_hf_tokenizer_ids_travel(tiny_tokenizer: Any) -> None:
     assert prompt.token_ids == tiny_tokenizer.encode("3 + 4 mod 5 =")
     assert tiny_tokenizer.decode(prompt.token_ids) == "3 + 4 mod 5 ="
     assert prompt.label_token_ids == tiny_tokenizer.encode("2")
+
+
+def test_task_modules_from_the_environment(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, tiny_tokenizer: Any
+) -> None:
+    (tmp_path / "job_rewards_for_test.py").write_text(
+        "from libra.data import register_reward\n\n"
+        "@register_reward('test_always_half')\n"
+        "def always_half(prompt, response_token_ids, response_text):\n"
+        "    return 0.5\n",
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("LIBRA_TASK_MODULES", " job_rewards_for_test , ")
+    task = build_task(TaskSpec(name="copy_first", reward="test_always_half"), tiny_tokenizer)
+    assert task.reward(next(task.train_prompts(0)), [], "") == 0.5
+    monkeypatch.setenv("LIBRA_TASK_MODULES", "no_such_module_for_test")
+    with pytest.raises(TaskError, match="LIBRA_TASK_MODULES: cannot import 'no_such_module_for_test'"):
+        task_names()

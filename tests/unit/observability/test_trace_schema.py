@@ -67,6 +67,12 @@ def test_registry() -> None:
     assert ts.is_container("train.step") and not ts.is_container("train.optimizer")
 
 
+def test_every_registered_name_is_documented() -> None:
+    manual = (Path(__file__).resolve().parents[3] / "cluster_manual" / "phase_traces.md").read_text()
+    missing = [name for name in [*ts.PHASES, *ts.COUNTERS] if f"`{name}`" not in manual]
+    assert not missing, f"add these names to cluster_manual/phase_traces.md: {missing}"
+
+
 def test_reader_keeps_valid_and_counts_bad(synthetic_trace: SyntheticTrace) -> None:
     stats, records = ts.iter_trace(synthetic_trace.directory)
     kept = list(records)

@@ -47,7 +47,7 @@ def test_cpu_dev_job_uses_eager_attention_fp32_and_the_explicit_kv_cache() -> No
     assert inp.train.params_dtype_bytes == 4 and inp.train.main_params_bytes == 0
     assert inp.rollout.kv_cache_bytes == 64 * 2**20
     assert inp.model.num_layers == 2 and inp.model.hidden_size == 64  # from build_tiny_model
-    assert inp.space.allowed_tp == (1, 2)
+    assert inp.space.allowed_tp == (1,)  # TP must divide the single KV head
 
 
 def test_overrides_reach_the_planner() -> None:
