@@ -56,20 +56,10 @@ def ensure_tiny_model(cfg: Config) -> str | None:
     tiny = cfg.build_tiny_model
     if not tiny.enabled:
         return None
+    from libra.config.mapping import build_from
     from libra.models.tiny import TinyModelSpec, build_tiny_model
 
-    spec = TinyModelSpec(
-        arch=tiny.arch,
-        hidden_size=tiny.hidden_size,
-        num_layers=tiny.num_layers,
-        num_heads=tiny.num_heads,
-        num_kv_heads=tiny.num_kv_heads,
-        intermediate_size=tiny.intermediate_size,
-        max_position_embeddings=tiny.max_position_embeddings,
-        init_std=tiny.init_std,
-        seed=tiny.seed,
-        vocab_size=tiny.vocab_size,
-    )
+    spec = build_from(TinyModelSpec, tiny)
     try:
         return build_tiny_model(cfg.model_dir(), spec)
     except FileExistsError as exc:

@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from libra.config import Config
+from libra.config.mapping import build_from
 from libra.controller.members import MemberState
 from libra.controller.state import TrainLayout
 from libra.controller.tracker import MemberView
@@ -84,32 +85,12 @@ def training_spec(
         micro_batch_size=cfg.train_micro_batch_size,
         recompute_logprobs=cfg.recompute_logprobs,
         recompute_micro_batch_size=cfg.recompute_micro_batch_size,
-        algorithm=AlgorithmSpec(
-            advantage_norm_mode=a.advantage_norm_mode,
-            loss_agg_mode=a.loss_agg_mode,
-            clip_ratio_low=a.clip_ratio_low,
-            clip_ratio_high=a.clip_ratio_high,
-            clip_ratio_c=a.clip_ratio_c,
-            entropy_coef=a.entropy_coef,
-            ref_kl=RefKLSpec(enable=a.ref_kl.enable, coef=a.ref_kl.coef, kl_type=a.ref_kl.kl_type),
-            is_correction=ISCorrectionSpec(
-                enable=a.is_correction.enable,
-                action=a.is_correction.action,
-                level=a.is_correction.level,
-                lower_bound=a.is_correction.lower_bound,
-                upper_bound=a.is_correction.upper_bound,
-            ),
+        algorithm=build_from(
+            AlgorithmSpec, a,
+            ref_kl=build_from(RefKLSpec, a.ref_kl),
+            is_correction=build_from(ISCorrectionSpec, a.is_correction),
         ),
-        optimizer=OptimizerSpec(
-            lr=o.lr,
-            min_lr=o.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2,
-            adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad,
-            lr_warmup_steps=o.lr_warmup_steps,
-        ),
+        optimizer=build_from(OptimizerSpec, o),
         megatron=MegatronOptions(
             use_precision_aware_optimizer=cfg.megatron_use_precision_aware_optimizer,
             optimizer_cpu_offload=cfg.megatron_optimizer_cpu_offload,

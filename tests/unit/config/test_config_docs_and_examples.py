@@ -43,7 +43,7 @@ def test_example_validates_without_warnings(path: Path) -> None:
 def test_dev_example_runs_on_this_machine() -> None:
     cfg = load(str(REPO / "configs" / "dev.yaml"))
     assert cfg.cluster.logical_gpus and cfg.cluster.gpu_type == "cpu-logical" and cfg.total_gpus == 4
-    assert cfg.build_tiny_model.enabled and cfg.phase_trace_enabled and cfg.task.name == "mod_add"
+    assert cfg.build_tiny_model.enabled and cfg.phase_trace_enabled and cfg.task.name == "copy_first"
     assert cfg.global_resource_planner.initial_allocation_strategy == "grp"
     assert cfg.train_gpus == 2 and cfg.rollout_gpus == 2
 

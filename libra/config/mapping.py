@@ -1,0 +1,20 @@
+"""Build runtime spec dataclasses from config sections by copying the fields they share by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def build_from(cls: type[T], source: Any, **overrides: Any) -> T:
+    """An instance of the dataclass `cls` whose init fields come from same-named attributes of `source`,
+    then from `overrides`; fields `source` lacks keep their defaults."""
+    values = {
+        f.name: getattr(source, f.name)
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if f.init and hasattr(source, f.name)
+    }
+    values.update(overrides)
+    return cls(**values)
