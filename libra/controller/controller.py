@@ -103,6 +103,7 @@ class Controller:
             self._prepare()
             self._bootstrap()
             self._start_pools()
+            self._memory_dry_run()
             assert self.reporter is not None
             self.rl = RLLoop(self.cfg, self.run, self, self.events, self.reporter, self.task, self.tokenizer,
                              self.stop, self.end_step)
@@ -215,6 +216,22 @@ class Controller:
         self.events.emit("pools_ready", self._pool_summary())
         self.reporter.pools(self.pool_status())
         self.reporter.set_state("starting", message="pools ready")
+
+    def _memory_dry_run(self) -> None:
+        """With memory_budget_dry_run_enabled: one real recompute probe, compared with the planner's estimate."""
+        if not self.cfg.global_resource_planner.memory_budget_dry_run_enabled:
+            return
+        from libra.controller.memory_dry_run import run_memory_dry_run
+        from planner.layout import TrainLayout
+
+        assert self.desired is not None
+        d = self.desired
+        layout = TrainLayout(tp=d.train_layout.tp, pp=d.train_layout.pp, cp=d.train_layout.cp,
+                             ep=d.train_layout.ep, vpp=d.train_layout.vpp)
+        comparison = run_memory_dry_run(self.cfg, self.train_pool(), layout, d.train_gpus,
+                                        self.run.root / "memory_dry_run.json")
+        self.events.emit("memory_dry_run", comparison.message, ok=comparison.ok, rel_error=comparison.rel_error,
+                         projected_peak_bytes=comparison.projected_peak_bytes)
 
     def _pools_ready(self) -> bool:
         assert self.tracker is not None and self.desired is not None
