@@ -29,6 +29,13 @@ class TrainLayout:
         """GPUs in one model replica: tp * pp * cp (EP folds into the data-parallel dimension)."""
         return self.tp * self.pp * self.cp
 
+    def dp(self, gpus: int) -> int:
+        """Data-parallel replicas of a pool of `gpus` GPUs."""
+        return gpus // self.model_parallel if self.model_parallel else 0
+
+    def describe(self, gpus: int) -> str:
+        return f"TP{self.tp} PP{self.pp} CP{self.cp} EP{self.ep} DP{self.dp(gpus)}"
+
     def label(self) -> str:
         text = f"tp={self.tp} pp={self.pp} cp={self.cp} ep={self.ep}"
         return text + (f" vpp={self.vpp}" if self.vpp > 1 else "")

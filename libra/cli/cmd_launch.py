@@ -13,7 +13,8 @@ import os
 import sys
 from typing import Any
 
-from libra.config import ConfigError, load
+from libra.cli.config_args import add_config_arguments, load_or_report
+from libra.config import ConfigError
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -28,11 +29,9 @@ def register(subparsers: Any) -> None:
                     "training pools, and train. On an existing run directory the run resumes from its newest "
                     "checkpoint.",
     )
-    parser.add_argument("config", metavar="CONFIG", help="YAML job file, e.g. configs/dev.yaml")
+    add_config_arguments(parser)
     parser.add_argument("--run-dir", metavar="DIR", default="",
                         help="run directory (default: run_dir of the configuration, runs/<name>)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one option (dotted path, YAML value); repeatable, the last one wins")
     parser.add_argument("--max-steps", type=int, default=0, metavar="N",
                         help="stop after global step N (the schedule still follows total_steps)")
     parser.add_argument("--console", choices=("rich", "plain", "off"), default="",
@@ -55,16 +54,12 @@ def run(args: argparse.Namespace) -> int:
     from libra.controller import Controller, LaunchOptions
     from libra.run_dir import RunDir
 
-    overrides = list(args.overrides)
-    if args.run_dir:
-        overrides.append(f"run_dir={os.path.abspath(args.run_dir)}")
+    run_dir_override = [f"run_dir={os.path.abspath(args.run_dir)}"] if args.run_dir else []
     if args.max_steps < 0:
         print(f"error: --max-steps {args.max_steps}: must be >= 0 (0 = total_steps)", file=sys.stderr)
         return EXIT_INVALID
-    try:
-        cfg = load(args.config, overrides)
-    except ConfigError as err:
-        print(err.report(), file=sys.stderr)
+    cfg = load_or_report(args, run_dir_override)
+    if cfg is None:
         return EXIT_INVALID
     for warning in cfg.warnings:
         print(f"warning: {warning}", file=sys.stderr)

@@ -14,6 +14,8 @@ import shutil
 import sys
 from typing import TYPE_CHECKING, Any
 
+from libra.cli.config_args import add_config_arguments, load_or_report
+
 if TYPE_CHECKING:  # the heavy modules load when the command runs, not when `libra` builds its parser
     from rich.console import Console
     from rich.table import Table
@@ -31,9 +33,7 @@ def register(subparsers: Any) -> None:
         description="Search the train/rollout GPU split and the training layout (TP x PP x CP x EP) that "
                     "maximise RL throughput within memory, and print the plan (exit 2 if none fits).",
     )
-    parser.add_argument("config", metavar="CONFIG", help="YAML job file, e.g. configs/qwen2.5-7b-8gpu.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one option (dotted path, YAML value); repeatable, the last one wins")
+    add_config_arguments(parser, example="configs/qwen2.5-7b-8gpu.yaml")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (schema in planner.md)")
     parser.add_argument("--explain", action="store_true", help="list every pruned candidate and why")
     parser.set_defaults(func=run)
@@ -42,17 +42,14 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from libra.config import ConfigError, load
     from libra.planning import plan_job
     from planner.hardware import UnknownGPUError
     from planner.model_spec import ModelSpecError
     from planner.report import plan_dict
     from planner.workload import PlannerInputError
 
-    try:
-        cfg = load(args.config, args.overrides)
-    except ConfigError as err:
-        print(err.report(), file=sys.stderr)
+    cfg = load_or_report(args)
+    if cfg is None:
         return EXIT_INVALID
     try:
         plan = plan_job(cfg)

@@ -7,14 +7,12 @@ Prints a short summary of the resolved configuration and exits 0, or prints ever
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from libra.config import ConfigError, load
+from libra.cli.config_args import EXIT_INVALID, add_config_arguments, load_or_report
 from libra.config.summary import summarize
 
 EXIT_OK = 0
-EXIT_INVALID = 2
 
 
 def register(subparsers: Any) -> None:
@@ -23,17 +21,13 @@ def register(subparsers: Any) -> None:
         description="Load CONFIG with its --set overrides, check every option and cross-field rule, and print "
                     "the resolved configuration or every error (exit 2).",
     )
-    parser.add_argument("config", metavar="CONFIG", help="YAML job file, e.g. configs/dev.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one option (dotted path, YAML value); repeatable, the last one wins")
+    add_config_arguments(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = load(args.config, args.overrides)
-    except ConfigError as err:
-        print(err.report(), file=sys.stderr)
+    cfg = load_or_report(args)
+    if cfg is None:
         return EXIT_INVALID
     print(f"{args.config}: valid")
     for line in summarize(cfg):

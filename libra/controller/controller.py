@@ -222,13 +222,10 @@ class Controller:
         if not self.cfg.global_resource_planner.memory_budget_dry_run_enabled:
             return
         from libra.controller.memory_dry_run import run_memory_dry_run
-        from planner.layout import TrainLayout
 
         assert self.desired is not None
         d = self.desired
-        layout = TrainLayout(tp=d.train_layout.tp, pp=d.train_layout.pp, cp=d.train_layout.cp,
-                             ep=d.train_layout.ep, vpp=d.train_layout.vpp)
-        comparison = run_memory_dry_run(self.cfg, self.train_pool(), layout, d.train_gpus,
+        comparison = run_memory_dry_run(self.cfg, self.train_pool(), d.train_layout, d.train_gpus,
                                         self.run.root / "memory_dry_run.json")
         self.events.emit("memory_dry_run", comparison.message, ok=comparison.ok, rel_error=comparison.rel_error,
                          projected_peak_bytes=comparison.projected_peak_bytes)

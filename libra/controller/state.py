@@ -15,30 +15,10 @@ from typing import Any
 
 from libra.controller.members import Member, MemberState
 from libra.run_dir import write_json_atomic
+from planner.layout import TrainLayout
 
 ROLLOUT = "rollout"
 TRAIN = "train"
-
-
-@dataclass(frozen=True)
-class TrainLayout:
-    """Parallel layout of the training pool."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    vpp: int = 1
-
-    @property
-    def model_parallel(self) -> int:
-        return self.tp * self.pp * self.cp
-
-    def dp(self, gpus: int) -> int:
-        return gpus // self.model_parallel if self.model_parallel else 0
-
-    def describe(self, gpus: int) -> str:
-        return f"TP{self.tp} PP{self.pp} CP{self.cp} EP{self.ep} DP{self.dp(gpus)}"
 
 
 @dataclass(frozen=True)
