@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from libra.config import Config
+from libra.config.mapping import build_from
 from planner.hardware import get_gpu
 from planner.layout import TrainLayout
 from planner.memory import MemoryEstimate, padded_vocab, train_memory
@@ -79,13 +80,7 @@ def planner_inputs(cfg: Config) -> PlannerInputs:
     gpu = get_gpu(cfg.cluster.gpu_type)
     cluster = ClusterSpec(cfg.cluster.num_nodes, cfg.cluster.gpus_per_node, gpu)
     cpu = is_cpu_job(cfg)
-    workload = Workload(
-        batch_size=cfg.batch_size, n_samples=cfg.n_samples, max_model_len=cfg.max_model_len,
-        max_new_tokens=cfg.max_new_tokens, expected_response_tokens=cfg.expected_response_tokens,
-        max_concurrent_rollouts=cfg.max_concurrent_rollouts, max_head_offpolicyness=cfg.max_head_offpolicyness,
-        recompute_logprobs=cfg.recompute_logprobs, recompute_micro_batch_size=cfg.recompute_micro_batch_size,
-        train_micro_batch_size=cfg.train_micro_batch_size, sync_interval=cfg.sync_interval,
-    )
+    workload = build_from(Workload, cfg)
     train = TrainOptions(
         params_dtype_bytes=DTYPE_BYTES[cfg.megatron_params_dtype],
         use_distributed_optimizer=cfg.megatron_use_distributed_optimizer,
@@ -103,10 +98,7 @@ def planner_inputs(cfg: Config) -> PlannerInputs:
     rollout = RolloutOptions(gpu_memory_utilization=cfg.rollout_gpu_memory_utilization,
                              kv_cache_bytes=cfg.rollout_kv_cache_bytes,
                              reload_method=cfg.rollout_weight_reload_method)
-    budget = MemoryBudget(check_enabled=grp.memory_budget_check_enabled,
-                          safety_margin_bytes=grp.memory_budget_safety_margin_bytes,
-                          logits_dtype_bytes=grp.memory_budget_logits_dtype_bytes,
-                          workspace_factor=grp.memory_budget_workspace_factor)
+    budget = build_from(MemoryBudget, grp, prefix="memory_budget_")
     pinned = None
     if cfg.train_gpus and cfg.rollout_gpus:
         pinned = PinnedLayout(train_gpus=cfg.train_gpus, rollout_gpus=cfg.rollout_gpus, tp=cfg.train_tp_size,
