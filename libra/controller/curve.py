@@ -40,7 +40,8 @@ def plot_learning_curve(rows: Sequence[Mapping[str, Any]], path: Path, title: st
     window = max(1, min(20, len(rewards) // 5 or 1))
     ax.plot(steps, moving_average(rewards, window), color="#1f4e79", linewidth=2,
             label=f"moving average ({window} steps)")
-    evals = [(r["step"], float(r["eval_accuracy"])) for r in rows if "eval_accuracy" in r]
+    # an evaluation overlapped with the next step is reported in that step's row, with the step it evaluated
+    evals = [(r.get("eval_step", r["step"]), float(r["eval_accuracy"])) for r in rows if "eval_accuracy" in r]
     if evals:
         ax.plot([e[0] for e in evals], [e[1] for e in evals], "o-", color="#c0504d", markersize=4,
                 label="held-out accuracy")

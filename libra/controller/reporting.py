@@ -1,6 +1,7 @@
 """Where a step's figures go: `metrics.jsonl`, `status.json` (what `libra status` reads), the Prometheus
-exporter, the live console and, every `curve_interval_s` seconds, the learning-curve picture (drawing it
-takes a few hundred milliseconds, so it is paced by time, not by steps).
+exporter, the live console and, every `curve_interval_s` seconds, the learning-curve picture. Drawing it
+takes a few hundred milliseconds (a second the first time, with matplotlib's import), so it is paced by time
+and drawn on a background thread; the last picture is drawn in the foreground when the run finishes.
 
 Reporting never stops training: a failing sink is logged and skipped.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -37,6 +39,7 @@ class Reporter:
         self.last_row: dict[str, Any] = {}
         self._status: dict[str, Any] = {}
         self._last_curve = time.monotonic()
+        self._curve_thread: threading.Thread | None = None
 
     def start(self, start_step: int, state: str = "starting") -> None:
         self._status = {
@@ -100,11 +103,24 @@ class Reporter:
             except Exception:
                 log.debug("prometheus update failed", exc_info=True)
         self.console.update(row, pool_text, self.events.recent(5))
-        if time.monotonic() - self._last_curve >= self.curve_interval_s:
-            self.curve()
+        if time.monotonic() - self._last_curve >= self.curve_interval_s and not self.drawing_curve:
+            self._last_curve = time.monotonic()
+            self._curve_thread = threading.Thread(target=self._draw_curve, name="libra-curve", daemon=True)
+            self._curve_thread.start()
+
+    @property
+    def drawing_curve(self) -> bool:
+        return self._curve_thread is not None and self._curve_thread.is_alive()
 
     def curve(self) -> None:
+        """Draw the learning curve now (after any drawing in progress)."""
+        if self._curve_thread is not None:
+            self._curve_thread.join()
+            self._curve_thread = None
         self._last_curve = time.monotonic()
+        self._draw_curve()
+
+    def _draw_curve(self) -> None:
         try:
             plot_learning_curve(self.run.read_metrics(), self.run.learning_curve_png, title=self.name)
         except Exception as exc:

@@ -5,12 +5,18 @@ training pool -> weight publish every `sync_interval` steps (one reload request,
 evaluation and checkpoint when due -> one metrics row. Resuming loads the newest complete checkpoint and
 brings the rollout servers to its weights first.
 
+Evaluation runs beside the next step's rollout: the held-out prompts go to the rollout pool right after the
+publish of step N (so they see policy N), and their result is taken before step N+1 trains, ahead of the next
+publish. The figures land in step N+1's metrics row with `eval_step: N`. The last step evaluates in the
+foreground, so its own row carries them.
+
 The loop talks to the rest of the controller through `LoopHost` (pools, desired state, pool reports).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import time
@@ -68,6 +74,8 @@ class RLLoop:
         self.store = CheckpointStore(run, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
         self._last_checkpoint_step = -1
         self._loop_started: float | None = None
+        self._eval_runner: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending_eval: tuple[int, concurrent.futures.Future[dict[str, float]]] | None = None
 
     # ---- resume ---------------------------------------------------------------------------------------
     def restore(self) -> None:
@@ -170,6 +178,7 @@ class RLLoop:
                 self.reporter.step(row, self.host.pool_text(), self.buffer.depth(),
                                    {"tick_errors": self.host.tick_errors(), "rollout_failures": self.producer.failures})
         finally:
+            self._settle_pending_evaluation()
             self.timings["loop"] = time.monotonic() - loop_started
             self.state.train_seconds += self.timings["loop"]
             self._loop_started = None
@@ -191,6 +200,9 @@ class RLLoop:
                     cancelled=self.stop.event, on_timeout=self._on_collect_timeout,
                 )
             times["rollout"] = time.monotonic() - started
+            t = time.monotonic()
+            evaluation = self._take_pending_evaluation()
+            eval_wait = time.monotonic() - t
             samples = build_samples(groups, cfg.algorithm.advantage_norm_mode, TrainSample)
             t = time.monotonic()
             train_metrics = self.host.train_pool().train_step(samples, step=number)
@@ -205,11 +217,13 @@ class RLLoop:
             if number % cfg.sync_interval == 0 and number < self.end_step:
                 sync = self.publish(number, reason=f"sync_interval {cfg.sync_interval}")
             times["sync"] = time.monotonic() - t
-            evaluation: dict[str, float] = {}
             t = time.monotonic()
             if cfg.task.eval_interval and (number % cfg.task.eval_interval == 0 or number == self.end_step):
-                evaluation = self._evaluate(number)
-            times["eval"] = time.monotonic() - t
+                if number == self.end_step:
+                    evaluation = self._record_evaluation(number, self._run_evaluation(number))
+                else:
+                    self._start_evaluation(number)
+            times["eval"] = eval_wait + time.monotonic() - t
             t = time.monotonic()
             if cfg.checkpoint.interval_steps and number % cfg.checkpoint.interval_steps == 0:
                 self.checkpoint()
@@ -273,7 +287,43 @@ class RLLoop:
         self.buffer.set_rollout_version(version)
         self.host.set_desired(dataclasses.replace(self.host.desired_state(), weight_version=version))
 
-    def _evaluate(self, number: int) -> dict[str, float]:
+    def _start_evaluation(self, number: int) -> None:
+        """Evaluate policy `number` on a helper thread while the loop goes on to the next step."""
+        self._take_pending_evaluation()
+        if self._eval_runner is None:
+            self._eval_runner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="libra-eval")
+        self._pending_eval = (number, self._eval_runner.submit(self._run_evaluation, number))
+
+    def _take_pending_evaluation(self) -> dict[str, float]:
+        """The result of the evaluation started at the previous step (waiting for it), as row fields."""
+        if self._pending_eval is None:
+            return {}
+        number, future = self._pending_eval
+        self._pending_eval = None
+        try:
+            result = future.result(timeout=600.0)
+        except Exception as exc:
+            self.events.emit("warning", f"evaluation of step {number} failed: {type(exc).__name__}: {exc}",
+                             step=number)
+            return {}
+        return self._record_evaluation(number, result)
+
+    def _settle_pending_evaluation(self) -> None:
+        """When the loop ends: finish an evaluation still running (its figures then reach the event log
+        only) and stop the helper thread."""
+        self._take_pending_evaluation()
+        if self._eval_runner is not None:
+            self._eval_runner.shutdown(wait=True)
+            self._eval_runner = None
+
+    def _record_evaluation(self, number: int, result: dict[str, float]) -> dict[str, float]:
+        if self.state.best_eval_accuracy is None or result["accuracy"] > self.state.best_eval_accuracy:
+            self.state.best_eval_accuracy = result["accuracy"]
+        self.events.emit("eval", f"accuracy {result['accuracy']:.3f} on {int(result['num_prompts'])} prompts",
+                         step=number, **result)
+        return {**result, "step": number}
+
+    def _run_evaluation(self, number: int) -> dict[str, float]:
         from libra.data import evaluate
 
         cfg, producer, pool = self.cfg, self.producer, self.host.rollout_pool()
@@ -292,12 +342,7 @@ class RLLoop:
             return list(producer.run_coroutine(generate_all(prompts), timeout=600.0))
 
         with get_tracer().span("eval", step=number):
-            result = evaluate(generate_fn, self.task, n=cfg.task.eval_size)
-        if self.state.best_eval_accuracy is None or result["accuracy"] > self.state.best_eval_accuracy:
-            self.state.best_eval_accuracy = result["accuracy"]
-        self.events.emit("eval", f"accuracy {result['accuracy']:.3f} on {int(result['num_prompts'])} prompts",
-                         step=number, **result)
-        return result
+            return evaluate(generate_fn, self.task, n=cfg.task.eval_size)
 
     def checkpoint(self) -> None:
         """Save the training pool's checkpoint of the current step, then the controller state (last)."""

@@ -13,6 +13,11 @@ A save writes everything into the `.tmp-` directory, then rank 0 renames it to `
 partial one. Model and optimizer states are saved as sharded tensors keyed by their global shape, so a
 checkpoint written at TP2/PP2/DP1 loads at TP1/PP1/DP2. RNG states are per rank; they are restored when the
 layout is unchanged and re-derived from (seed, step) otherwise.
+
+The first save of a process pays a one-time start of Megatron's checkpoint writer (a spawned helper process
+that collects the write results and has to import torch): about 3 s on a 2-core machine, against 0.15 s for
+each later save of the dev model. `warm_up_writer` starts it ahead of time; a worker runs it in the
+background while the rest of the job starts.
 """
 
 from __future__ import annotations
@@ -112,6 +117,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def warm_up_writer() -> None:
+    """Start Megatron's checkpoint write-results queue and pass one write result through it, so that the
+    first save finds the helper process running with torch imported."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    # private in megatron-core 0.16.1; every save calls it, and the queue it creates is kept for the process
+    queue = filesystem_async._get_write_results_queue()
+    probe = WriteResult(index=MetadataIndex("warm-up"), size_in_bytes=0, storage_data=None)
+    queue.put(probe)
+    queue.get(timeout=120)
 
 
 def model_sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:

@@ -10,9 +10,12 @@ Each rank writes its phase trace (`phase_trace_rank{1000 + rank}.jsonl`) when th
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -32,6 +35,7 @@ from libra.training.pipeline import forward_full_logits, forward_logprobs, is_la
 from libra.training.spec import Layout, TrainingPoolSpec, TrainSample, check_spec
 
 log = logging.getLogger(__name__)
+WARM_UP_NICENESS = 10
 
 METRIC_ORDER = (
     "loss_num", "units", "clip_count", "dual_clip_count", "kl_sum", "entropy_sum", "gap_sum", "tokens", "is_kept"
@@ -75,6 +79,7 @@ class TrainingWorker:
         self.scheduler: Any = None
         self.step = 0
         self.tracer = open_rank_tracer(spec, rank)
+        self._writer_warm_up: threading.Thread | None = None
 
     # ---- set-up ------------------------------------------------------------------------------------
     def rendezvous_port(self, host: str) -> int:
@@ -93,7 +98,25 @@ class TrainingWorker:
                 world_size=self.world_size,
                 timeout=datetime.timedelta(minutes=30),
             )
-            return self._build()
+            built = self._build()
+        self._writer_warm_up = threading.Thread(target=self._warm_up_writer, name="libra-ckpt-warm-up", daemon=True)
+        self._writer_warm_up.start()
+        return built
+
+    def _warm_up_writer(self) -> None:
+        # At a lower CPU priority (Linux: per thread, inherited by the helper process it starts), so that
+        # the warm-up uses spare cycles and does not slow the start of the rest of the job.
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WARM_UP_NICENESS)
+        try:
+            checkpoint.warm_up_writer()
+        except Exception as exc:  # the first save then starts the writer itself
+            log.warning("checkpoint writer warm-up failed: %s: %s", type(exc).__name__, exc)
+
+    def _await_writer_warm_up(self) -> None:
+        if self._writer_warm_up is not None:
+            self._writer_warm_up.join()
+            self._writer_warm_up = None
 
     def _build(self) -> dict[str, int]:
         from megatron.core import parallel_state as ps
@@ -354,6 +377,7 @@ class TrainingWorker:
             return checksum_hf_weights(out_dir)
 
     def save_checkpoint(self, ckpt_dir: str, step: int) -> str:
+        self._await_writer_warm_up()
         with cpu_compat.device_scope(), self.tracer.span("checkpoint.save", step, path=ckpt_dir):
             retention = self.spec.retention
             return checkpoint.save(

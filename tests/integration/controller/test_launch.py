@@ -53,7 +53,9 @@ def test_run_then_ctrl_c(controller_workspace: dict[str, Any]) -> None:
         assert 0.0 <= row["reward_mean"] <= 1.0
         assert row["samples"] == 16 and row["train_gpus"] == 1 and row["rollout_instances"] == 1
         assert row["time_train_s"] > 0 and row["policy_lag_max"] <= LAG_BOUND
-    assert "eval_accuracy" in rows[1]
+    # the evaluation of step 2 runs beside step 3's rollout and is reported in step 3's row
+    assert "eval_accuracy" in rows[2] and rows[2]["eval_step"] == 2, rows[2]
+    assert "eval_accuracy" not in rows[1]
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["strategy"] == "configured" and plan["train_gpus"] == 1
     assert (run_dir / "config.yaml").read_text().startswith("name: itest")

@@ -120,3 +120,25 @@ def assert_rank_trace(traces: Path) -> None:
         "checkpoint.save": [STEPS],
         "checkpoint.load": [STEPS],
     }
+
+
+WARM_UP_PROBE = """
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from libra.training import checkpoint
+assert filesystem_async._results_queue is None
+checkpoint.warm_up_writer()
+assert filesystem_async._results_queue is not None
+assert filesystem_async._get_write_results_queue() is filesystem_async._results_queue
+assert filesystem_async._results_queue.empty()
+print("warm")
+"""
+
+
+def test_checkpoint_writer_warm_up_starts_megatrons_results_queue() -> None:
+    """The worker's warm-up relies on a private part of megatron-core's checkpoint writer; in its own process
+    (whose helper it starts ends with it) this shows the warm-up leaves the queue every save uses running."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", WARM_UP_PROBE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("warm"), done.stderr[-3000:]

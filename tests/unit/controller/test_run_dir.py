@@ -6,14 +6,19 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 from pathlib import Path
 
 import pytest
 
 from libra.cli.main import main
+from libra.controller import reporting
 from libra.controller.checkpoints import CheckpointStore, ControllerState, retained_steps
 from libra.controller.curve import moving_average, plot_learning_curve
+from libra.controller.events import EventLog
+from libra.controller.reporting import Reporter
 from libra.controller.state import DesiredState, TrainLayout
+from libra.observability.console import NullConsole
 from libra.run_dir import RunDir, append_jsonl, read_jsonl, truncate_jsonl_after_step, write_json_atomic
 
 
@@ -72,6 +77,47 @@ def test_learning_curve_png(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not plot_learning_curve([], tmp_path / "empty.png")
     assert moving_average([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
+
+
+@pytest.mark.filterwarnings("ignore:No artists with labels")
+def test_learning_curve_plots_overlapped_evaluations_at_their_step(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    drawn: list[tuple[float, float]] = []
+
+    def record_plot(self: object, xs: list[float], ys: list[float], *args: object, **kwargs: object) -> None:
+        if kwargs.get("label") == "held-out accuracy":
+            drawn.extend(zip(xs, ys, strict=True))
+
+    from matplotlib.axes import Axes
+
+    monkeypatch.setattr(Axes, "plot", record_plot)
+    rows = [{"step": s, "reward_mean": 0.5} for s in range(1, 12)]
+    rows[5].update(eval_accuracy=0.25, eval_step=5)  # evaluated beside step 6's rollout
+    rows[10].update(eval_accuracy=0.75)  # the last step evaluates in the foreground
+    assert plot_learning_curve(rows, tmp_path / "curve.png")
+    assert drawn == [(5, 0.25), (11, 0.75)]
+
+
+def test_reporter_draws_the_curve_off_the_step_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = RunDir.at(tmp_path / "run").create()
+    threads: list[str] = []
+    release = threading.Event()
+
+    def slow_plot(rows: list[dict[str, object]], path: Path, title: str = "") -> bool:
+        threads.append(threading.current_thread().name)
+        release.wait(10)
+        return plot_learning_curve(rows, path, title)
+
+    monkeypatch.setattr(reporting, "plot_learning_curve", slow_plot)
+    events = EventLog(run.events_jsonl)
+    reporter = Reporter(run, "t", 3, NullConsole(), events, None, curve_interval_s=0.0)
+    reporter.step({"step": 1, "reward_mean": 0.2}, {}, {}, {})
+    assert reporter.drawing_curve  # step() returned while the picture is still being drawn
+    reporter.step({"step": 2, "reward_mean": 0.4}, {}, {}, {})  # no second drawing while one runs
+    release.set()
+    reporter.finish("finished")
+    assert threads == ["libra-curve", threading.current_thread().name]
+    assert run.learning_curve_png.read_bytes()[:4] == b"\x89PNG"
 
 
 def _fake_run(tmp_path: Path, state: str, pid: int) -> RunDir:
