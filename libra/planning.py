@@ -166,7 +166,8 @@ def recompute_estimate(inputs: PlannerInputs, layout: TrainLayout, dp: int, micr
     return train_memory(replace(inputs, workload=w, budget=replace(inputs.budget, check_enabled=True)), layout, dp)
 
 
-def _transient(est: MemoryEstimate) -> int:
+def transient_bytes(est: MemoryEstimate) -> int:
+    """The part of an estimate a recompute probe measures: the larger of the two log-prob phases."""
     return max(est.phase_bytes("logprob_recompute"), est.phase_bytes("logprob_forward"))
 
 
@@ -176,10 +177,10 @@ def compare_recompute_probe(inputs: PlannerInputs, layout: TrainLayout, dp: int,
     w, budget = inputs.workload, inputs.budget
     at_probe = recompute_estimate(inputs, layout, dp, probe.micro_batch, probe.seq_len)
     at_full = recompute_estimate(inputs, layout, dp, w.recompute_micro_batch_size, w.max_model_len)
-    estimated = _transient(at_probe)
+    estimated = transient_bytes(at_probe)
     measured = max(0, probe.peak_bytes - probe.resident_bytes)
     rel_error = (estimated - measured) / measured if measured else 0.0
-    scale = _transient(at_full) / estimated if estimated else 1.0
+    scale = transient_bytes(at_full) / estimated if estimated else 1.0
     projected = probe.resident_bytes + int(measured * scale) + budget.safety_margin_bytes
     capacity = inputs.cluster.gpu.memory_bytes
     vocab = padded_vocab(inputs.model, layout.tp, inputs.train.implementation) / layout.tp

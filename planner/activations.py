@@ -14,7 +14,8 @@ Two implementations and two attention backends are modelled, because the saved t
 Attention: ``flash`` keeps q, k, v, the output and the fp32 log-sum-exp (O(s)); ``eager`` keeps the
 (repeated) k and v, the fp32 softmax output and bf16 probabilities (O(s^2)).
 
-All numbers are bytes per token of one micro-batch on one rank (the token count already divided by CP).
+Activations are counted in the training dtype (`RankShape.act_bytes`: 2 for bf16/fp16, 4 for fp32); fp32
+statistics and copies stay 4 bytes whatever it is. All numbers are bytes per token of one micro-batch on one rank (the token count already divided by CP).
 Pure: stdlib only.
 """
 
@@ -38,6 +39,8 @@ class RankShape:
     sequence_parallel: bool = False
     implementation: str = "megatron"
     attention_backend: str = "flash"
+    act_bytes: int = ACT_BYTES
+    """Bytes of one activation element: the training dtype (bf16/fp16: 2, fp32: 4)."""
 
     @property
     def sp_divisor(self) -> int:
@@ -59,25 +62,25 @@ def attention_parts(spec: ModelSpec, shape: RankShape, seq_len: int) -> dict[str
     sp = shape.sp_divisor
     parts: dict[str, float] = {}
     if shape.implementation == "hf":
-        parts["attn_norm"] = FP32 * h + FP32 + ACT_BYTES * h  # fp32 input copy, inverse RMS, bf16 normalised
-        parts["qkv_input"] = ACT_BYTES * h
+        parts["attn_norm"] = FP32 * h + FP32 + shape.act_bytes * h  # fp32 input copy, inverse RMS, normalised value
+        parts["qkv_input"] = shape.act_bytes * h
     else:
-        parts["attn_norm"] = (ACT_BYTES * h + FP32) / sp
-        parts["qkv_input"] = ACT_BYTES * h / sp
+        parts["attn_norm"] = (shape.act_bytes * h + FP32) / sp
+        parts["qkv_input"] = shape.act_bytes * h / sp
     if spec.qk_norm:
-        norm_bytes = (FP32 + ACT_BYTES) if shape.implementation == "hf" else ACT_BYTES
+        norm_bytes = (FP32 + shape.act_bytes) if shape.implementation == "hf" else shape.act_bytes
         parts["qk_norm"] = norm_bytes * d * (a + kv) + FP32 * (a + kv)
     if shape.attention_backend == "flash":
-        parts["q_k_v"] = ACT_BYTES * d * (a + 2 * kv)
-        parts["attn_out"] = ACT_BYTES * a * d
+        parts["q_k_v"] = shape.act_bytes * d * (a + 2 * kv)
+        parts["attn_out"] = shape.act_bytes * a * d
         parts["softmax_stats"] = FP32 * a
     else:
-        parts["q_k_v"] = ACT_BYTES * d * 3 * a  # k and v repeated to every query head
+        parts["q_k_v"] = shape.act_bytes * d * 3 * a  # k and v repeated to every query head
         if shape.implementation == "hf":
-            parts["attn_scores"] = (FP32 + ACT_BYTES) * a * seq_len  # fp32 softmax output + bf16 probs
+            parts["attn_scores"] = (FP32 + shape.act_bytes) * a * seq_len  # fp32 softmax output + probabilities
         else:
-            parts["attn_scores"] = ACT_BYTES * a * seq_len  # fused scale-mask-softmax output
-        parts["attn_out"] = ACT_BYTES * a * d
+            parts["attn_scores"] = shape.act_bytes * a * seq_len  # fused scale-mask-softmax output
+        parts["attn_out"] = shape.act_bytes * a * d
     return parts
 
 
@@ -87,15 +90,15 @@ def mlp_parts(spec: ModelSpec, shape: RankShape, moe: bool) -> dict[str, float]:
     sp = shape.sp_divisor
     parts: dict[str, float] = {}
     if shape.implementation == "hf":
-        parts["mlp_norm"] = FP32 * h + FP32 + ACT_BYTES * h
-        parts["mlp_input"] = ACT_BYTES * h
+        parts["mlp_norm"] = FP32 * h + FP32 + shape.act_bytes * h
+        parts["mlp_input"] = shape.act_bytes * h
         swiglu = 4  # gate, up, SiLU output, product
     else:
-        parts["mlp_norm"] = (ACT_BYTES * h + FP32) / sp
-        parts["mlp_input"] = ACT_BYTES * h / sp
+        parts["mlp_norm"] = (shape.act_bytes * h + FP32) / sp
+        parts["mlp_input"] = shape.act_bytes * h / sp
         swiglu = 3  # fc1 output (gate and up), SwiGLU output
     if not moe:
-        parts["mlp"] = swiglu * ACT_BYTES * spec.intermediate_size / shape.tp
+        parts["mlp"] = swiglu * shape.act_bytes * spec.intermediate_size / shape.tp
         return parts
     k = float(spec.num_experts_per_tok)
     e = float(spec.num_experts)
@@ -103,13 +106,13 @@ def mlp_parts(spec: ModelSpec, shape: RankShape, moe: bool) -> dict[str, float]:
     if shape.implementation == "hf":
         parts["router"] = FP32 * e + INDEX * k  # fp32 router probabilities, top-k indices
         # dispatched input copy, expert output, routing weight and three permutation indices per routed copy
-        parts["moe_dispatch"] = k * (2 * ACT_BYTES * h + ACT_BYTES + 3 * INDEX)
+        parts["moe_dispatch"] = k * (2 * shape.act_bytes * h + shape.act_bytes + 3 * INDEX)
     else:
         parts["router"] = (2 * FP32 * e) / sp  # router logits and probabilities
-        parts["moe_dispatch"] = k * 2 * ACT_BYTES * h / sp  # permuted input and the unpermute input
-    parts["moe_experts"] = k * swiglu * ACT_BYTES * expert_inter
+        parts["moe_dispatch"] = k * 2 * shape.act_bytes * h / sp  # permuted input and the unpermute input
+    parts["moe_experts"] = k * swiglu * shape.act_bytes * expert_inter
     if spec.shared_expert_intermediate_size:
-        parts["shared_expert"] = swiglu * ACT_BYTES * spec.shared_expert_intermediate_size / shape.tp
+        parts["shared_expert"] = swiglu * shape.act_bytes * spec.shared_expert_intermediate_size / shape.tp
     return parts
 
 
@@ -120,8 +123,8 @@ def layer_parts(spec: ModelSpec, shape: RankShape, seq_len: int, moe: bool) -> d
 
 
 def full_recompute_layer_bytes(spec: ModelSpec, shape: RankShape) -> float:
-    """Full recomputation keeps only each layer's input (bf16 hidden state)."""
-    return ACT_BYTES * spec.hidden_size / shape.sp_divisor
+    """Full recomputation keeps only each layer's input (the hidden state)."""
+    return shape.act_bytes * spec.hidden_size / shape.sp_divisor
 
 
 def selective_recompute_dropped(parts: dict[str, float]) -> float:
@@ -132,7 +135,7 @@ def selective_recompute_dropped(parts: dict[str, float]) -> float:
 def embedding_stage_parts(spec: ModelSpec, shape: RankShape) -> dict[str, float]:
     """Per-token tensors kept once per micro-batch on the first stage (token ids, rotary tables)."""
     if shape.implementation == "hf":
-        return {"token_ids": float(INDEX), "rotary_tables": 2.0 * ACT_BYTES * spec.head_dim}
+        return {"token_ids": float(INDEX), "rotary_tables": 2.0 * shape.act_bytes * spec.head_dim}
     return {"token_ids": float(INDEX)}
 
 
@@ -140,9 +143,9 @@ def output_stage_parts(spec: ModelSpec, shape: RankShape) -> dict[str, float]:
     """Per-token tensors kept on the last stage before the loss: final norm and output-layer input."""
     h = float(spec.hidden_size)
     if shape.implementation == "hf":
-        return {"final_norm": FP32 * h + FP32 + ACT_BYTES * h, "lm_head_input": ACT_BYTES * h}
+        return {"final_norm": FP32 * h + FP32 + shape.act_bytes * h, "lm_head_input": shape.act_bytes * h}
     sp = shape.sp_divisor
-    return {"final_norm": (ACT_BYTES * h + FP32) / sp, "lm_head_input": ACT_BYTES * h / sp}
+    return {"final_norm": (shape.act_bytes * h + FP32) / sp, "lm_head_input": shape.act_bytes * h / sp}
 
 
 def forward_workspace_per_token(spec: ModelSpec, shape: RankShape, seq_len: int) -> float:
@@ -151,9 +154,29 @@ def forward_workspace_per_token(spec: ModelSpec, shape: RankShape, seq_len: int)
     h = float(spec.hidden_size)
     a, kv, d = _heads(spec, shape)
     inter = spec.intermediate_size if not spec.is_moe else spec.moe_intermediate_size * spec.num_experts_per_tok
-    mlp = 3 * ACT_BYTES * inter / shape.tp
+    mlp = 3 * shape.act_bytes * inter / shape.tp
     if shape.attention_backend == "flash":
-        attn = ACT_BYTES * d * (2 * a + 2 * kv) + FP32 * a
+        attn = shape.act_bytes * d * (2 * a + 2 * kv) + FP32 * a
+    elif shape.implementation == "hf":
+        attn = (FP32 + 2 * shape.act_bytes) * a * seq_len
     else:
-        attn = (FP32 + 2 * ACT_BYTES) * a * seq_len
-    return 2 * ACT_BYTES * h + max(mlp, attn)
+        attn = megatron_eager_attention_bytes(spec, shape, seq_len)
+    return 2 * shape.act_bytes * h + max(mlp, attn)
+
+
+def megatron_eager_scores_bytes(shape: RankShape) -> int:
+    """Bytes per score element live at once in Megatron-Core's unfused attention (`DotProductAttention`,
+    `FusedScaleMaskSoftmax` on its torch path): the baddbmm input buffer and its result, and the softmax
+    output; with 16-bit activations the softmax runs on an fp32 copy and its output is cast back."""
+    if shape.act_bytes >= FP32:
+        return 3 * shape.act_bytes
+    return 3 * shape.act_bytes + 2 * FP32
+
+
+def megatron_eager_attention_bytes(spec: ModelSpec, shape: RankShape, seq_len: int) -> float:
+    """Per token, what Megatron-Core's unfused attention holds at its softmax besides the residual stream:
+    the fused q/k/v projection output, the rotated query and key, k and v repeated to every query head
+    (grouped-query attention) and the scores (`megatron_eager_scores_bytes`)."""
+    a, kv, d = _heads(spec, shape)
+    projections = (a + 2 * kv) * d + (a + kv) * d + (2 * a * d if kv < a else 0.0)
+    return shape.act_bytes * projections + megatron_eager_scores_bytes(shape) * a * seq_len

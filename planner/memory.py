@@ -156,8 +156,7 @@ def _layer_bytes_per_token(inputs: PlannerInputs, layout: TrainLayout, seq_len: 
 
 @lru_cache(maxsize=4096)
 def _layer_bytes(spec: ModelSpec, opts: TrainOptions, layout: TrainLayout, seq_len: int) -> tuple[float, float]:
-    shape = act.RankShape(tp=layout.tp, ep=layout.ep, sequence_parallel=opts.sequence_parallel,
-                          implementation=opts.implementation, attention_backend=opts.attention_backend)
+    shape = rank_shape(opts, layout)
     dense_parts = act.layer_parts(spec, shape, seq_len, moe=False)
     parts = act.layer_parts(spec, shape, seq_len, moe=True) if spec.is_moe else dense_parts
     n_moe = spec.num_moe_layers
@@ -169,10 +168,11 @@ def _layer_bytes(spec: ModelSpec, opts: TrainOptions, layout: TrainLayout, seq_l
     return full, 0.0
 
 
-def _rank_shape(inputs: PlannerInputs, layout: TrainLayout) -> act.RankShape:
-    opts = inputs.train
+def rank_shape(opts: TrainOptions, layout: TrainLayout) -> act.RankShape:
+    """The activation formula's view of one training rank; activations are in the parameters' dtype."""
     return act.RankShape(tp=layout.tp, ep=layout.ep, sequence_parallel=opts.sequence_parallel,
-                         implementation=opts.implementation, attention_backend=opts.attention_backend)
+                         implementation=opts.implementation, attention_backend=opts.attention_backend,
+                         act_bytes=opts.params_dtype_bytes)
 
 
 def microbatches_per_step(inputs: PlannerInputs, dp: Any) -> Any:
@@ -195,7 +195,7 @@ def train_terms(inputs: PlannerInputs, layout: TrainLayout, dp: Any, stage: str)
     keep = 1.0 - opts.offloaded_fraction
     seq = w.max_model_len
     tokens = w.train_micro_batch_size * seq / layout.cp
-    shape = _rank_shape(inputs, layout)
+    shape = rank_shape(opts, layout)
     vocab = padded_vocab(spec, layout.tp, opts.implementation) / layout.tp
     per_layer, recompute_layer = _layer_bytes_per_token(inputs, layout, seq)
     layers_per_chunk = spec.num_layers / (layout.pp * layout.vpp)

@@ -62,3 +62,34 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them() -> None:
     spec = dense(num_key_value_heads=2)
     parts = act.layer_parts(spec, act.RankShape(tp=8, sequence_parallel=True), 4096, moe=False)
     assert parts["q_k_v"] == 2 * 64 * (16 / 8 + 2 * 1)
+
+
+@pytest.mark.parametrize(
+    ("implementation", "backend"),
+    [pytest.param("megatron", "flash", id="megatron-flash"), pytest.param("megatron", "eager", id="megatron-eager"),
+     pytest.param("hf", "flash", id="hf-flash"), pytest.param("hf", "eager", id="hf-eager")],
+)
+def test_fp32_training_doubles_the_activation_tensors_but_not_fp32_statistics(implementation: str,
+                                                                             backend: str) -> None:
+    spec = dense(num_key_value_heads=2)
+    bf16 = act.RankShape(implementation=implementation, attention_backend=backend, act_bytes=2)
+    fp32 = act.RankShape(implementation=implementation, attention_backend=backend, act_bytes=4)
+    half, full = (act.layer_parts(spec, shape, 1024, moe=False) for shape in (bf16, fp32))
+    assert full["qkv_input"] == 2 * half["qkv_input"] and full["mlp"] == 2 * half["mlp"]
+    assert full["attn_norm"] < 2 * half["attn_norm"]  # the inverse RMS (and hf's input copy) are fp32 anyway
+    if backend == "flash":
+        assert full["softmax_stats"] == half["softmax_stats"]
+
+
+@pytest.mark.parametrize(
+    ("act_bytes", "per_score"),
+    [pytest.param(4, 12, id="fp32-buffer-scores-probs"), pytest.param(2, 14, id="bf16-plus-fp32-softmax-and-cast")],
+)
+def test_megatron_eager_forward_workspace_hand_count(act_bytes: int, per_score: int) -> None:
+    spec = dense(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    shape = act.RankShape(attention_backend="eager", act_bytes=act_bytes)
+    h, a, kv, d, s = 128, 4, 2, 32, 256
+    assert act.megatron_eager_scores_bytes(shape) == per_score
+    projections = (a + 2 * kv) * d + (a + kv) * d + 2 * a * d  # qkv output, rotated q and k, repeated k and v
+    expected = 2 * act_bytes * h + act_bytes * projections + per_score * a * s
+    assert act.forward_workspace_per_token(spec, shape, s) == expected
