@@ -4,9 +4,11 @@ Summary (spans only; instants and counters are not phases):
   count, total, min, max          exact
   p50, p95                        numpy linear percentiles of the durations; exact while a phase has at
                                   most `sample_cap` spans, beyond that of a uniform reservoir sample
-  share_of_step                   (phase total / ranks that ran the phase) / step time, where step time
-                                  is the train.step total per training rank, or the wall span of all
-                                  step-tagged records when there is no train.step
+  share_of_step                   (time covered by the phase per rank that ran it) / step time, where
+                                  concurrent spans of one phase on one rank (per-request spans) count
+                                  once, and step time is the controller.step total (the step loop's wall
+                                  time), else the train.step total per training rank, else the wall
+                                  span of all step-tagged records
   pool idle                       wall span of a pool (role) minus the union of its busy spans (container
                                   phases such as train.step are not busy time). The union keeps one entry
                                   per idle gap; past `gap_cap` gaps the shortest are merged and
@@ -33,11 +35,12 @@ DEFAULT_GAP_CAP = 100_000
 
 
 class IntervalUnion:
-    """Union of [start, end) intervals as sorted disjoint lists; optional coarsening past `cap` gaps."""
+    """Union of [start, end) intervals as sorted disjoint int64 arrays (8 bytes an entry); optional coarsening
+    past `cap` gaps."""
 
     def __init__(self, cap: int | None = None) -> None:
-        self.starts: list[int] = []
-        self.ends: list[int] = []
+        self.starts = array("q")
+        self.ends = array("q")
         self.cap = cap
         self.resolution = 0  # gaps shorter than this have been merged
         self.lo: int | None = None
@@ -62,15 +65,15 @@ class IntervalUnion:
                 ends.insert(i, end)
             else:
                 new_start, new_end = min(start, starts[i]), max(end, ends[j - 1])
-                starts[i:j] = [new_start]
-                ends[i:j] = [new_end]
+                starts[i:j] = array("q", (new_start,))
+                ends[i:j] = array("q", (new_end,))
         if self.cap is not None and len(starts) > self.cap:
             self._coarsen()
 
     def _coarsen(self) -> None:
         gaps = sorted(s - e for s, e in zip(self.starts[1:], self.ends[:-1], strict=True))
         self.resolution = max(self.resolution, gaps[len(gaps) // 2] + 1)
-        starts, ends = [self.starts[0]], [self.ends[0]]
+        starts, ends = array("q", self.starts[:1]), array("q", self.ends[:1])
         for s, e in zip(self.starts[1:], self.ends[1:], strict=True):
             if s - ends[-1] < self.resolution:
                 ends[-1] = max(ends[-1], e)
@@ -129,7 +132,7 @@ class TraceSummary:
 
 
 class _PhaseAcc:
-    __slots__ = ("count", "total", "min", "max", "samples", "ranks")
+    __slots__ = ("count", "total", "min", "max", "samples", "covered")
 
     def __init__(self) -> None:
         self.count = 0
@@ -137,7 +140,10 @@ class _PhaseAcc:
         self.min = 0
         self.max = 0
         self.samples = array("q")  # 8 bytes per duration
-        self.ranks: set[int] = set()
+        self.covered: dict[int, IntervalUnion] = {}  # per rank: the union of its spans of this phase
+
+    def covered_per_rank(self) -> float:
+        return sum(u.total() for u in self.covered.values()) / len(self.covered)
 
 
 def summarize(
@@ -174,7 +180,10 @@ def summarize(
         acc.total += dur
         acc.min = min(acc.min, dur)
         acc.max = max(acc.max, dur)
-        acc.ranks.add(rank)
+        covered = acc.covered.get(rank)
+        if covered is None:
+            covered = acc.covered[rank] = IntervalUnion(cap=gap_cap)
+        covered.add(start, end)
         if len(acc.samples) < sample_cap:
             acc.samples.append(dur)
         else:
@@ -192,17 +201,17 @@ def summarize(
         else:
             pool.add(start, end)
 
-    anchor = phases.get("train.step")
+    anchor = phases.get("controller.step") or phases.get("train.step")
     if anchor is not None:
-        step_time = anchor.total // max(1, len(anchor.ranks))
+        step_time = int(anchor.covered_per_rank())
     else:
         step_time = 0 if step_lo is None or step_hi is None else step_hi - step_lo
     phase_stats: dict[str, PhaseStats] = {}
     for name, acc in sorted(phases.items()):
         p50, p95 = np.percentile(np.frombuffer(acc.samples, dtype=np.int64).astype(np.float64), [50, 95])
-        per_rank = acc.total / len(acc.ranks)
+        per_rank = acc.covered_per_rank()
         phase_stats[name] = PhaseStats(
-            name=name, registered=is_registered(name), count=acc.count, ranks=len(acc.ranks),
+            name=name, registered=is_registered(name), count=acc.count, ranks=len(acc.covered),
             total_ns=acc.total, min_ns=acc.min, max_ns=acc.max, p50_ns=float(p50), p95_ns=float(p95),
             share_of_step=per_rank / step_time if step_time > 0 else None,
             percentiles_exact=acc.count <= sample_cap,

@@ -157,3 +157,25 @@ def test_plot_writes_a_png(synthetic_trace: SyntheticTrace, tmp_path: Path, max_
     assert info["rows"] == (5 if max_rank_rows == 48 else 3)
     assert info["counters"] == 2 and "train.forward_backward" in info["phases"]  # pool.gpus, queue.depth
     assert "train.step" not in info["phases"]  # containers are drawn as step lines, not bars
+
+
+def test_share_of_step_counts_concurrent_spans_once_against_the_controller_step(tmp_path: Path) -> None:
+    """Per-request spans overlap on one rank; the share is the time the phase covers, and the step time is
+    the controller's step when the trace has one."""
+    def rec(name: str, role: str, rank: int, start: int, end: int) -> dict[str, Any]:
+        return {"schema": 1, "name": name, "role": role, "rank": rank, "step": 1, "start_ns": start, "end_ns": end}
+
+    controller = [rec("controller.step", "controller", 0, 0, 1_000), rec("batch.collect", "controller", 0, 0, 600)]
+    # three requests, 0-500, 100-400 and 450-550 on one instance: 550 ns covered, 900 ns summed
+    rollout = [rec("rollout.generate", "rollout", 2000, s, e) for s, e in ((0, 500), (100, 400), (450, 550))]
+    rollout.append(rec("rollout.generate", "rollout", 2001, 0, 350))
+    train = [rec("train.step", "train", 1000, 600, 900)]
+    for rank, recs in ((0, controller), (2000, rollout[:3]), (2001, rollout[3:]), (1000, train)):
+        (tmp_path / f"phase_trace_rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summary = ta.summarize(tmp_path)
+    assert summary.step_time_ns == 1_000
+    generate = summary.phases["rollout.generate"]
+    assert generate.total_ns == 900 + 350 and generate.ranks == 2
+    assert generate.share_of_step == pytest.approx((550 + 350) / 2 / 1_000)
+    assert summary.phases["controller.step"].share_of_step == 1.0
+    assert summary.phases["train.step"].share_of_step == pytest.approx(0.3)
