@@ -1,10 +1,11 @@
 """The planner's log-prob recomputation estimate against real Megatron-Core probes, over model and sequence
 shapes (the check `memory_budget_dry_run_enabled` runs once at launch, here on a grid).
 
-For each tiny Llama-architecture model (hidden size, query heads, KV heads, MLP width) a one-rank training
-pool is started on Ray and `TrainingPool.recompute_probe` runs one forward-only log-prob micro batch per
-(sequence length, micro batch) point; the peak above the resident model state is compared with the
-planner's transient for the same shape, built from `configs/dev.yaml` with the model swapped in (fp32,
+For each tiny Llama-architecture model (hidden size, query heads, KV heads, MLP width) and tensor-parallel
+size (1, and 2 where the KV heads split) a training pool is started on Ray and `TrainingPool.recompute_probe`
+runs one forward-only log-prob micro batch per (sequence length, micro batch) point; the peak above the
+resident model state (the largest over the ranks) is compared with the planner's transient for the same
+shape and layout, built from `configs/dev.yaml` with the model swapped in (fp32,
 Megatron-Core's unfused attention: what a launch on this CPU machine estimates).
 
     python benchmarks/recompute_probe_sweep.py --out benchmarks/results/recompute_probe_sweep.json
@@ -30,13 +31,13 @@ SEQ_LENS = (64, 128, 256)
 MICRO_BATCHES = (2, 4)
 
 
-def estimate(model_dir: str, micro_batch: int, seq_len: int) -> int:
+def estimate(model_dir: str, micro_batch: int, seq_len: int, tp: int = 1) -> int:
     from libra.config.loader import load
     from libra.planning import planner_inputs, recompute_estimate, transient_bytes
     from planner.layout import TrainLayout
 
     cfg = load(str(REPO / "configs" / "dev.yaml"), [f"model_path={model_dir}", "build_tiny_model.enabled=false"])
-    return transient_bytes(recompute_estimate(planner_inputs(cfg), TrainLayout(), 1, micro_batch, seq_len))
+    return transient_bytes(recompute_estimate(planner_inputs(cfg), TrainLayout(tp=tp), 1, micro_batch, seq_len))
 
 
 def sweep(tmp: str) -> list[dict[str, Any]]:
@@ -45,26 +46,29 @@ def sweep(tmp: str) -> list[dict[str, Any]]:
     from libra.training.pool import TrainingPool
     from libra.training.spec import TrainingPoolSpec
 
-    runtime = RayRuntime.start(num_gpus=1, num_cpus=2, tmp_dir=os.path.join(tmp, "ray"), namespace="probe-sweep")
+    runtime = RayRuntime.start(num_gpus=2, num_cpus=2, tmp_dir=os.path.join(tmp, "ray"), namespace="probe-sweep")
     points: list[dict[str, Any]] = []
     try:
         for hidden, heads, kv_heads, ffn in MODELS:
             model_dir = build_tiny_model(os.path.join(tmp, f"model-{hidden}-{heads}-{kv_heads}-{ffn}"), TinyModelSpec(
                 hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=ffn))
-            pool = TrainingPool(runtime, TrainingPoolSpec(model_path=model_dir, num_gpus=1), name="probe-sweep")
-            pool.start()
-            try:
-                for seq_len in SEQ_LENS:
-                    for micro_batch in MICRO_BATCHES:
-                        measured = int(pool.recompute_probe(seq_len, micro_batch)["added_peak_bytes"])
-                        estimated = estimate(model_dir, micro_batch, seq_len)
-                        point = {"hidden": hidden, "heads": heads, "kv_heads": kv_heads, "ffn": ffn, "seq_len": seq_len,
-                                 "micro_batch": micro_batch, "measured_bytes": measured, "estimated_bytes": estimated,
-                                 "rel_error": round((estimated - measured) / measured, 4)}
-                        points.append(point)
-                        print(json.dumps(point), flush=True)
-            finally:
-                pool.shutdown()
+            for tp in (1, 2) if kv_heads % 2 == 0 else (1,):
+                pool = TrainingPool(runtime, TrainingPoolSpec(model_path=model_dir, num_gpus=tp, tp=tp),
+                                    name="probe-sweep")
+                pool.start()
+                try:
+                    for seq_len in SEQ_LENS:
+                        for micro_batch in MICRO_BATCHES:
+                            measured = int(pool.recompute_probe(seq_len, micro_batch)["added_peak_bytes"])
+                            estimated = estimate(model_dir, micro_batch, seq_len, tp)
+                            point = {"hidden": hidden, "heads": heads, "kv_heads": kv_heads, "ffn": ffn, "tp": tp,
+                                     "seq_len": seq_len, "micro_batch": micro_batch, "measured_bytes": measured,
+                                     "estimated_bytes": estimated,
+                                     "rel_error": round((estimated - measured) / measured, 4)}
+                            points.append(point)
+                            print(json.dumps(point), flush=True)
+                finally:
+                    pool.shutdown()
     finally:
         runtime.shutdown()
     return points

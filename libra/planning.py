@@ -88,7 +88,9 @@ def planner_inputs(cfg: Config) -> PlannerInputs:
         optimizer_cpu_offload=cfg.megatron_optimizer_cpu_offload,
         optimizer_offload_fraction=cfg.megatron_optimizer_offload_fraction,
         recompute_granularity=cfg.megatron_recompute_granularity,
-        sequence_parallel=True,
+        # as the training workers run it (libra.training.megatron_setup.uses_sequence_parallel): only MoE
+        # models use sequence parallelism, which Megatron-Core requires for them when TP > 1
+        sequence_parallel=spec.is_moe,
         vpp=cfg.train_vpp_size,
         implementation="megatron",
         # Megatron-Core's local (non-TE) layers on a CPU use the unfused attention; GPUs use flash attention.

@@ -151,17 +151,20 @@ def output_stage_parts(spec: ModelSpec, shape: RankShape) -> dict[str, float]:
 def forward_workspace_per_token(spec: ModelSpec, shape: RankShape, seq_len: int) -> float:
     """Largest transient of one layer's forward without autograd (log-prob recomputation): the residual
     stream plus the larger of the MLP intermediates and the attention working set."""
+    if shape.implementation == "megatron" and shape.attention_backend == "eager":
+        return megatron_local_forward_workspace(spec, shape, seq_len)
     h = float(spec.hidden_size)
     a, kv, d = _heads(spec, shape)
-    inter = spec.intermediate_size if not spec.is_moe else spec.moe_intermediate_size * spec.num_experts_per_tok
-    mlp = 3 * shape.act_bytes * inter / shape.tp
+    mlp = 3 * shape.act_bytes * _mlp_width(spec) / shape.tp
     if shape.attention_backend == "flash":
         attn = shape.act_bytes * d * (2 * a + 2 * kv) + FP32 * a
-    elif shape.implementation == "hf":
-        attn = (FP32 + 2 * shape.act_bytes) * a * seq_len
     else:
-        attn = megatron_eager_attention_bytes(spec, shape, seq_len)
+        attn = (FP32 + 2 * shape.act_bytes) * a * seq_len
     return 2 * shape.act_bytes * h + max(mlp, attn)
+
+
+def _mlp_width(spec: ModelSpec) -> int:
+    return spec.intermediate_size if not spec.is_moe else spec.moe_intermediate_size * spec.num_experts_per_tok
 
 
 def megatron_eager_scores_bytes(shape: RankShape) -> int:
@@ -173,10 +176,23 @@ def megatron_eager_scores_bytes(shape: RankShape) -> int:
     return 3 * shape.act_bytes + 2 * FP32
 
 
-def megatron_eager_attention_bytes(spec: ModelSpec, shape: RankShape, seq_len: int) -> float:
-    """Per token, what Megatron-Core's unfused attention holds at its softmax besides the residual stream:
-    the fused q/k/v projection output, the rotated query and key, k and v repeated to every query head
-    (grouped-query attention) and the scores (`megatron_eager_scores_bytes`)."""
+def megatron_local_forward_workspace(spec: ModelSpec, shape: RankShape, seq_len: int) -> float:
+    """Peak per token of one layer's forward without autograd in Megatron-Core's local (non-Transformer
+    Engine) layers with the unfused attention, what a CPU runs; read off the tensors live at the peak.
+
+    Always live: the layer input, the norm output and the embedding output (`GPTModel` holds it through the
+    decoder). At the end of the attention core: the fused q/k/v output, the reshaped query copy (grouped
+    query attention with more than one group per rank), the rotated query and key, k and v repeated to every
+    query head, the context and its contiguous copy, and the scores (`megatron_eager_scores_bytes`). In the
+    MLP: also the attention output, the persistent baddbmm buffer, fc1's output (gate and up, 2I) and the
+    SwiGLU's SiLU, offset-add and product (3I).
+    """
+    b = shape.act_bytes
+    h = float(spec.hidden_size) / shape.sp_divisor
     a, kv, d = _heads(spec, shape)
-    projections = (a + 2 * kv) * d + (a + kv) * d + (2 * a * d if kv < a else 0.0)
-    return shape.act_bytes * projections + megatron_eager_scores_bytes(shape) * a * seq_len
+    query_copy = a * d if 1 < kv < a else 0.0
+    repeated_kv = 2 * a * d if kv < a else 0.0
+    projections = (a + 2 * kv) * d + query_copy + (a + kv) * d + repeated_kv + 2 * a * d
+    attention = b * (3 * h + projections) + megatron_eager_scores_bytes(shape) * a * seq_len
+    mlp = b * (4 * h + a * seq_len + 5 * _mlp_width(spec) / shape.tp)
+    return max(attention, mlp)

@@ -85,11 +85,35 @@ def test_fp32_training_doubles_the_activation_tensors_but_not_fp32_statistics(im
     ("act_bytes", "per_score"),
     [pytest.param(4, 12, id="fp32-buffer-scores-probs"), pytest.param(2, 14, id="bf16-plus-fp32-softmax-and-cast")],
 )
-def test_megatron_eager_forward_workspace_hand_count(act_bytes: int, per_score: int) -> None:
+def test_megatron_local_attention_peak_hand_count(act_bytes: int, per_score: int) -> None:
     spec = dense(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
     shape = act.RankShape(attention_backend="eager", act_bytes=act_bytes)
-    h, a, kv, d, s = 128, 4, 2, 32, 256
+    h, a, kv, d, s = 128, 4, 2, 32, 128
     assert act.megatron_eager_scores_bytes(shape) == per_score
-    projections = (a + 2 * kv) * d + (a + kv) * d + 2 * a * d  # qkv output, rotated q and k, repeated k and v
-    expected = 2 * act_bytes * h + act_bytes * projections + per_score * a * s
-    assert act.forward_workspace_per_token(spec, shape, s) == expected
+    # layer input, norm output, embedding output; qkv output, query copy, rotated q and k, repeated k and v,
+    # context and its contiguous copy; then the scores
+    hidden = 3 * h + (a + 2 * kv) * d + a * d + (a + kv) * d + 2 * a * d + 2 * a * d
+    assert act.forward_workspace_per_token(spec, shape, s) == act_bytes * hidden + per_score * a * s
+
+
+def test_megatron_local_mlp_peak_hand_count_and_the_larger_phase_wins() -> None:
+    spec = dense(hidden_size=128, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4)
+    shape = act.RankShape(attention_backend="eager", act_bytes=4)
+    h, a, inter = 128, 4, 512
+    mlp = 4 * (4 * h + a * 64 + 5 * inter)  # hidden states, baddbmm buffer, fc1 (2I) + SiLU, add, product
+    assert act.forward_workspace_per_token(spec, shape, 64) == mlp  # short sequence: the MLP peaks
+    assert act.forward_workspace_per_token(spec, shape, 256) > 4 * (4 * h + a * 256 + 5 * inter)
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "query_copy"),
+    [pytest.param(1, 0, id="one-group-reshape-is-a-view"), pytest.param(2, 1, id="two-groups-copy"),
+     pytest.param(4, 0, id="mha-no-copy")],
+)
+def test_megatron_local_query_copy_only_with_several_groups(kv_heads: int, query_copy: int) -> None:
+    spec = dense(hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=kv_heads)
+    shape = act.RankShape(attention_backend="eager", act_bytes=4)
+    a, d, s = 4, 32, 512
+    repeated = 2 * a * d if kv_heads < a else 0
+    hidden = 3 * 128 + (a + 2 * kv_heads) * d + query_copy * a * d + (a + kv_heads) * d + repeated + 2 * a * d
+    assert act.forward_workspace_per_token(spec, shape, s) == 4 * hidden + 12 * a * s
