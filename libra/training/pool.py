@@ -49,6 +49,7 @@ class TrainingPool:
             addr = group.rendezvous_host()
             port = group.call_rank(0, "rendezvous_port", addr, timeout=self.spec.call_timeout_s)
             self.rank_info = group.call("setup", addr, port, timeout=self.spec.call_timeout_s)
+            group.call("start_checkpoint_writer_warm_up", timeout=self.spec.call_timeout_s)
         except BaseException:
             self.shutdown()
             raise

@@ -98,10 +98,17 @@ class TrainingWorker:
                 world_size=self.world_size,
                 timeout=datetime.timedelta(minutes=30),
             )
-            built = self._build()
-        self._writer_warm_up = threading.Thread(target=self._warm_up_writer, name="libra-ckpt-warm-up", daemon=True)
-        self._writer_warm_up.start()
-        return built
+            return self._build()
+
+    def start_checkpoint_writer_warm_up(self) -> None:
+        """Start megatron-core's checkpoint writer helper on a background thread and return at once
+        (`checkpoint.warm_up_writer`); the first save waits for it. The pool calls this after `setup`. The
+        helper is a spawned process, so a plain script that calls it needs an `if __name__ == "__main__":`
+        guard."""
+        if self._writer_warm_up is None:
+            self._writer_warm_up = threading.Thread(target=self._warm_up_writer, name="libra-ckpt-warm-up",
+                                                    daemon=True)
+            self._writer_warm_up.start()
 
     def _warm_up_writer(self) -> None:
         # At a lower CPU priority (Linux: per thread, inherited by the helper process it starts), so that
