@@ -10,7 +10,8 @@ and computes, from the run directory it wrote:
 - rollout_tokens_per_s: generated tokens per second of rollout (batch collection) time, and per second of
   the step loop;
 - controller_overhead_frac: share of the step loop's wall time outside rollout (batch collection),
-  training and weight sync (evaluation and checkpoints count as overhead here).
+  training and weight sync. Evaluation and checkpoints count as overhead for the time the loop waits for
+  them (an evaluation runs beside the next step's rollout, so only its unfinished part is waited for).
 
     python benchmarks/e2e_dev.py --out benchmarks/results/e2e_dev.json
 """

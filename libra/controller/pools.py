@@ -111,8 +111,9 @@ def check_pool_specs(cfg: Config, run: RunDir, desired: Any) -> None:
                cuda_available())
 
 
-class RolloutPoolEdge:
-    """Creates the `RolloutPool` on first use; afterwards adds, removes and reports its instances."""
+class _PoolEdge:
+    """What both pool edges hold: the job's configuration, run directory, Ray runtime, trace settings and,
+    once created, the pool."""
 
     def __init__(self, cfg: Config, run: RunDir, runtime: Any, trace: TraceSettings | None = None) -> None:
         self.cfg = cfg
@@ -120,6 +121,13 @@ class RolloutPoolEdge:
         self.runtime = runtime
         self.trace = trace
         self.pool: Any = None
+
+
+class RolloutPoolEdge(_PoolEdge):
+    """Creates the `RolloutPool` on first use; afterwards adds, removes and reports its instances."""
+
+    def __init__(self, cfg: Config, run: RunDir, runtime: Any, trace: TraceSettings | None = None) -> None:
+        super().__init__(cfg, run, runtime, trace)
         self._lock = threading.Lock()
 
     def create(self, num_instances: int) -> list[MemberView]:
@@ -180,15 +188,11 @@ def instance_view(info: Any) -> MemberView:
                       error=error)
 
 
-class TrainingPoolEdge:
+class TrainingPoolEdge(_PoolEdge):
     """Creates the `TrainingPool` (actors, process groups, HF -> Megatron load); reports one member per rank."""
 
     def __init__(self, cfg: Config, run: RunDir, runtime: Any, trace: TraceSettings | None = None) -> None:
-        self.cfg = cfg
-        self.run = run
-        self.runtime = runtime
-        self.trace = trace
-        self.pool: Any = None
+        super().__init__(cfg, run, runtime, trace)
         self.gpus = 0
         self.layout = TrainLayout()
 
