@@ -11,7 +11,10 @@ and computes, from the run directory it wrote:
   the step loop;
 - controller_overhead_frac: share of the step loop's wall time outside rollout (batch collection),
   training and weight sync. Evaluation and checkpoints count as overhead for the time the loop waits for
-  them (an evaluation runs beside the next step's rollout, so only its unfinished part is waited for).
+  them (an evaluation runs beside the next step's rollout, so only its unfinished part is waited for);
+- final_eval_accuracy: the last evaluation's accuracy on copy_first's evaluation prompts, lists never trained on
+  whose answer is one of the same 5 first values as in training (in-distribution; it does not measure
+  generalisation).
 
     python benchmarks/e2e_dev.py --out benchmarks/results/e2e_dev.json
 """

@@ -11,7 +11,10 @@ For every candidate setting and seed it records the reward and entropy curves an
 the 10-step moving average of the per-step mean reward reaches the target (0.8), and writes everything to
 `--out` (JSON, rewritten after each setting) with the chosen setting: the fastest one (worst seed counts),
 robustness probes excluded, that reached the target within `--step-budget` steps in every seed, and the
-job-configuration values it stands for (`recommended_dev_yaml`).
+job-configuration values it stands for (`recommended_dev_yaml`). `heldout_greedy_accuracy` is the greedy
+accuracy on the task's evaluation problems: problems never trained on, but of the same mapping (for copy_first
+with 5 values, the answer is one of the 5 first values seen in training), so it is an in-distribution check and
+does not measure generalisation.
 
     python benchmarks/learnability.py --out benchmarks/results/learnability.json
     python benchmarks/learnability.py --settings copy_first_bs32_tokens2 --merge   # add one more candidate
@@ -36,12 +39,20 @@ import torch
 
 from libra.algo.advantages import compute_advantages
 from libra.algo.grpo import LossInputs, grpo_loss
-from libra.algo.spec import AlgorithmSpec, ISCorrectionSpec, RefKLSpec
+from libra.algo.spec import AlgorithmSpec
+from libra.config import mapping
+from libra.config.sections import AlgorithmConfig, ISCorrectionConfig, RefKLConfig, TinyModelConfig
 from libra.data import Prompt, Task, TaskSpec, build_task
 from libra.models.tiny import TinyModelSpec, build_tiny_model
 
 TARGET = 0.8
 WINDOW = 10
+# The model shape of a setting that names none (hidden 64: about 0.2M parameters).
+BASE_SHAPE: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, max_position_embeddings=512)
+
+
+def tiny_spec(setting_model: dict[str, Any], **changes: Any) -> TinyModelSpec:
+    return mapping.tiny_model_spec(TinyModelConfig(**{**BASE_SHAPE, **setting_model, **changes}))
 
 
 @dataclass(frozen=True)
@@ -188,14 +199,15 @@ def response_logprobs(
 
 
 def algorithm_spec(setting: Setting) -> AlgorithmSpec:
-    return AlgorithmSpec(
+    """The loss settings a job with the setting's `algorithm` section runs (the rest at the job defaults)."""
+    return mapping.algorithm_spec(AlgorithmConfig(
         advantage_norm_mode=setting.advantage_norm_mode,  # type: ignore[arg-type]
         clip_ratio_low=setting.clip_ratio_low,
         clip_ratio_high=setting.clip_ratio_high,
         entropy_coef=setting.entropy_coef,
-        ref_kl=RefKLSpec(enable=setting.ref_kl_coef > 0, coef=setting.ref_kl_coef, kl_type="k3"),
-        is_correction=ISCorrectionSpec(enable=setting.is_correction),
-    )
+        ref_kl=RefKLConfig(enable=setting.ref_kl_coef > 0, coef=setting.ref_kl_coef, kl_type="k3"),
+        is_correction=ISCorrectionConfig(enable=setting.is_correction),
+    ))
 
 
 def batches(stream: Iterator[Prompt], size: int) -> Iterator[list[Prompt]]:
@@ -214,7 +226,7 @@ def run(setting: Setting, seed: int, max_steps: int, work_dir: str) -> dict[str,
     """One GRPO run; stops early once the moving-average reward has stayed at the target for a window."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_spec = TinyModelSpec(**{**setting.model, "seed": seed})
+    model_spec = tiny_spec(setting.model, seed=seed)
     model_dir = build_tiny_model(os.path.join(work_dir, f"{setting.name}-seed{seed}"), model_spec)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -314,7 +326,7 @@ def run(setting: Setting, seed: int, max_steps: int, work_dir: str) -> dict[str,
 
 def recommend_dev_yaml(setting: Setting, worst_steps: int) -> dict[str, Any]:
     """The job-configuration values of a setting; `total_steps` is about three times the worst seed's need."""
-    model = {**asdict(TinyModelSpec()), **setting.model}
+    model = asdict(tiny_spec(setting.model))
     for key in ("seed", "tie_word_embeddings"):  # the job's seed; untied is the only choice of the config
         model.pop(key)
     return {
@@ -337,7 +349,7 @@ def recommend_dev_yaml(setting: Setting, worst_steps: int) -> dict[str, Any]:
         },
         "optimizer": {
             "lr": setting.lr,
-            "min_lr": setting.lr,
+            "lr_decay_style": "constant",
             "weight_decay": setting.weight_decay,
             "clip_grad": setting.clip_grad,
         },

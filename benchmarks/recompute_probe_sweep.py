@@ -42,18 +42,20 @@ def estimate(model_dir: str, micro_batch: int, seq_len: int, tp: int = 1) -> int
 
 def sweep(tmp: str) -> list[dict[str, Any]]:
     from libra.cluster.ray_runtime import RayRuntime
-    from libra.models.tiny import TinyModelSpec, build_tiny_model
+    from libra.config.mapping import cpu_config, tiny_model_spec, training_pool_spec
+    from libra.config.sections import TinyModelConfig
+    from libra.models.tiny import build_tiny_model
     from libra.training.pool import TrainingPool
-    from libra.training.spec import TrainingPoolSpec
 
     runtime = RayRuntime.start(num_gpus=2, num_cpus=2, tmp_dir=os.path.join(tmp, "ray"), namespace="probe-sweep")
     points: list[dict[str, Any]] = []
     try:
         for hidden, heads, kv_heads, ffn in MODELS:
-            model_dir = build_tiny_model(os.path.join(tmp, f"model-{hidden}-{heads}-{kv_heads}-{ffn}"), TinyModelSpec(
-                hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=ffn))
+            model_dir = build_tiny_model(os.path.join(tmp, f"model-{hidden}-{heads}-{kv_heads}-{ffn}"), tiny_model_spec(
+                TinyModelConfig(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=ffn,
+                                max_position_embeddings=512)))
             for tp in (1, 2) if kv_heads % 2 == 0 else (1,):
-                pool = TrainingPool(runtime, TrainingPoolSpec(model_path=model_dir, num_gpus=tp, tp=tp),
+                pool = TrainingPool(runtime, training_pool_spec(cpu_config(model_dir, train_tp_size=tp), num_gpus=tp),
                                     name="probe-sweep")
                 pool.start()
                 try:

@@ -71,8 +71,8 @@ def hf_logits(model_dir: str) -> Any:
 def run(model_dir: str, steps: int, tmp: str) -> dict[str, Any]:
     import numpy as np
 
+    from libra.config.mapping import cpu_config, training_pool_spec
     from libra.training.pool import TrainingPool
-    from libra.training.spec import OptimizerSpec, TrainingPoolSpec
 
     expected = hf_logits(model_dir)
     runtime = start_ray(4, tmp)
@@ -80,10 +80,9 @@ def run(model_dir: str, steps: int, tmp: str) -> dict[str, Any]:
     try:
         per_layout: dict[str, dict[str, Any]] = {}
         for name, (gpus, tp) in {"tp2": (2, 2), "tp1": (1, 1)}.items():
-            spec = TrainingPoolSpec(
-                model_path=model_dir, num_gpus=gpus, tp=tp, micro_batch_size=2, recompute_logprobs=False,
-                optimizer=OptimizerSpec(lr=1e-3),
-            )
+            cfg = cpu_config(model_dir, train_tp_size=tp, train_micro_batch_size=2, recompute_logprobs=False,
+                             optimizer={"lr": 1e-3, "weight_decay": 0.01})
+            spec = training_pool_spec(cfg, num_gpus=gpus)
             pool = TrainingPool(runtime, spec, name=f"parity-{name}")
             try:
                 pool.start()
@@ -135,9 +134,13 @@ def main() -> int:
     try:
         model_dir = args.model
         if not model_dir:
-            from libra.models.tiny import TinyModelSpec, build_tiny_model
+            from libra.config.mapping import tiny_model_spec
+            from libra.config.sections import TinyModelConfig
+            from libra.models.tiny import build_tiny_model
 
-            model_dir = build_tiny_model(os.path.join(tmp, "model"), TinyModelSpec(arch="llama", init_std=0.2))
+            shape = TinyModelConfig(arch="llama", hidden_size=64, intermediate_size=128, max_position_embeddings=512,
+                                    init_std=0.2)
+            model_dir = build_tiny_model(os.path.join(tmp, "model"), tiny_model_spec(shape))
         results = run(model_dir, args.steps, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -36,21 +36,21 @@ LAYOUTS = {"tp1": (1, 1, 1), "dp2": (2, 1, 1), "tp2": (2, 2, 1), "pp2": (2, 1, 2
 
 
 def measure(model_dir: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
-    from libra.training.hf_arch import padded_vocab_size, read_hf_arch
+    from libra.config.mapping import cpu_config, training_pool_spec
+    from libra.training.hf_arch import padded_vocab_size, read_training_model
     from libra.training.pool import TrainingPool
-    from libra.training.spec import OptimizerSpec, TrainingPoolSpec
 
-    arch = read_hf_arch(model_dir)
+    arch = read_training_model(model_dir)
     runtime = start_ray(4, tmp)
     layouts: dict[str, Any] = {}
     recompute: list[dict[str, Any]] = []
     try:
         for name in args.layouts:
             gpus, tp, pp = LAYOUTS[name]
-            spec = TrainingPoolSpec(
-                model_path=model_dir, num_gpus=gpus, tp=tp, pp=pp, micro_batch_size=args.micro_batch_size,
-                recompute_micro_batch_size=args.micro_batch_size, optimizer=OptimizerSpec(lr=1e-4),
-            )
+            cfg = cpu_config(model_dir, train_tp_size=tp, train_pp_size=pp, train_micro_batch_size=args.micro_batch_size,
+                             recompute_micro_batch_size=args.micro_batch_size,
+                             optimizer={"lr": 1e-4, "weight_decay": 0.01})
+            spec = training_pool_spec(cfg, num_gpus=gpus)
             pool = TrainingPool(runtime, spec, name=f"bench-{name}")
             try:
                 t0 = time.perf_counter()
@@ -82,8 +82,8 @@ def measure(model_dir: str, args: argparse.Namespace, tmp: str) -> dict[str, Any
         "layouts": layouts,
         "recompute_memory": recompute,
         "model": {
-            "hidden_size": arch.hidden_size, "num_layers": arch.num_layers, "num_heads": arch.num_heads,
-            "num_kv_heads": arch.num_kv_heads, "ffn_hidden_size": arch.ffn_hidden_size, "vocab_size": arch.vocab_size,
+            "hidden_size": arch.hidden_size, "num_layers": arch.num_layers, "num_heads": arch.num_attention_heads,
+            "num_kv_heads": arch.num_kv_heads, "ffn_hidden_size": arch.intermediate_size, "vocab_size": arch.vocab_size,
             "params_dtype": "fp32",
         },
     }
@@ -104,12 +104,14 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="libra-train-step-")
     t0 = time.perf_counter()
     try:
-        from libra.models.tiny import TinyModelSpec, build_tiny_model
+        from libra.config.mapping import tiny_model_spec
+        from libra.config.sections import TinyModelConfig
+        from libra.models.tiny import build_tiny_model
 
-        spec = TinyModelSpec(
+        spec = tiny_model_spec(TinyModelConfig(
             arch="llama", hidden_size=args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2,
-            intermediate_size=2 * args.hidden, init_std=0.02,
-        )  # fmt: skip
+            intermediate_size=2 * args.hidden, max_position_embeddings=512, init_std=0.02,
+        ))  # fmt: skip
         results = measure(build_tiny_model(os.path.join(tmp, "model"), spec), args, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -12,26 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from libra.config import Config
-from libra.config.mapping import build_from
-from planner.hardware import get_gpu
+from libra.config.mapping import (
+    planner_memory_budget,
+    planner_rollout_options,
+    planner_train_options,
+    planner_workload,
+)
+from planner.grp import plan
 from planner.layout import TrainLayout
-from planner.memory import MemoryEstimate, padded_vocab, train_memory
+from planner.memory import MemoryEstimate, model_logits_bytes, padded_vocab, train_memory
 from planner.model_spec import ModelSpec
 from planner.plan import Plan
-from planner.search import search
-from planner.workload import (
-    ClusterSpec,
-    MemoryBudget,
-    PinnedLayout,
-    PlannerInputs,
-    RolloutOptions,
-    SearchSpace,
-    TrainOptions,
-    Workload,
-)
+from planner.workload import ClusterSpec, PinnedLayout, PlannerInputs, SearchSpace
 
 CPU_GPU_TYPE = "cpu-logical"
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MAX_DERIVED_PP = 32
 
 
@@ -62,7 +56,7 @@ def derived_ep(spec: ModelSpec) -> tuple[int, ...]:
 
 
 def is_cpu_job(cfg: Config) -> bool:
-    return cfg.cluster.logical_gpus or get_gpu(cfg.cluster.gpu_type).name == CPU_GPU_TYPE
+    return cfg.cluster.logical_gpus or cfg.cluster.gpu().name == CPU_GPU_TYPE
 
 
 def granularity(cfg: Config) -> int:
@@ -77,30 +71,13 @@ def planner_inputs(cfg: Config) -> PlannerInputs:
     """Everything the planner needs from a validated configuration."""
     spec = cfg.model_spec()
     grp = cfg.global_resource_planner
-    gpu = get_gpu(cfg.cluster.gpu_type)
-    cluster = ClusterSpec(cfg.cluster.num_nodes, cfg.cluster.gpus_per_node, gpu)
+    # the catalog entry of gpu_type, corrected or described by cluster.gpu_spec
+    cluster = ClusterSpec(cfg.cluster.num_nodes, cfg.cluster.gpus_per_node, cfg.cluster.gpu())
     cpu = is_cpu_job(cfg)
-    workload = build_from(Workload, cfg)
-    train = TrainOptions(
-        params_dtype_bytes=DTYPE_BYTES[cfg.megatron_params_dtype],
-        use_distributed_optimizer=cfg.megatron_use_distributed_optimizer,
-        precision_aware_optimizer=cfg.megatron_use_precision_aware_optimizer,
-        optimizer_cpu_offload=cfg.megatron_optimizer_cpu_offload,
-        optimizer_offload_fraction=cfg.megatron_optimizer_offload_fraction,
-        recompute_granularity=cfg.megatron_recompute_granularity,
-        # as the training workers run it (libra.training.megatron_setup.uses_sequence_parallel): only MoE
-        # models use sequence parallelism, which Megatron-Core requires for them when TP > 1
-        sequence_parallel=spec.is_moe,
-        vpp=cfg.train_vpp_size,
-        implementation="megatron",
-        # Megatron-Core's local (non-TE) layers on a CPU use the unfused attention; GPUs use flash attention.
-        attention_backend="eager" if cpu else "flash",
-        fused_optimizer=not cpu,
-    )
-    rollout = RolloutOptions(gpu_memory_utilization=cfg.rollout_gpu_memory_utilization,
-                             kv_cache_bytes=cfg.rollout_kv_cache_bytes,
-                             reload_method=cfg.rollout_weight_reload_method)
-    budget = build_from(MemoryBudget, grp, prefix="memory_budget_")
+    workload = planner_workload(cfg)
+    train = planner_train_options(cfg, moe=spec.is_moe, cpu=cpu)
+    rollout = planner_rollout_options(cfg)
+    budget = planner_memory_budget(cfg)
     pinned = None
     if cfg.train_gpus and cfg.rollout_gpus:
         pinned = PinnedLayout(train_gpus=cfg.train_gpus, rollout_gpus=cfg.rollout_gpus, tp=cfg.train_tp_size,
@@ -126,8 +103,8 @@ def planner_inputs(cfg: Config) -> PlannerInputs:
 
 
 def plan_job(cfg: Config) -> Plan:
-    """Run the planner for a job (grp search, or the check of the pinned split for `configured`)."""
-    return search(planner_inputs(cfg))
+    """Run the planner for a job (grp search, or the check of the pinned split for `configured`) with advice."""
+    return plan(planner_inputs(cfg))
 
 
 # ------------------------------------------------------------------------------------- dry-run recompute probe
@@ -162,9 +139,12 @@ class ProbeComparison:
 
 def recompute_estimate(inputs: PlannerInputs, layout: TrainLayout, dp: int, micro_batch: int,
                        seq_len: int) -> MemoryEstimate:
-    """The planner's training-rank estimate for a recompute probe of the given shape."""
-    w = replace(inputs.workload, recompute_micro_batch_size=micro_batch, max_model_len=seq_len,
-                max_new_tokens=min(inputs.workload.max_new_tokens, max(1, seq_len - 1)), recompute_logprobs=True)
+    """The planner's training-rank estimate for a recompute probe of the given shape. The probe runs before any
+    training micro-batch, so buffers sized by the largest micro-batch so far (the unfused attention's scores
+    buffer) are sized by the probe: the training micro-batch is set to the probe's too."""
+    w = replace(inputs.workload, recompute_micro_batch_size=micro_batch, train_micro_batch_size=micro_batch,
+                max_model_len=seq_len, max_new_tokens=min(inputs.workload.max_new_tokens, max(1, seq_len - 1)),
+                recompute_logprobs=True)
     return train_memory(replace(inputs, workload=w, budget=replace(inputs.budget, check_enabled=True)), layout, dp)
 
 
@@ -186,8 +166,10 @@ def compare_recompute_probe(inputs: PlannerInputs, layout: TrainLayout, dp: int,
     projected = probe.resident_bytes + int(measured * scale) + budget.safety_margin_bytes
     capacity = inputs.cluster.gpu.memory_bytes
     vocab = padded_vocab(inputs.model, layout.tp, inputs.train.implementation) / layout.tp
-    logits_bytes = probe.micro_batch * probe.seq_len / layout.cp * vocab * budget.logits_dtype_bytes
-    implied = measured / logits_bytes if logits_bytes else 0.0
+    logits = probe.micro_batch * probe.seq_len / layout.cp * vocab
+    logits_bytes = logits * budget.logits_dtype_bytes
+    model_logits = logits * model_logits_bytes(inputs.train, budget)  # not scaled by the workspace factor
+    implied = (measured - model_logits) / logits_bytes if logits_bytes else 0.0
     fits = projected <= capacity
     ok = fits and abs(rel_error) <= tolerance
     parts = [f"recompute probe ({probe.micro_batch} x {probe.seq_len} tokens): measured {measured / 1e9:.2f} GB "

@@ -117,9 +117,89 @@ def mlp_parts(spec: ModelSpec, shape: RankShape, moe: bool) -> dict[str, float]:
 
 
 def layer_parts(spec: ModelSpec, shape: RankShape, seq_len: int, moe: bool) -> dict[str, float]:
+    if is_megatron_local(shape):
+        return megatron_local_layer_parts(spec, shape, seq_len, moe)
     parts = attention_parts(spec, shape, seq_len)
     parts.update(mlp_parts(spec, shape, moe))
     return parts
+
+
+def is_megatron_local(shape: RankShape) -> bool:
+    """Megatron-Core's local (non-Transformer Engine) layers with the unfused attention: what a CPU runs."""
+    return shape.implementation == "megatron" and shape.attention_backend == "eager"
+
+
+def megatron_local_layer_parts(spec: ModelSpec, shape: RankShape, seq_len: int, moe: bool) -> dict[str, float]:
+    """Saved for backward per token by one Megatron-Core local layer, read off the tensors live at the loss.
+
+    Residual stream: the layer input and the sum after attention. Each torch RMSNorm keeps its normalised
+    value and its output (and the fp32 inverse RMS). Attention: the rotated query, k and v repeated to every
+    query head (or, without grouping, the rotated key and the fused q/k/v output v is a view of), the rotated
+    key (with grouping), the cos/sin rotary tables of q and k, the softmax output (s per head) and the
+    contiguous context. MLP: fc1's output (gate and up, 2I), SiLU, offset-add and product (3I).
+    """
+    b = shape.act_bytes
+    h = float(spec.hidden_size) / shape.sp_divisor
+    a, kv, d = _heads(spec, shape)
+    if kv < a:
+        qkv = (a + 2 * a + kv) * d  # rotated q, repeated k and v, rotated k
+    else:
+        qkv = (a + kv + (a + 2 * kv)) * d  # rotated q and k, the fused q/k/v output
+    parts: dict[str, float] = {
+        "residual": 2 * b * h,
+        "norms": 2 * (2 * b * h + FP32),
+        "q_k_v": b * qkv,
+        "rotary_tables": 4 * b * d,
+        "attn_scores": b * a * seq_len,
+        "attn_out": b * a * d,
+    }
+    if not moe:
+        parts["mlp"] = 5 * b * spec.intermediate_size / shape.tp
+        return parts
+    # MoE (the all-gather dispatcher, experts one after the other): the router's fp32 scores (six E-sized
+    # tensors: logits, softmax, top-k mask and their copies) and five top-k tensors (values, indices,
+    # routing weights); the permuted input and the experts' concatenated output (k routed copies of h) with
+    # the combined and the weighted output (h each); per routed token each expert's fc1 output (2 I_e) and
+    # four I_e-sized SwiGLU tensors.
+    k, e = float(spec.num_experts_per_tok), float(spec.num_experts)
+    parts["router"] = FP32 * (6 * e + 5 * k) / shape.sp_divisor
+    parts["moe_dispatch"] = b * h * (2 * k + 2)
+    parts["moe_experts"] = k * 6 * b * spec.moe_intermediate_size / shape.tp
+    if spec.shared_expert_intermediate_size:
+        parts["shared_expert"] = 5 * b * spec.shared_expert_intermediate_size / shape.tp
+    return parts
+
+
+MLP_PARTS = ("mlp", "router", "moe_dispatch", "moe_experts", "shared_expert")
+
+
+def megatron_local_backward_workspace(spec: ModelSpec, shape: RankShape, seq_len: int, moe: bool) -> float:
+    """Per token, on top of the kept activations, at the peak of a Megatron-Core local layer's backward.
+
+    A layer's saved tensors are freed as backward consumes them. At the attention core's backward the
+    layer's MLP tensors and its softmax output are already gone, and the softmax backward holds four
+    s-per-head temporaries (the incoming gradient, its product with the softmax output, the sum-corrected
+    copy and the gradient of the scores) with two residual-stream gradients. In the MLP's backward the
+    gradients of fc1's output (2I) and of the SwiGLU product (I) are live beside the residual gradients.
+    """
+    b = shape.act_bytes
+    h = float(spec.hidden_size) / shape.sp_divisor
+    a, _kv, _d = _heads(spec, shape)
+    parts = megatron_local_layer_parts(spec, shape, seq_len, moe)
+    mlp_kept = sum(parts.get(name, 0.0) for name in MLP_PARTS)
+    attention = b * (4 * a * seq_len + 2 * h) - parts["attn_scores"] - mlp_kept
+    width = spec.intermediate_size if not moe else spec.moe_intermediate_size * spec.num_experts_per_tok
+    mlp = b * (3 * width / shape.tp + 2 * h)
+    return max(attention, mlp)
+
+
+def megatron_scores_buffer_bytes(spec: ModelSpec, shape: RankShape, rows: int, seq_len: int) -> float:
+    """Megatron-Core's unfused attention writes its scores into a persistent global buffer (`baddbmm`'s
+    input), sized by the largest micro-batch run so far; it stays allocated between layers and phases."""
+    if not is_megatron_local(shape):
+        return 0.0
+    a, _kv, _d = _heads(spec, shape)
+    return float(shape.act_bytes * rows * a * seq_len * seq_len)
 
 
 def full_recompute_layer_bytes(spec: ModelSpec, shape: RankShape) -> float:
@@ -130,6 +210,17 @@ def full_recompute_layer_bytes(spec: ModelSpec, shape: RankShape) -> float:
 def selective_recompute_dropped(parts: dict[str, float]) -> float:
     """Selective recomputation recomputes the attention core: its scores/statistics are not kept."""
     return parts.get("attn_scores", 0.0) + parts.get("softmax_stats", 0.0)
+
+
+def megatron_local_selective_dropped(spec: ModelSpec, shape: RankShape, seq_len: int) -> float:
+    """Megatron-Core's selective recomputation checkpoints the core attention: it keeps the core's inputs
+    (rotated q and k, and v, a view that keeps the fused q/k/v output alive) instead of the softmax output and
+    the repeated k and v (the context it returns is kept by the output projection as before)."""
+    b = shape.act_bytes
+    a, kv, d = _heads(spec, shape)
+    if kv < a:
+        return b * (a * seq_len + 2 * a * d - (a + 2 * kv) * d)
+    return b * a * seq_len
 
 
 def embedding_stage_parts(spec: ModelSpec, shape: RankShape) -> dict[str, float]:
@@ -145,6 +236,8 @@ def output_stage_parts(spec: ModelSpec, shape: RankShape) -> dict[str, float]:
     if shape.implementation == "hf":
         return {"final_norm": FP32 * h + FP32 + shape.act_bytes * h, "lm_head_input": shape.act_bytes * h}
     sp = shape.sp_divisor
+    if is_megatron_local(shape):  # the last residual, the torch RMSNorm's normalised value and its output
+        return {"final_norm": (2 * shape.act_bytes * h + FP32) / sp, "lm_head_input": shape.act_bytes * h / sp}
     return {"final_norm": (shape.act_bytes * h + FP32) / sp, "lm_head_input": shape.act_bytes * h / sp}
 
 

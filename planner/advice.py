@@ -1,47 +1,27 @@
-"""Explanations and advice: memory messages naming the largest terms, warnings on a chosen plan, and for an
-infeasible job what to change, each suggestion checked by re-running the search with that change.
+"""Advice: warnings on a chosen plan, for the phase that dominates the step which option changes it and by how
+much, and for an infeasible job what to change. Every number comes from the same cost and memory model: each
+suggestion is checked by re-running the search with that change.
 
-Config field names in messages are Libra's (megatron_*, global_resource_planner.*, cluster.*).
+Config field names in messages are Libra's (megatron_*, global_resource_planner.*, cluster.*). This module
+imports the search; the search never imports it.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
+from planner.explain import gb, memory_message, rollout_memory_message
 from planner.layout import enumerate_layouts, layout_rule_violation, rollout_rule_violation
-from planner.memory import MemoryEstimate, kv_bytes_per_token, rollout_static_terms, train_memory
+from planner.memory import MemoryEstimate, kv_capacity_sequences, train_memory
+from planner.plan import Evaluation, PhaseAdvice, Plan
+from planner.search import search_validated
 from planner.workload import PlannerInputs
 
-if TYPE_CHECKING:
-    from planner.plan import Evaluation, Plan
-
-GB = 1e9
 MAX_NODES = 1024
-
-
-def gb(value: float) -> str:
-    return f"{value / GB:.1f} GB"
-
-
-def memory_message(kind: str, est: MemoryEstimate) -> str:
-    """`peak X > capacity Y (largest terms ...) on <where>`."""
-    counted = [t for t in est.terms if t.counted and t.bytes > 0 and t.phase in ("static", "reserve", est.peak_phase)]
-    top = sorted(counted, key=lambda t: -t.bytes)[:4]
-    terms = ", ".join(f"{t.name} {gb(t.bytes)}" for t in top)
-    return (f"{kind} peak {gb(est.peak_bytes)} > {gb(est.capacity_bytes)} per GPU on {est.where} "
-            f"(during {est.peak_phase}; {terms})")
-
-
-def rollout_memory_message(inputs: PlannerInputs, rollout_tp: int) -> str:
-    static = sum(t.bytes for t in rollout_static_terms(inputs, rollout_tp))
-    per_seq = kv_bytes_per_token(inputs.model, rollout_tp, inputs.rollout.kv_dtype_bytes) * inputs.workload.max_model_len
-    if inputs.rollout.kv_cache_bytes > 0:
-        return (f"rollout TP {rollout_tp}: rollout_kv_cache_bytes {inputs.rollout.kv_cache_bytes} holds no "
-                f"sequence of max_model_len {inputs.workload.max_model_len} ({gb(per_seq)} each)")
-    capacity = int(inputs.cluster.gpu.memory_bytes * inputs.rollout.gpu_memory_utilization)
-    return (f"rollout TP {rollout_tp}: weights and engine workspace {gb(static)} + one {inputs.workload.max_model_len}"
-            f"-token sequence's KV cache {gb(per_seq)} > {gb(capacity)} usable per GPU")
+# a phase dominates the step when it takes more than this share of the step time
+DOMINANT_SHARE = 0.30
+# phase advice lists an option only when the re-run search predicts at least this gain in samples per second
+MIN_PHASE_GAIN = 0.01
 
 
 def plan_warnings(inputs: PlannerInputs, ev: Evaluation) -> list[str]:
@@ -99,20 +79,22 @@ def model_state_floor(inputs: PlannerInputs) -> str | None:
             f"(capacity {gb(inputs.cluster.gpu.memory_bytes)})")
 
 
-def _feasible(inputs: PlannerInputs) -> bool:
-    from planner.search import plan_without_validation  # local: search imports this module
-
+def _searched(inputs: PlannerInputs) -> Plan | None:
+    """The search on changed inputs, or None when the change makes them invalid."""
     try:
         inputs.validate()
     except ValueError:
-        return False
-    return plan_without_validation(inputs, advise=False).feasible
+        return None
+    return search_validated(inputs)
+
+
+def _feasible(inputs: PlannerInputs) -> bool:
+    plan = _searched(inputs)
+    return plan is not None and plan.feasible
 
 
 def minimum_nodes(inputs: PlannerInputs) -> int | None:
     """Fewest nodes (same GPU type) on which the search finds a feasible plan, or None up to MAX_NODES."""
-    from planner.memory import kv_capacity_sequences
-
     gpn = inputs.cluster.gpus_per_node
     usable = [r for r in inputs.space.allowed_rollout_tp if not rollout_rule_violation(inputs.model, r, gpn)]
     if not any(kv_capacity_sequences(inputs, r) >= 1 for r in usable):
@@ -168,17 +150,14 @@ def _option_fixes(inputs: PlannerInputs) -> list[str]:
 
 def _threshold_trials(inputs: PlannerInputs) -> list[tuple[str, PlannerInputs]]:
     """Raising a pruning threshold just above the smallest value that was pruned by it."""
-    from planner.search import plan_without_validation
-
-    plan = plan_without_validation(inputs, advise=False)
+    plan = search_validated(inputs)
     s = inputs.space
     trials: list[tuple[str, PlannerInputs]] = []
     for code, config_name, current in (
             ("tp_comm_ratio", "train_comm_compute_ratio_threshold", s.comm_compute_ratio_threshold),
             ("ep_comm_ratio", "train_ep_comm_compute_ratio_threshold", s.ep_comm_compute_ratio_threshold),
             ("bubble_ratio", "train_pipeline_bubble_ratio_threshold", s.bubble_ratio_threshold)):
-        values = [v for v in (_first_number(p.reason) for p in plan.pruned if p.code == code)
-                  if v is not None and v > current]
+        values = [p.value for p in plan.pruned if p.code == code and p.value is not None and p.value > current]
         if not values:
             continue
         needed = round(min(values) * 1.05 + 0.005, 2)
@@ -192,15 +171,6 @@ def _threshold_trials(inputs: PlannerInputs) -> list[tuple[str, PlannerInputs]]:
             continue
         trials.append((f"global_resource_planner.{config_name}: {needed}", replace(inputs, space=space)))
     return trials
-
-
-def _first_number(text: str) -> float | None:
-    for word in text.replace("-", " ").split():
-        try:
-            return float(word)
-        except ValueError:
-            continue
-    return None
 
 
 def infeasible_advice(inputs: PlannerInputs, plan: Plan) -> list[str]:
@@ -248,8 +218,6 @@ def no_split_advice(inputs: PlannerInputs) -> list[str]:
                          + memory_message("a", floor[0]).replace("a peak ", "a peak of ", 1))
         r_max = max((r for r in s.allowed_rollout_tp
                      if not rollout_rule_violation(inputs.model, r, inputs.cluster.gpus_per_node)), default=1)
-        from planner.memory import kv_capacity_sequences
-
         if kv_capacity_sequences(inputs, r_max) < 1:
             lines.append("memory: " + rollout_memory_message(inputs, r_max))
     nodes = minimum_nodes(inputs)
@@ -260,15 +228,68 @@ def no_split_advice(inputs: PlannerInputs) -> list[str]:
 
 def configured_advice(inputs: PlannerInputs) -> list[str]:
     """For a pinned split that does not work: single option changes that fix it, and what grp would pick."""
-    from planner.search import plan_without_validation
-
     lines = _option_fixes(inputs)
-    grp_inputs = replace(inputs, space=replace(inputs.space, strategy="grp", pinned=None))
-    try:
-        grp_inputs.validate()
-        grp = plan_without_validation(grp_inputs, advise=False)
-    except ValueError:
-        return lines
-    if grp.feasible and grp.chosen is not None:
+    grp = _searched(replace(inputs, space=replace(inputs.space, strategy="grp", pinned=None)))
+    if grp is not None and grp.feasible and grp.chosen is not None:
         lines.append(f"initial_allocation_strategy: grp would choose {grp.chosen.candidate.label()}")
     return lines
+
+
+# ------------------------------------------------------------------------------------------- phase advice
+def _phase_trials(inputs: PlannerInputs) -> list[tuple[tuple[str, ...], str, str, PlannerInputs]]:
+    """(phases it shortens or hides, setting, what it does, changed inputs) for each option a user can change
+    that moves a phase of the step."""
+    w, ro = inputs.workload, inputs.rollout
+    trials: list[tuple[tuple[str, ...], str, str, PlannerInputs]] = []
+    if ro.reload_method != "inplace":
+        trials.append((("weight_sync",), "rollout_weight_reload_method: inplace",
+                       "reloads weights into the running rollout servers instead of restarting them",
+                       replace(inputs, rollout=replace(ro, reload_method="inplace"))))
+    interval = w.sync_interval * 2
+    lag = max(w.max_head_offpolicyness, interval - 1)  # rule sync.offpolicy_covers_interval
+    label = f"sync_interval: {interval}" + (f" with max_head_offpolicyness: {lag}"
+                                           if lag != w.max_head_offpolicyness else "")
+    trials.append((("weight_sync",), label, f"syncs weights every {interval} training steps",
+                   replace(inputs, workload=replace(w, sync_interval=interval, max_head_offpolicyness=lag))))
+    if inputs.train.recompute_granularity != "none":
+        trials.append((("train",), "megatron_recompute_granularity: none",
+                       "keeps activations instead of recomputing them in the backward pass; the search checks they fit",
+                       replace(inputs, train=replace(inputs.train, recompute_granularity="none"))))
+    more = w.max_head_offpolicyness + 1
+    hidden = ("generation",) if w.is_async else ("generation", "weight_sync", "logprob_recompute", "train")
+    trials.append((hidden, f"max_head_offpolicyness: {more}",
+                   f"overlaps generation with training, samples up to {more} policy version{'s' if more > 1 else ''} old",
+                   replace(inputs, workload=replace(w, max_head_offpolicyness=more))))
+    return trials
+
+
+def dominant_phases(ev: Evaluation) -> dict[str, float]:
+    """Phases that take more than `DOMINANT_SHARE` of the step, with their share, largest first."""
+    shares = {name: seconds / ev.step_s for name, seconds in ev.phases.items()}
+    return {name: share for name, share in sorted(shares.items(), key=lambda kv: -kv[1]) if share > DOMINANT_SHARE}
+
+
+def phase_advice(inputs: PlannerInputs, plan: Plan) -> list[PhaseAdvice]:
+    """For the phases that dominate the chosen plan's step: each option that changes them, with the phase and
+    step time the search predicts once it is set (best gain first; only gains of at least `MIN_PHASE_GAIN`)."""
+    ev = plan.chosen
+    if ev is None or not plan.feasible:
+        return []
+    dominant = dominant_phases(ev)
+    found: list[PhaseAdvice] = []
+    for phases, setting, effect, changed in _phase_trials(inputs):
+        phase = next((p for p in dominant if p in phases), None)
+        if phase is None:
+            continue
+        other = _searched(changed)
+        if other is None or not other.feasible or other.chosen is None:
+            continue
+        new = other.chosen
+        advice = PhaseAdvice(phase=phase, phase_s=ev.phases[phase], step_s=ev.step_s,
+                             samples_per_s=ev.samples_per_s, option=setting, effect=effect,
+                             new_phase_s=new.phases[phase], new_step_s=new.step_s,
+                             new_samples_per_s=new.samples_per_s,
+                             new_split="" if new.candidate == ev.candidate else new.candidate.label())
+        if advice.gain >= MIN_PHASE_GAIN:
+            found.append(advice)
+    return sorted(found, key=lambda a: -a.gain)

@@ -1,5 +1,9 @@
-"""Training layouts (TP x PP x CP x EP, virtual stages) and the divisibility rules that do not depend on how
-many GPUs the training pool gets, each with a reason code and a message naming the rule.
+"""Training layouts (TP x PP x CP x EP, virtual stages): the one place parallel sizes are derived and checked.
+
+`TrainLayout.problems` returns every rule a layout breaks for a model, a pool size, a node size and a context
+length, each with a stable code, the degree to change and a message printing every factor. Validation
+(`libra/config/checks_layout.py`), the planner (`planner/search.py`) and the training pool
+(`libra/training/spec.py`) all ask it, so they give the same verdict.
 
 Rank order is Megatron-Core's default ``tp-cp-ep-dp-pp`` (TP fastest): a TP group spans ``tp`` consecutive
 GPUs, a CP group ``tp*cp``, an EP group ``tp*ep`` (expert tensor parallel = TP), a DP group ``tp*cp*dp``.
@@ -14,9 +18,20 @@ from typing import Any
 from planner.model_spec import ModelSpec
 
 
+@dataclass(frozen=True)
+class Rule:
+    """A failed rule: stable code, a message with every factor involved, and the degree it concerns
+    (`tp`, `pp`, `vpp`, `cp`, `ep`, or `world` for the pool size; empty for rules outside the layout)."""
+
+    code: str
+    message: str
+    degree: str = ""
+
+
 @dataclass(frozen=True, order=True)
 class TrainLayout:
-    """Model-parallel degrees of the training pool (DP follows from the pool size)."""
+    """Parallel degrees of the training pool (torchtitan's `ParallelDims` is the model): DP follows from the pool
+    size, DP = world / (TP x PP x CP); EP is carved out of DP x CP (expert tensor parallel = TP)."""
 
     tp: int = 1
     pp: int = 1
@@ -33,6 +48,10 @@ class TrainLayout:
         """Data-parallel replicas of a pool of `gpus` GPUs."""
         return gpus // self.model_parallel if self.model_parallel else 0
 
+    def dims(self, world: int) -> dict[str, int]:
+        """Every size of a pool of `world` GPUs, DP included."""
+        return {"world": world, **self.as_dict(), "dp": self.dp(world)}
+
     def describe(self, gpus: int) -> str:
         return f"TP{self.tp} PP{self.pp} CP{self.cp} EP{self.ep} DP{self.dp(gpus)}"
 
@@ -43,38 +62,70 @@ class TrainLayout:
     def as_dict(self) -> dict[str, int]:
         return {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep, "vpp": self.vpp}
 
+    def problems(self, model: ModelSpec | None = None, world: int | None = None, gpus_per_node: int | None = None,
+                 max_model_len: int | None = None, attention_backend: str | None = None) -> list[Rule]:
+        """Every rule this layout breaks, in a fixed order (the planner records the first as the reason).
 
-@dataclass(frozen=True)
-class Rule:
-    """A failed rule: stable code and a message that says what to change."""
+        Each check runs when its facts are given: the model's heads, layers and experts; `world` (the pool
+        size: DP and the expert layout); `gpus_per_node`; `max_model_len` and `attention_backend` (CP)."""
+        tp, pp, cp, ep, vpp = self.tp, self.pp, self.cp, self.ep, self.vpp
+        small = [Rule("degree_positive", f"{name.upper()} {value} must be >= 1", name)
+                 for name, value in self.as_dict().items() if value < 1]
+        if world is not None and world < 1:
+            small.append(Rule("degree_positive", f"the pool size {world} must be >= 1", "world"))
+        if small:
+            return small
+        found: list[Rule] = []
+        if model is not None:
+            if model.num_attention_heads % tp:
+                found.append(Rule("tp_heads", f"TP {tp} does not divide the {model.num_attention_heads} attention "
+                                  "heads", "tp"))
+            if model.num_kv_heads % tp:
+                found.append(Rule("tp_kv_heads", f"TP {tp} does not divide the {model.num_kv_heads} KV heads "
+                                  "(query groups)", "tp"))
+        if gpus_per_node is not None and (tp > gpus_per_node or gpus_per_node % tp):
+            found.append(Rule("tp_node", f"TP {tp} would span nodes of {gpus_per_node} GPUs (TP stays inside a node)",
+                              "tp"))
+        if vpp > 1 and pp == 1:
+            found.append(Rule("vpp_needs_pp", f"{vpp} virtual stages need pipeline parallelism (PP > 1)", "vpp"))
+        if model is not None:
+            if model.num_layers % (pp * vpp):
+                found.append(Rule("pp_layers", f"PP {pp} x virtual stages {vpp} = {pp * vpp} does not divide the "
+                                  f"{model.num_layers} layers", "pp"))
+            if ep > 1 and not model.is_moe:
+                found.append(Rule("ep_dense", f"EP {ep} needs a mixture-of-experts model ({model.name} is dense)", "ep"))
+            if model.is_moe and model.num_experts % ep:
+                found.append(Rule("ep_experts", f"EP {ep} does not divide the {model.num_experts} experts", "ep"))
+        if cp > 1 and max_model_len is not None and max_model_len % (2 * cp):
+            found.append(Rule("cp_sequence", f"CP {cp} needs max_model_len ({max_model_len}) divisible by 2 x CP = "
+                              f"{2 * cp}", "cp"))
+        if cp > 1 and attention_backend is not None and attention_backend != "flash":
+            found.append(Rule("cp_backend", f"CP {cp} needs a flash attention backend (ring attention)", "cp"))
+        if world is not None:
+            found += self.world_problems(world)
+        return found
 
-    code: str
-    message: str
+    def world_problems(self, world: int) -> list[Rule]:
+        """What a pool of `world` GPUs breaks: DP = world / (TP x PP x CP) must be whole, and Megatron-Core
+        lays EP x TP ranks inside each pipeline stage's world / PP = TP x CP x DP ranks, so EP divides DP x CP."""
+        tp, pp, cp, ep, mp = self.tp, self.pp, self.cp, self.ep, self.model_parallel
+        if world % mp:
+            return [Rule("split_divisibility", f"TP x PP x CP = {tp} x {pp} x {cp} = {mp} does not divide the "
+                         f"{world} training GPUs (DP = GPUs / (TP x PP x CP))", "world")]
+        dp = world // mp
+        if (dp * cp) % ep:
+            return [Rule("ep_data_parallel", f"EP {ep} does not divide DP x CP = {dp} x {cp} = {dp * cp}: "
+                         f"Megatron-Core places EP x TP = {ep * tp} ranks inside the GPUs of one pipeline stage "
+                         f"({world} / PP {pp} = {world // pp})", "ep")]
+        return []
 
 
 def layout_rule_violation(spec: ModelSpec, layout: TrainLayout, gpus_per_node: int, max_model_len: int,
                           attention_backend: str) -> Rule | None:
     """First structural rule `layout` breaks for this model and node size, or None."""
-    tp, pp, cp, ep, vpp = layout.tp, layout.pp, layout.cp, layout.ep, layout.vpp
-    if spec.num_attention_heads % tp:
-        return Rule("tp_heads", f"TP {tp} does not divide the {spec.num_attention_heads} attention heads")
-    if spec.num_kv_heads % tp:
-        return Rule("tp_kv_heads", f"TP {tp} does not divide the {spec.num_kv_heads} KV heads (query groups)")
-    if tp > gpus_per_node or gpus_per_node % tp:
-        return Rule("tp_node", f"TP {tp} would span nodes of {gpus_per_node} GPUs; TP stays inside a node")
-    if vpp > 1 and pp == 1:
-        return Rule("vpp_needs_pp", f"{vpp} virtual stages need pipeline parallelism (PP > 1)")
-    if spec.num_layers % (pp * vpp):
-        return Rule("pp_layers", f"PP {pp} x virtual stages {vpp} does not divide the {spec.num_layers} layers")
-    if ep > 1 and not spec.is_moe:
-        return Rule("ep_dense", f"EP {ep} needs a mixture-of-experts model; this one is dense")
-    if spec.is_moe and spec.num_experts % ep:
-        return Rule("ep_experts", f"EP {ep} does not divide the {spec.num_experts} experts")
-    if cp > 1 and max_model_len % (2 * cp):
-        return Rule("cp_sequence", f"CP {cp} needs max_model_len ({max_model_len}) divisible by 2*CP")
-    if cp > 1 and attention_backend != "flash":
-        return Rule("cp_backend", f"CP {cp} needs a flash attention backend (ring attention)")
-    return None
+    found = layout.problems(spec, gpus_per_node=gpus_per_node, max_model_len=max_model_len,
+                            attention_backend=attention_backend)
+    return found[0] if found else None
 
 
 def group_is_intra_node(span: Any, gpus_per_node: int) -> Any:

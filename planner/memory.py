@@ -24,20 +24,24 @@ import numpy as np
 from planner import activations as act
 from planner.layout import TrainLayout
 from planner.model_spec import ModelSpec
-from planner.workload import PlannerInputs, TrainOptions
+from planner.workload import MemoryBudget, PlannerInputs, TrainOptions
 
 PHASES = ("static", "train", "train_loss", "train_backward", "logprob_recompute", "logprob_forward",
-          "optimizer_step", "reserve", "host")
+          "optimizer_step", "attention_buffer", "reserve", "host")
 # moment -> the phase tags whose terms are live together at that moment
 MOMENTS: dict[str, tuple[str, ...]] = {
-    "loss_backward": ("train", "train_loss"),
-    "layer_backward": ("train", "train_backward"),
-    "logprob_recompute": ("logprob_recompute",),
+    "loss_backward": ("train", "train_loss", "attention_buffer"),
+    "layer_backward": ("train", "train_backward", "attention_buffer"),
+    "logprob_recompute": ("logprob_recompute", "attention_buffer"),
     "logprob_forward": ("logprob_forward",),
     "optimizer_step": ("optimizer_step",),
 }
 RawTerm = tuple[str, str, Any, bool, Callable[[], str]]  # name, phase, bytes, counted, formula
-TRAIN_LOGITS_BUFFERS = 3  # log-softmax output kept for backward, its gradient, the gradient of the logits
+# fp32 vocabulary-sized tensors live at once at the loss. hf (transformers' log-softmax): the log-softmax kept
+# for backward, its gradient and the gradient of the logits. megatron (libra.training.logprobs with the
+# entropy, in the loss's forward): the logits (or their fp32 copy), the shifted logits, their exp, the
+# product exp x shifted, a zeros_like of exp and the torch.where result.
+TRAIN_LOGITS_BUFFERS = {"hf": 3, "megatron": 6}
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,23 @@ def stage_params(spec: ModelSpec, layout: TrainLayout, implementation: str, firs
     return StageParams(dense=dense, expert=expert)
 
 
+def model_logits_bytes(opts: TrainOptions, budget: MemoryBudget) -> int:
+    """Bytes per logit of the model's own logits kept beside the fp32 log-prob temporaries: megatron computes
+    log-probs on an fp32 copy of lower-precision logits, so both are live; 0 when no copy is made."""
+    if opts.implementation == "megatron" and opts.params_dtype_bytes < budget.logits_dtype_bytes:
+        return opts.params_dtype_bytes
+    return 0
+
+
+def largest_param_tensor(spec: ModelSpec, layout: TrainLayout, implementation: str, first: bool, last: bool) -> float:
+    """Elements of the largest single parameter tensor on one rank of the stage."""
+    h, tp = spec.hidden_size, layout.tp
+    qkv = (spec.num_attention_heads + 2 * spec.num_kv_heads) * spec.head_dim * h / tp
+    mlp = 2 * max(spec.intermediate_size, spec.moe_intermediate_size if spec.is_moe else 0) * h / tp
+    vocab = padded_vocab(spec, tp, implementation) * h / tp if (first or last) else 0.0
+    return float(max(qkv, mlp, vocab))
+
+
 # --------------------------------------------------------------------------------------------- training
 def in_flight_chunks(layout: TrainLayout, microbatches: Any, rank: int) -> Any:
     """Micro-batch x model-chunk activations pipeline rank `rank` holds at its peak (1F1B / interleaved)."""
@@ -164,6 +185,8 @@ def _layer_bytes(spec: ModelSpec, opts: TrainOptions, layout: TrainLayout, seq_l
     if opts.recompute_granularity == "full":
         return act.full_recompute_layer_bytes(spec, shape), max(sum(parts.values()), sum(dense_parts.values()))
     if opts.recompute_granularity == "selective":
+        if act.is_megatron_local(shape):
+            return full - act.megatron_local_selective_dropped(spec, shape, seq_len), 0.0
         return full - act.selective_recompute_dropped(parts), 0.0
     return full, 0.0
 
@@ -198,6 +221,8 @@ def train_terms(inputs: PlannerInputs, layout: TrainLayout, dp: Any, stage: str)
     shape = rank_shape(opts, layout)
     vocab = padded_vocab(spec, layout.tp, opts.implementation) / layout.tp
     per_layer, recompute_layer = _layer_bytes_per_token(inputs, layout, seq)
+    model_logits = model_logits_bytes(opts, budget)
+    rows = max(w.train_micro_batch_size, w.recompute_micro_batch_size if w.recompute_logprobs else 0)
     layers_per_chunk = spec.num_layers / (layout.pp * layout.vpp)
     chunks = in_flight_chunks(layout, microbatches_per_step(inputs, dp), rank)
     terms: list[RawTerm] = [
@@ -223,36 +248,63 @@ def train_terms(inputs: PlannerInputs, layout: TrainLayout, dp: Any, stage: str)
     if recompute_layer:
         terms.append(("recompute_layer_workspace", "train_backward", recompute_layer * tokens, True,
                       lambda: "one layer's activations rebuilt during backward (full recomputation)"))
-    layer_grads = max(per_layer, recompute_layer)
+    if act.is_megatron_local(shape):
+        layer_grads = max(act.megatron_local_backward_workspace(spec, shape, seq, moe)
+                          for moe in ((False, True) if spec.is_moe else (False,)))
+        grads_formula = "the attention core's softmax-backward temporaries (less the layer's MLP tensors, already " \
+            "freed) or the MLP's gradients, with the residual stream's"
+    else:
+        layer_grads = max(per_layer, recompute_layer)
+        grads_formula = "activation gradients of one layer, bounded by its activations"
     terms.append(("layer_backward_workspace", "train_backward", layer_grads * tokens, True,
-                  lambda: f"activation gradients of one layer, bounded by its activations ({layer_grads:.0f} "
-                  "B/token)"))
+                  lambda: f"{grads_formula} ({layer_grads:.0f} B/token)"))
     if last:
+        if layout.pp > 1:
+            p2p = 2 * opts.params_dtype_bytes * spec.hidden_size / shape.sp_divisor
+            terms.append(("pipeline_receive_buffers", "train", p2p * tokens, True,
+                          lambda: "1F1B on the last stage: the next micro-batch's received activation and the "
+                          f"gradient being sent back, {p2p:.0f} B/token"))
         output_token = sum(act.output_stage_parts(spec, shape).values())
         terms.append(("output_activations", "train_loss", output_token * tokens, True,
                       lambda: f"final norm + output-layer input, {output_token:.0f} B/token"))
         logits = tokens * vocab * budget.logits_dtype_bytes
-        terms.append(("loss_logits", "train_loss", logits, True,
-                      lambda: f"log-softmax kept for backward: micro-batch x seq x vocab/TP ({vocab:g}) x "
-                      f"{budget.logits_dtype_bytes} B"))
-        terms.append(("loss_logits_grad", "train_loss", logits * (TRAIN_LOGITS_BUFFERS - 1), True,
-                      lambda: "backward of the loss: gradients of the log-softmax and of the logits, "
-                      f"{TRAIN_LOGITS_BUFFERS - 1} x {_count(logits / 2**20)} MiB"))
+        buffers = TRAIN_LOGITS_BUFFERS[opts.implementation]
+        terms.append(("loss_logits", "train_loss", logits + tokens * vocab * model_logits, True,
+                      lambda: f"logits: micro-batch x seq x vocab/TP ({vocab:g}) x {budget.logits_dtype_bytes} B"
+                      + (f" + the model's {model_logits} B logits beside their fp32 copy" if model_logits else "")))
+        terms.append(("loss_logits_grad", "train_loss", logits * (buffers - 1), True,
+                      lambda: f"the loss's other vocabulary-sized temporaries ({opts.implementation}), "
+                      f"{buffers - 1} x {_count(logits / 2**20)} MiB"))
         if w.recompute_logprobs:
             rtokens = w.recompute_micro_batch_size * seq / layout.cp
+            if layout.pp > 1:
+                hidden = 2 * opts.params_dtype_bytes * spec.hidden_size / shape.sp_divisor
+                terms.append(("logprob_pipeline_buffers", "logprob_recompute", rtokens * hidden,
+                              budget.check_enabled,
+                              lambda: f"the pipeline's received activations beside the logits, {hidden:.0f} B/token"))
             terms.append(("logprob_recompute_logits", "logprob_recompute",
-                          rtokens * vocab * budget.logits_dtype_bytes * budget.workspace_factor,
+                          rtokens * vocab * (budget.logits_dtype_bytes * budget.workspace_factor + model_logits),
                           budget.check_enabled,
                           lambda: f"recompute micro-batch {w.recompute_micro_batch_size} x seq {seq} x vocab/TP "
-                          f"{vocab:g} x {budget.logits_dtype_bytes} B x workspace {budget.workspace_factor:g}"))
+                          f"{vocab:g} x {budget.logits_dtype_bytes} B x workspace {budget.workspace_factor:g}"
+                          + (f" + the model's {model_logits} B logits" if model_logits else "")))
     if w.recompute_logprobs:
         rtokens = w.recompute_micro_batch_size * seq / layout.cp
         ws = act.forward_workspace_per_token(spec, shape, seq)
         terms.append(("logprob_forward_workspace", "logprob_forward", rtokens * ws, budget.check_enabled,
                       lambda: f"one layer's forward transients, {ws:.0f} B/token"))
+    scores = act.megatron_scores_buffer_bytes(spec, shape, rows, int(seq / layout.cp))
+    if scores:
+        terms.append(("attention_scores_buffer", "attention_buffer", scores, True,
+                      lambda: f"unfused attention's persistent scores buffer: {rows} rows x heads/TP x seq^2 x "
+                      f"{opts.params_dtype_bytes} B"))
     if not opts.fused_optimizer:
-        terms.append(("optimizer_step_workspace", "optimizer_step", sharded * opts.main_params_bytes * keep, True,
-                      lambda: "unfused Adam: one fp32 temporary per parameter"))
+        largest = largest_param_tensor(spec, layout, opts.implementation, first, last)
+        terms.append(("optimizer_step_workspace", "optimizer_step",
+                      sharded * opts.main_params_bytes * keep + 2 * act.FP32 * largest, True,
+                      lambda: "unfused Adam, tensor by tensor: the square root of the second moment and its "
+                      f"scaled copy for the largest tensor ({largest:.4g} params)"
+                      + (", and one fp32 temporary per parameter" if opts.main_params_bytes else "")))
     terms.append(("safety_margin", "reserve", float(budget.safety_margin_bytes), True,
                   lambda: "global_resource_planner.memory_budget_safety_margin_bytes"))
     return terms

@@ -1,7 +1,9 @@
-"""Model architecture facts the planner needs, read from a Hugging Face `config.json`.
+"""Model architecture facts, read from a Hugging Face `config.json`: the one parser of that file.
 
-Owns `ModelSpec` (dense, GQA, MoE with shared experts, tied embeddings) and `load_model_spec`.
-Pure: stdlib only.
+Owns `ModelSpec` (dense, GQA, MoE with shared experts, tied embeddings, and the numerics the training
+workers build the Megatron-Core model from: RMSNorm epsilon, RoPE, router normalisation) and
+`load_model_spec`. Which model types each layer supports is `planner.architectures`; this module records
+facts, it refuses only a file that lacks a needed field. Pure: stdlib only.
 """
 
 from __future__ import annotations
@@ -11,8 +13,6 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "mistral")
 
 
 class ModelSpecError(ValueError):
@@ -42,11 +42,24 @@ class ModelSpec:
     moe_layer_freq: int = 1
     dense_layers: tuple[int, ...] = field(default_factory=tuple)
     qk_norm: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on the q/k/v projections
+    output_bias: bool = False  # bias on the attention output projection (o_proj)
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    sliding_window: bool = False
+    norm_topk_prob: bool = True
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def heads_per_group(self) -> int:
+        """Query heads per KV head (GQA group size)."""
+        return self.num_attention_heads // self.num_kv_heads
 
     @cached_property
     def num_moe_layers(self) -> int:
@@ -65,6 +78,7 @@ class ModelSpec:
         kv = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
         o = self.num_attention_heads * self.head_dim * self.hidden_size
         bias = (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
+        bias += self.hidden_size if self.output_bias else 0
         norms = 2 * self.head_dim if self.qk_norm else 0
         return q + kv + o + bias + norms + 2 * self.hidden_size  # + input/post-attention RMSNorm
 
@@ -111,9 +125,18 @@ def _require(cfg: dict[str, Any], key: str, source: str) -> Any:
     return cfg[key]
 
 
+def _rope(cfg: dict[str, Any]) -> tuple[str, float]:
+    """RoPE type and base: `rope_parameters` (transformers >= 5) or `rope_scaling` + top-level `rope_theta`."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    return str(rope_type), float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
 def model_spec_from_dict(cfg: dict[str, Any], name: str = "model", source: str = "config.json") -> ModelSpec:
     """Build a `ModelSpec` from the parsed contents of an HF `config.json`."""
     cfg = dict(cfg.get("text_config", cfg))
+    model_type = str(cfg.get("model_type", "unknown"))
     hidden = int(_require(cfg, "hidden_size", source))
     heads = int(_require(cfg, "num_attention_heads", source))
     num_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts", 0))) or 0)
@@ -124,9 +147,12 @@ def model_spec_from_dict(cfg: dict[str, Any], name: str = "model", source: str =
     if n_shared and not shared_inter:
         shared_inter = int(cfg.get("moe_intermediate_size", 0)) * n_shared
         n_shared = 1
+    rope_type, rope_theta = _rope(cfg)
+    # Qwen2 always has q/k/v biases and no o_proj bias; elsewhere attention_bias puts a bias on q, k, v and o.
+    attention_bias = bool(cfg.get("attention_bias", False))
     return ModelSpec(
         name=name,
-        model_type=str(cfg.get("model_type", "unknown")),
+        model_type=model_type,
         num_layers=int(_require(cfg, "num_hidden_layers", source)),
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -144,8 +170,16 @@ def model_spec_from_dict(cfg: dict[str, Any], name: str = "model", source: str =
         shared_expert_intermediate_size=shared_inter,
         moe_layer_freq=int(cfg.get("decoder_sparse_step", cfg.get("moe_layer_freq", 1)) or 1),
         dense_layers=tuple(sorted(set(mlp_only) | set(range(first_dense)))),
-        qk_norm=str(cfg.get("model_type", "")).startswith("qwen3"),
-        attention_bias=bool(cfg.get("attention_bias", str(cfg.get("model_type", "")) == "qwen2")),
+        qk_norm=model_type.startswith("qwen3"),
+        attention_bias=model_type == "qwen2" or attention_bias,
+        output_bias=attention_bias and model_type != "qwen2",
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        hidden_act=str(cfg.get("hidden_act", "silu")),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_type=rope_type,
+        sliding_window=bool(cfg.get("use_sliding_window", False)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
     )
 
 

@@ -1,10 +1,12 @@
-"""What a search returns: candidates, their evaluations, pruned candidates with reasons, and the `Plan`.
+"""What a search returns: candidates, their evaluations, pruned candidates with reasons, the order of
+preference between candidates, advice on the largest phase, and the `Plan`.
 
 Pure: stdlib only (numbers come in already computed; pruned split lists may be numpy arrays).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,12 +64,81 @@ class Evaluation:
     def rollout_side_s(self) -> float:
         return self.rollout["generation_s"] + self.rollout["weight_sync_s"]
 
-    def rank_key(self) -> tuple[float, float, int, tuple[int, int, int, int], float, int]:
-        """Order of preference: throughput, then less training time, fewer training GPUs, smaller layout,
-        less rollout time, smaller rollout TP."""
+    @property
+    def phases(self) -> dict[str, float]:
+        """Seconds of each phase of one step (weight sync per step, i.e. divided by sync_interval)."""
+        return {"generation": self.rollout["generation_s"], "weight_sync": self.rollout["weight_sync_s"],
+                "logprob_recompute": self.train["logprob_recompute_s"], "train": self.train["train_s"]}
+
+    def tie_key(self) -> tuple[int, int, float, float, tuple[int, int, int, int], float, int]:
+        """Order among candidates whose throughput ties (see `rank`): more training-memory headroom (in whole
+        MB, so rounding never decides), fewer training GPUs, then higher throughput, less training time,
+        smaller layout, less rollout time, smaller rollout TP."""
         c, lay = self.candidate, self.candidate.layout
-        return (-self.samples_per_s, self.train_side_s, c.train_gpus, (lay.tp, lay.pp, lay.cp, lay.ep),
-                self.rollout_side_s, c.rollout_tp)
+        return (-headroom_units(self.train_memory.headroom_bytes), c.train_gpus, -self.samples_per_s,
+                self.train_side_s, (lay.tp, lay.pp, lay.cp, lay.ep), self.rollout_side_s, c.rollout_tp)
+
+
+# Candidates within this relative distance of the best throughput tie: the cost model is not that precise, so
+# the one with more memory headroom (then fewer training GPUs) is the safer choice.
+THROUGHPUT_TIE_TOLERANCE = 0.005
+HEADROOM_UNIT_BYTES = 10**6
+
+
+def headroom_units(headroom_bytes: float) -> int:
+    """Headroom in whole MB (floor), the unit in which the tie-break compares it."""
+    return int(headroom_bytes // HEADROOM_UNIT_BYTES)
+
+
+def in_tie(samples_per_s: float, best_samples_per_s: float) -> bool:
+    """Whether a throughput ties with the best one (within `THROUGHPUT_TIE_TOLERANCE`)."""
+    return samples_per_s >= best_samples_per_s * (1.0 - THROUGHPUT_TIE_TOLERANCE)
+
+
+def rank(evaluations: Iterable[Evaluation], limit: int | None = None) -> list[Evaluation]:
+    """Evaluations in order of preference: repeatedly, among those left, the candidates that tie with the best
+    throughput left, and of them the first by `Evaluation.tie_key`."""
+    left = list(evaluations)
+    ranked: list[Evaluation] = []
+    while left and (limit is None or len(ranked) < limit):
+        best = max(e.samples_per_s for e in left)
+        pick = min((e for e in left if in_tie(e.samples_per_s, best)), key=Evaluation.tie_key)
+        ranked.append(pick)
+        left.remove(pick)
+    return ranked
+
+
+@dataclass(frozen=True)
+class PhaseAdvice:
+    """A phase that dominates the step, one option that changes it, and what the cost model predicts with the
+    option changed (the search re-run on the changed inputs)."""
+
+    phase: str  # a key of `Evaluation.phases`
+    phase_s: float
+    step_s: float
+    samples_per_s: float
+    option: str  # the setting to write, e.g. "rollout_weight_reload_method: inplace"
+    effect: str  # what the option does, in words
+    new_phase_s: float
+    new_step_s: float
+    new_samples_per_s: float
+    new_split: str = ""  # the re-planned split when it differs from the chosen one
+
+    @property
+    def share(self) -> float:
+        """Share of the step time the phase takes today."""
+        return self.phase_s / self.step_s
+
+    @property
+    def gain(self) -> float:
+        """Relative change of samples per second."""
+        return self.new_samples_per_s / self.samples_per_s - 1.0
+
+    def message(self) -> str:
+        moved = f" (re-planned split: {self.new_split})" if self.new_split else ""
+        return (f"{self.phase.replace('_', ' ')} takes {self.phase_s:.1f} s of the {self.step_s:.1f} s step "
+                f"({self.share:.0%}): {self.option} ({self.effect}) makes it {self.new_phase_s:.1f} s and the "
+                f"step {self.new_step_s:.1f} s, {self.gain:+.0%} samples/s{moved}")
 
 
 @dataclass(frozen=True)
@@ -84,6 +155,10 @@ class Pruned:
     layout: TrainLayout | None = None
     rollout_tp: int | None = None
     gpus: Any = ()
+    # for rules that compare a number with a limit (ratios, peak bytes): the smallest value among the pruned
+    # candidates (the first a higher limit would admit) and the limit it broke
+    value: float | None = None
+    threshold: float | None = None
 
     @property
     def train_gpus(self) -> tuple[int, ...]:
@@ -137,6 +212,7 @@ class Plan:
     search_s: float = 0.0
     splits: tuple[int, ...] = ()  # training-pool sizes the search considered
     baseline: Evaluation | None = None  # the configured split, evaluated for comparison (grp)
+    phase_advice: list[PhaseAdvice] = field(default_factory=list)
 
     @property
     def mode(self) -> str:

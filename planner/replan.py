@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from planner.plan import Candidate, Evaluation
-from planner.search import evaluate, plan_without_validation
+from planner.search import evaluate, search_validated
 from planner.workload import PlannerInputs
 
 CALIBRATION_ROUNDS = 4
@@ -105,7 +105,7 @@ def replan(inputs: PlannerInputs, current: Candidate, obs: Observation, policy: 
     def keep(reason: str, gain: float = 0.0, cost: float = 0.0, saved: float = 0.0) -> ReplanDecision:
         return ReplanDecision(False, reason, now, now, gain, cost, saved, calibrated)
 
-    plan = plan_without_validation(_restricted(calibrated, current, policy), advise=False)
+    plan = search_validated(_restricted(calibrated, current, policy))
     if not plan.feasible or plan.chosen is None:
         return keep("no feasible alternative under the calibrated model")
     best = plan.chosen

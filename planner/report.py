@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from planner.memory import MemoryEstimate
-from planner.plan import Evaluation, Plan, Pruned
+from planner.plan import Evaluation, PhaseAdvice, Plan, Pruned
 from planner.workload import PlannerInputs
 
 SCHEMA_VERSION = 1
@@ -61,7 +61,16 @@ def pruned_dict(p: Pruned) -> dict[str, Any]:
     return {"kind": p.kind, "code": p.code, "reason": p.reason,
             "train": p.layout.as_dict() if p.layout is not None else None,
             "rollout_tp": p.rollout_tp,
-            "train_gpus": list(p.train_gpus) if p.train_gpus else "all"}
+            "train_gpus": list(p.train_gpus) if p.train_gpus else "all",
+            "value": p.value, "threshold": p.threshold}
+
+
+def phase_advice_dict(a: PhaseAdvice) -> dict[str, Any]:
+    return {"phase": a.phase, "phase_s": float(a.phase_s), "step_s": float(a.step_s), "share": float(a.share),
+            "option": a.option, "effect": a.effect, "new_phase_s": float(a.new_phase_s),
+            "new_step_s": float(a.new_step_s), "samples_per_s": float(a.samples_per_s),
+            "new_samples_per_s": float(a.new_samples_per_s), "gain": float(a.gain),
+            "new_split": a.new_split or None, "message": a.message()}
 
 
 def inputs_dict(inputs: PlannerInputs) -> dict[str, Any]:
@@ -99,6 +108,7 @@ def plan_dict(plan: Plan, explain: bool = False) -> dict[str, Any]:
         "pruned_counts": plan.pruned_counts(),
         "warnings": list(plan.warnings),
         "suggestions": list(plan.suggestions),
+        "phase_advice": [phase_advice_dict(a) for a in plan.phase_advice],
         "search_s": round(plan.search_s, 6),
     }
     if explain:

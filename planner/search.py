@@ -4,9 +4,12 @@ Candidates are (training-pool size on `allocation_granularity_gpus`, training la
 rollout instance TP). Rules that depend only on the layout prune a layout for every split; the rest are
 evaluated for all splits of a layout at once with numpy. The rollout side is independent of the training
 layout, so the best rollout TP is chosen per split first. The selection maximises RL samples per second
-(synchronous or bounded-staleness asynchronous step time) with a deterministic tie order
-(`Evaluation.rank_key`). `brute_force` evaluates every candidate one by one with the scalar path; the tests
-check that both agree.
+(synchronous or bounded-staleness asynchronous step time); candidates within `THROUGHPUT_TIE_TOLERANCE` of
+the best tie and are ordered by training-memory headroom, then fewer training GPUs (`planner.plan.rank`).
+`brute_force` evaluates every candidate one by one with the scalar path; the tests check that both agree.
+
+The search gives no advice (`planner.advice` does, and `planner.grp.plan` combines both), so advice can
+re-run the search without an import cycle.
 """
 
 from __future__ import annotations
@@ -17,11 +20,19 @@ from typing import Any
 
 import numpy as np
 
-from planner import advice
 from planner.cost import rollout_costs, step_seconds, train_costs
+from planner.explain import memory_message, rollout_memory_message
 from planner.layout import Rule, TrainLayout, enumerate_layouts, layout_rule_violation, rollout_rule_violation
 from planner.memory import kv_capacity_sequences, rollout_memory, train_memory, train_peak_bytes
-from planner.plan import Candidate, Evaluation, Plan, Pruned
+from planner.plan import (
+    HEADROOM_UNIT_BYTES,
+    THROUGHPUT_TIE_TOLERANCE,
+    Candidate,
+    Evaluation,
+    Plan,
+    Pruned,
+    rank,
+)
 from planner.workload import PlannerInputs
 
 GB = 1e9
@@ -47,14 +58,10 @@ def split_rule_violations(inputs: PlannerInputs, layout: TrainLayout, train_gpus
                           costs: dict[str, Any] | None = None, check_thresholds: bool = True) -> list[Rule]:
     """Rules that depend on the training-pool size, checked one candidate at a time."""
     w, s = inputs.workload, inputs.space
-    found: list[Rule] = []
-    if train_gpus % layout.model_parallel:
-        found.append(Rule("split_divisibility", f"{train_gpus} training GPUs are not a multiple of "
-                                                f"TP x PP x CP = {layout.model_parallel}"))
+    found = layout.world_problems(train_gpus)
+    if any(rule.code == "split_divisibility" for rule in found):
         return found
-    dp = train_gpus // layout.model_parallel
-    if (dp * layout.cp) % layout.ep:
-        found.append(Rule("ep_data_parallel", f"EP {layout.ep} does not divide DP x CP = {dp * layout.cp}"))
+    dp = layout.dp(train_gpus)
     if w.samples_per_step % (dp * w.train_micro_batch_size):
         found.append(Rule("batch_divisibility", f"{w.samples_per_step} samples per step are not a multiple of "
                                                 f"DP {dp} x micro-batch {w.train_micro_batch_size}"))
@@ -85,15 +92,14 @@ def evaluate(inputs: PlannerInputs, candidate: Candidate, check_thresholds: bool
     if candidate.train_gpus + candidate.rollout_gpus > inputs.cluster.total_gpus:
         violations.append(Rule("split_exceeds_cluster", f"{candidate.train_gpus} + {candidate.rollout_gpus} GPUs "
                                                         f"exceed the {inputs.cluster.total_gpus} of the cluster"))
-    rule = layout_rule_violation(spec, layout, gpn, inputs.workload.max_model_len, inputs.train.attention_backend)
-    if rule:
-        violations.append(rule)
+    violations += layout.problems(spec, gpus_per_node=gpn, max_model_len=inputs.workload.max_model_len,
+                                  attention_backend=inputs.train.attention_backend)
     dp = max(1, candidate.train_gpus // layout.model_parallel)
     train = {k: float(v) for k, v in train_costs(inputs, layout, dp).items()}
     violations += split_rule_violations(inputs, layout, candidate.train_gpus, train, check_thresholds)
     t_mem = train_memory(inputs, layout, dp)
     if not t_mem.fits:
-        violations.append(Rule("train_memory", advice.memory_message("training", t_mem)))
+        violations.append(Rule("train_memory", memory_message("training", t_mem)))
 
     rule = rollout_rule_violation(spec, r, gpn)
     if rule:
@@ -106,7 +112,7 @@ def evaluate(inputs: PlannerInputs, candidate: Candidate, check_thresholds: bool
                                                      max(1, capacity)).items()}
     r_mem = rollout_memory(inputs, r, max(0, min(int(rollout["batch_per_instance"]), capacity)))
     if capacity < 1:
-        violations.append(Rule("rollout_memory", advice.rollout_memory_message(inputs, r)))
+        violations.append(Rule("rollout_memory", rollout_memory_message(inputs, r)))
     side_train = train["train_s"] + train["logprob_recompute_s"]
     step = float(step_seconds(inputs, side_train, rollout["generation_s"] + rollout["weight_sync_s"]))
     w = inputs.workload
@@ -121,14 +127,15 @@ def brute_force(inputs: PlannerInputs) -> tuple[Evaluation | None, int]:
     total = inputs.cluster.total_gpus
     s = inputs.space
     layouts = enumerate_layouts(s.allowed_tp, s.allowed_pp, s.allowed_cp, s.allowed_ep, inputs.train.vpp)
-    best: Evaluation | None = None
+    feasible: list[Evaluation] = []
     count = 0
     for t, layout, r in itertools.product(split_sizes(inputs).tolist(), layouts, sorted(set(s.allowed_rollout_tp))):
         count += 1
         ev = evaluate(inputs, Candidate(int(t), total - int(t), layout, r))
-        if ev.feasible and (best is None or ev.rank_key() < best.rank_key()):
-            best = ev
-    return best, count
+        if ev.feasible:
+            feasible.append(ev)
+    best = rank(feasible, limit=1)
+    return (best[0] if best else None), count
 
 
 # ------------------------------------------------------------------------------------------ vectorized path
@@ -145,7 +152,7 @@ def _rollout_side(inputs: PlannerInputs, splits: np.ndarray, pruned: list[Pruned
             continue
         capacity = kv_capacity_sequences(inputs, r)
         if capacity < 1:
-            pruned.append(Pruned("rollout", "rollout_memory", advice.rollout_memory_message(inputs, r), rollout_tp=r))
+            pruned.append(Pruned("rollout", "rollout_memory", rollout_memory_message(inputs, r), rollout_tp=r))
             continue
         ok = (rollout_gpus % r == 0) & (rollout_gpus >= r)
         if not ok.all():
@@ -204,8 +211,9 @@ def _split_codes(inputs: PlannerInputs, layout: TrainLayout, splits: np.ndarray,
 
 
 def _split_reason(name: str, inputs: PlannerInputs, layout: TrainLayout, values: dict[str, np.ndarray],
-                  picked: np.ndarray) -> str:
-    """Why splits were pruned; `picked` indexes the computed values (cost-based rules only)."""
+                  picked: np.ndarray) -> tuple[str, float | None, float | None]:
+    """Why splits were pruned, and for the cost and memory rules the smallest value among them and the limit
+    it broke; `picked` indexes the computed values (cost-based rules only)."""
     def span(key: str, fmt: str, scale: float = 1.0) -> str:
         chosen = values[key][picked] / scale
         lo, hi = float(chosen.min()), float(chosen.max())
@@ -213,31 +221,39 @@ def _split_reason(name: str, inputs: PlannerInputs, layout: TrainLayout, values:
 
     s, w = inputs.space, inputs.workload
     if name == "split_divisibility":
-        return f"not a multiple of TP x PP x CP = {layout.model_parallel}"
+        return f"not a multiple of TP x PP x CP = {layout.model_parallel}", None, None
     if name == "ep_data_parallel":
-        return f"EP {layout.ep} does not divide DP x CP"
+        return f"EP {layout.ep} does not divide DP x CP", None, None
     if name == "batch_divisibility":
         return (f"{w.samples_per_step} samples per step not divisible by DP x micro-batch "
-                f"{w.train_micro_batch_size}")
+                f"{w.train_micro_batch_size}"), None, None
     if name == "interleave_microbatches":
-        return f"interleaved pipeline needs micro-batches divisible by PP {layout.pp}"
+        return f"interleaved pipeline needs micro-batches divisible by PP {layout.pp}", None, None
+    key, threshold = {"tp_comm_ratio": ("tp_comm_ratio", s.comm_compute_ratio_threshold),
+                      "ep_comm_ratio": ("ep_comm_ratio", s.ep_comm_compute_ratio_threshold),
+                      "bubble_ratio": ("bubble_ratio", s.bubble_ratio_threshold),
+                      "train_memory": ("peak", float(inputs.cluster.gpu.memory_bytes))}[name]
+    smallest = float(values[key][picked].min())
     if name == "tp_comm_ratio":
-        return f"TP comm/compute {span('tp_comm_ratio', '.3f')} > threshold {s.comm_compute_ratio_threshold}"
-    if name == "ep_comm_ratio":
-        return (f"EP all-to-all/compute {span('ep_comm_ratio', '.3f')} > threshold "
-                f"{s.ep_comm_compute_ratio_threshold}")
-    if name == "bubble_ratio":
-        return f"pipeline bubble {span('bubble_ratio', '.3f')} > threshold {s.bubble_ratio_threshold}"
-    cap = inputs.cluster.gpu.memory_bytes / GB
-    return f"peak training memory {span('peak', '.1f', GB)} GB > {cap:.1f} GB per GPU"
+        text = f"TP comm/compute {span('tp_comm_ratio', '.3f')} > threshold {threshold}"
+    elif name == "ep_comm_ratio":
+        text = f"EP all-to-all/compute {span('ep_comm_ratio', '.3f')} > threshold {threshold}"
+    elif name == "bubble_ratio":
+        text = f"pipeline bubble {span('bubble_ratio', '.3f')} > threshold {threshold}"
+    else:
+        text = f"peak training memory {span('peak', '.1f', GB)} GB > {threshold / GB:.1f} GB per GPU"
+    return text, smallest, threshold
 
 
-def _train_side(inputs: PlannerInputs, splits: np.ndarray, pruned: list[Pruned]) -> tuple[list[TrainLayout], np.ndarray, int]:
-    """Layouts that pass the structural rules and their training-side seconds per split (inf = pruned)."""
+def _train_side(inputs: PlannerInputs, splits: np.ndarray,
+                pruned: list[Pruned]) -> tuple[list[TrainLayout], np.ndarray, np.ndarray, int]:
+    """Layouts that pass the structural rules, their training-side seconds per split (inf = pruned) and their
+    peak training bytes per split (for the tie-break on headroom)."""
     s, spec = inputs.space, inputs.model
     layouts = enumerate_layouts(s.allowed_tp, s.allowed_pp, s.allowed_cp, s.allowed_ep, inputs.train.vpp)
     kept: list[TrainLayout] = []
     rows: list[np.ndarray] = []
+    peaks: list[np.ndarray] = []
     shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for layout in layouts:
         rule = layout_rule_violation(spec, layout, inputs.cluster.gpus_per_node, inputs.workload.max_model_len,
@@ -256,32 +272,37 @@ def _train_side(inputs: PlannerInputs, splits: np.ndarray, pruned: list[Pruned])
             where = code == index
             picked = where[computed] if len(computed) else where[:0]
             gpus = () if where.all() else splits[where]
-            pruned.append(Pruned("train_split", name, _split_reason(name, inputs, layout, values, picked),
-                                 layout=layout, gpus=gpus))
+            reason, value, threshold = _split_reason(name, inputs, layout, values, picked)
+            pruned.append(Pruned("train_split", name, reason, layout=layout, gpus=gpus, value=value,
+                                 threshold=threshold))
         side = np.full(len(splits), np.inf)
+        peak = np.full(len(splits), np.inf)
         if len(computed):
             ok = code[computed] == 0
             side[computed[ok]] = values["side"][ok]
+            peak[computed] = values["peak"]
         kept.append(layout)
         rows.append(side)
-    matrix = np.vstack(rows) if rows else np.zeros((0, len(splits)))
-    return kept, matrix, len(layouts)
+        peaks.append(peak)
+    empty = np.zeros((0, len(splits)))
+    return kept, (np.vstack(rows) if rows else empty), (np.vstack(peaks) if peaks else empty), len(layouts)
 
 
 def search(inputs: PlannerInputs) -> Plan:
-    """Plan the job: the best feasible split and layouts, alternatives, pruned candidates and advice."""
+    """The best feasible split and layouts, the alternatives and the pruned candidates, without advice
+    (`planner.grp.plan` adds it)."""
     inputs.validate()
     started = time.perf_counter()
-    plan = plan_without_validation(inputs, advise=True)
+    plan = search_validated(inputs)
     plan.search_s = time.perf_counter() - started
     return plan
 
 
-def plan_without_validation(inputs: PlannerInputs, advise: bool) -> Plan:
-    """`search` for inputs already validated; `advise=False` skips the (search-based) advice."""
+def search_validated(inputs: PlannerInputs) -> Plan:
+    """`search` for inputs already validated."""
     if inputs.space.strategy == "configured":
-        return _check_configured(inputs, advise)
-    return _search_grp(inputs, advise)
+        return _check_configured(inputs)
+    return _search_grp(inputs)
 
 
 def pinned_candidate(inputs: PlannerInputs) -> Candidate | None:
@@ -292,44 +313,54 @@ def pinned_candidate(inputs: PlannerInputs) -> Candidate | None:
     return Candidate(pin.train_gpus, pin.rollout_gpus, layout, pin.rollout_tp)
 
 
-def _search_grp(inputs: PlannerInputs, advise: bool) -> Plan:
+def preferred_order(samples_per_s: np.ndarray, tie_keys: tuple[np.ndarray, ...], count: int) -> list[int]:
+    """Indices of the first `count` candidates in `planner.plan.rank` order, over arrays: `tie_keys` as for
+    `np.lexsort` (last key first), the same order as `Evaluation.tie_key`."""
+    left = np.ones(len(samples_per_s), dtype=bool)
+    order: list[int] = []
+    while len(order) < count and left.any():
+        best = float(samples_per_s[left].max())
+        tier = np.flatnonzero(left & (samples_per_s >= best * (1.0 - THROUGHPUT_TIE_TOLERANCE)))
+        k = int(tier[np.lexsort(tuple(key[tier] for key in tie_keys))[0]])
+        order.append(k)
+        left[k] = False
+    return order
+
+
+def _search_grp(inputs: PlannerInputs) -> Plan:
     splits = split_sizes(inputs)
     total = inputs.cluster.total_gpus
     pruned: list[Pruned] = []
     plan = Plan(inputs=inputs, strategy="grp", feasible=False, chosen=None, splits=tuple(splits.tolist()))
-    pinned = pinned_candidate(inputs)
-    if advise and pinned is not None and pinned.train_gpus > 0 and pinned.rollout_gpus > 0:
-        plan.baseline = evaluate(inputs, pinned)
     if len(splits) == 0:
-        plan.suggestions = advice.no_split_advice(inputs) if advise else []
         return plan
     rollout_best, rollout_tp = _rollout_side(inputs, splits, pruned)
-    layouts, train_side, n_layouts = _train_side(inputs, splits, pruned)
+    layouts, train_side, train_peak, n_layouts = _train_side(inputs, splits, pruned)
     plan.pruned = pruned
     plan.candidates_evaluated = (n_layouts + len(set(inputs.space.allowed_rollout_tp))) * len(splits)
     if not layouts:
-        plan.suggestions = advice.infeasible_advice(inputs, plan) if advise else []
         return plan
     step = step_seconds(inputs, train_side, rollout_best[None, :])
     feasible = np.isfinite(step)
     if not feasible.any():
-        plan.suggestions = advice.infeasible_advice(inputs, plan) if advise else []
         return plan
     rows, cols = np.nonzero(feasible)
     throughput = inputs.workload.samples_per_step / step[rows, cols]
-    order = np.lexsort((rows, splits[cols], train_side[rows, cols], -throughput))
+    headroom = np.floor((inputs.cluster.gpu.memory_bytes - train_peak[rows, cols]) / HEADROOM_UNIT_BYTES)
+    # the same order as Evaluation.tie_key: layouts are enumerated in (tp, pp, cp, ep) order
+    order = preferred_order(throughput, (rows, train_side[rows, cols], -throughput, splits[cols], -headroom),
+                            ALTERNATIVES + 1)
     picked: list[Evaluation] = []
-    for k in order[: ALTERNATIVES + 1]:
+    for k in order:
         t = int(splits[cols[k]])
         candidate = Candidate(t, total - t, layouts[rows[k]], int(rollout_tp[cols[k]]))
         picked.append(evaluate(inputs, candidate))
     plan.chosen, plan.alternatives = picked[0], picked[1:]
     plan.feasible = plan.chosen.feasible
-    plan.warnings = advice.plan_warnings(inputs, plan.chosen)
     return plan
 
 
-def _check_configured(inputs: PlannerInputs, advise: bool) -> Plan:
+def _check_configured(inputs: PlannerInputs) -> Plan:
     pinned = pinned_candidate(inputs)
     assert pinned is not None  # validate() guarantees it
     ev = evaluate(inputs, pinned)
@@ -337,9 +368,5 @@ def _check_configured(inputs: PlannerInputs, advise: bool) -> Plan:
     plan = Plan(inputs=inputs, strategy="configured", feasible=not blocking, chosen=ev,
                 candidates_evaluated=1, splits=(pinned.train_gpus,))
     plan.warnings = [f"{v.code}: {v.message}" for v in ev.violations if v.code in THRESHOLD_CODES]
-    plan.warnings += advice.plan_warnings(inputs, ev)
-    if blocking:
-        plan.suggestions = [f"{v.code}: {v.message}" for v in blocking]
-        if advise:
-            plan.suggestions += advice.configured_advice(inputs)
+    plan.suggestions = [f"{v.code}: {v.message}" for v in blocking]
     return plan

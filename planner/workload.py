@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from planner.architectures import PLAN, unsupported_message
 from planner.hardware import GPUSpec
 from planner.model_spec import ModelSpec
 
@@ -241,6 +242,9 @@ class PlannerInputs:
         """Raise `PlannerInputError` naming every bad value."""
         p: list[str] = []
         c, w, t, s = self.cluster, self.workload, self.train, self.space
+        unplannable = unsupported_message(self.model.model_type, (PLAN,))
+        if unplannable:
+            p.append(f"model_path: {unplannable}")
         _positive(p, "cluster.num_nodes", c.num_nodes)
         _positive(p, "cluster.gpus_per_node", c.gpus_per_node)
         for name in ("batch_size", "n_samples", "max_model_len", "max_new_tokens",

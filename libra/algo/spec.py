@@ -4,7 +4,7 @@ entropy bonus and truncated importance-sampling correction. Field names follow t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 ADVANTAGE_NORM_MODES = ("none", "group_mean", "group_zscore", "batch_mean", "batch_zscore")
@@ -17,16 +17,16 @@ AdvantageNormMode = Literal["none", "group_mean", "group_zscore", "batch_mean", 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RefKLSpec:
     """KL(pi_theta || pi_ref) penalty; the reference is the initial weights kept on the training workers."""
 
-    enable: bool = False
-    coef: float = 0.001
-    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    enable: bool
+    coef: float
+    kl_type: Literal["k1", "k2", "k3"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ISCorrectionSpec:
     """Truncated importance sampling between the rollout policy and the (recomputed) old policy.
 
@@ -35,25 +35,26 @@ class ISCorrectionSpec:
     token/sequence is dropped from both numerator and denominator (`mask`).
     """
 
-    enable: bool = False
-    action: Literal["clip", "mask"] = "clip"
-    level: Literal["token", "sequence", "geometric"] = "token"
-    lower_bound: float = 0.5
-    upper_bound: float = 2.0
+    enable: bool
+    action: Literal["clip", "mask"]
+    level: Literal["token", "sequence", "geometric"]
+    lower_bound: float
+    upper_bound: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AlgorithmSpec:
-    """GRPO loss settings (see cluster_manual/training.md for the formulas)."""
+    """GRPO loss settings (see cluster_manual/training.md for the formulas). Every field is the user's
+    (`algorithm.*`, built by `libra.config.mapping.algorithm_spec`): no defaults here."""
 
-    advantage_norm_mode: AdvantageNormMode = "group_zscore"
-    loss_agg_mode: LossAggMode = "token-mean"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float = 10.0
-    entropy_coef: float = 0.0
-    ref_kl: RefKLSpec = field(default_factory=RefKLSpec)
-    is_correction: ISCorrectionSpec = field(default_factory=ISCorrectionSpec)
+    advantage_norm_mode: AdvantageNormMode
+    loss_agg_mode: LossAggMode
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    entropy_coef: float
+    ref_kl: RefKLSpec
+    is_correction: ISCorrectionSpec
 
     def errors(self, prefix: str = "algorithm") -> list[str]:
         """Every problem with the settings, each naming the field, the value and the rule."""

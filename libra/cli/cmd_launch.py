@@ -44,10 +44,12 @@ def register(subparsers: Any) -> None:
 def _setting_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean "change the configuration" (exit 2) rather than "the job failed"."""
     from libra.controller.allocation import InfeasiblePlanError
+    from libra.data.prompt import TaskError
     from libra.rollout.spec import RolloutSpecError
     from libra.training.spec import InvalidTrainingSpecError, NotValidatedOnCPUError
 
-    return (ConfigError, InfeasiblePlanError, RolloutSpecError, InvalidTrainingSpecError, NotValidatedOnCPUError)
+    return (ConfigError, InfeasiblePlanError, RolloutSpecError, InvalidTrainingSpecError, NotValidatedOnCPUError,
+            TaskError)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,8 +1,8 @@
 """`libra plan CONFIG [--set KEY=VALUE ...] [--json] [--explain]`: run the Global Resource Planner.
 
 Prints the chosen train/rollout split and layouts, the per-GPU memory breakdown against capacity, the
-predicted phase times and throughput, the next best alternatives and the pruning summary (`--explain`: every
-pruned candidate and why). `--json` prints the stable document described in cluster_manual/planner.md.
+predicted phase times and throughput, the options that would change a phase dominating the step (and by how
+much), the next best alternatives and the pruning summary (`--explain`: every pruned candidate and why). `--json` prints the stable document described in cluster_manual/planner.md.
 Exit 0 when a feasible plan exists, 2 for an invalid configuration or an infeasible job (with what to change).
 """
 
@@ -48,9 +48,11 @@ def run(args: argparse.Namespace) -> int:
     from planner.report import plan_dict
     from planner.workload import PlannerInputError
 
-    cfg = load_or_report(args)
+    cfg = load_or_report(args, planning=True)
     if cfg is None:
         return EXIT_INVALID
+    for warning in cfg.warnings:  # includes what a launch would refuse (a model Libra can plan but not run)
+        print(f"{args.config}: warning: {warning}", file=sys.stderr)
     try:
         plan = plan_job(cfg)
     except (ModelSpecError, UnknownGPUError, PlannerInputError) as err:
@@ -194,6 +196,10 @@ def render(plan: Plan, console: Console, source: str, explain: bool) -> None:
         console.print(_times_table(ev))
         if plan.alternatives or plan.baseline is not None:
             console.print(_alternatives_table(plan))
+    if plan.phase_advice:
+        console.print("\n[bold]Options that change the largest phases[/bold] (the search re-run with each)")
+        for a in plan.phase_advice:
+            console.print(f"  - {a.message()}")
     if plan.warnings:
         console.print("\n[bold yellow]Warnings[/bold yellow]")
         for w in plan.warnings:

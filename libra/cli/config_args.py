@@ -19,10 +19,12 @@ def add_config_arguments(parser: Any, example: str = "configs/dev.yaml") -> None
                         help="override one option (dotted path, YAML value); repeatable, the last one wins")
 
 
-def load_or_report(args: argparse.Namespace, extra_overrides: Sequence[str] = ()) -> Config | None:
-    """The loaded configuration, or None after printing every error to stderr (the caller exits 2)."""
+def load_or_report(args: argparse.Namespace, extra_overrides: Sequence[str] = (),
+                   planning: bool = False) -> Config | None:
+    """The loaded configuration, or None after printing every error to stderr (the caller exits 2).
+    `planning`: for `libra plan`, which plans models Libra cannot run yet (those rules then only warn)."""
     try:
-        return load(args.config, [*args.overrides, *extra_overrides])
+        return load(args.config, [*args.overrides, *extra_overrides], planning=planning)
     except ConfigError as err:
         print(err.report(), file=sys.stderr)
         return None

@@ -1,7 +1,9 @@
 """Cross-field checks of the model, the cluster, the train/rollout split and the parallel layouts.
 
 Each function takes the `RuleContext` and yields `Finding`s; the rule table in `rules.py` gives each one
-its id, the options it reads, its class and its documentation.
+its id, the options it reads, its class and its documentation. Whether a layout breaks a rule is
+`planner.layout`'s verdict (the planner and the training pool ask the same code) and which model types are
+supported is `planner.architectures`'; the checks here name the option and the fix.
 """
 
 from __future__ import annotations
@@ -10,8 +12,17 @@ import difflib
 from collections.abc import Iterator
 
 from libra.config.context import Finding, RuleContext, common_divisors, divisors, one_of
-from planner.hardware import ALIASES, CATALOG
-from planner.model_spec import SUPPORTED_MODEL_TYPES
+from planner.architectures import (
+    PLAN,
+    ROLLOUT,
+    TRAIN,
+    missing_capabilities,
+    supporting,
+    training_gaps,
+    unsupported_message,
+)
+from planner.hardware import ALIASES, CATALOG, CUSTOM, DESCRIBED_FIELDS
+from planner.layout import Rule, TrainLayout
 
 GRP = "global_resource_planner"
 
@@ -28,18 +39,45 @@ def model_config(c: RuleContext) -> Iterator[Finding]:
 
 def model_architecture(c: RuleContext) -> Iterator[Finding]:
     assert c.model is not None
-    if c.model.model_type not in SUPPORTED_MODEL_TYPES:
-        yield Finding("model_path", f"model_type '{c.model.model_type}' has no Megatron-Core conversion in Libra",
-                      f"use a model of type {', '.join(SUPPORTED_MODEL_TYPES)}")
+    message = unsupported_message(c.model.model_type, (PLAN,))
+    if message:
+        yield Finding("model_path", message, f"use a model of type {', '.join(supporting(PLAN))}")
+
+
+def model_runnable(c: RuleContext) -> Iterator[Finding]:
+    """What `libra launch` needs beyond a plan: a training conversion and a rollout engine for the model."""
+    assert c.model is not None
+    if missing_capabilities(c.model.model_type, (PLAN,)):
+        return  # model.architecture reports the unknown type
+    if c.cfg.build_tiny_model.enabled:
+        return  # Libra builds that model from trainable families; tiny.shape checks its shape
+    gaps = training_gaps(c.model)
+    rollout = unsupported_message(c.model.model_type, (ROLLOUT,))
+    if gaps or rollout:
+        runnable = sorted(set(supporting(TRAIN)) & set(supporting(ROLLOUT)))
+        yield Finding("model_path", "; ".join(gaps + ([rollout] if rollout else [])),
+                      f"use a model Libra can train and serve ({', '.join(runnable)}); `libra plan` still plans "
+                      "this one")
 
 
 def gpu_type_known(c: RuleContext) -> Iterator[Finding]:
-    if c.gpu is None:
+    if c.gpu is not None:
+        return
+    cluster = c.cfg.cluster
+    described = any(cluster.gpu_spec.figures().values())
+    if not described and cluster.gpu_type.lower() != CUSTOM:
         names = sorted(CATALOG) + sorted(ALIASES)
-        close = difflib.get_close_matches(c.cfg.cluster.gpu_type, names, n=1, cutoff=0.5)
+        close = difflib.get_close_matches(cluster.gpu_type, names, n=1, cutoff=0.5)
         hint = f"did you mean {close[0]}? " if close else ""
-        yield Finding("cluster.gpu_type", "not in the planner's hardware catalog",
-                      f"{hint}choose one of {', '.join(names)}")
+        yield Finding("cluster.gpu_type", "not in the planner's hardware catalog, and cluster.gpu_spec does not "
+                      "describe it", f"{hint}choose one of {', '.join(names)}, or set gpu_type: custom and give "
+                      f"cluster.gpu_spec ({', '.join(DESCRIBED_FIELDS)}) from the GPU's datasheet")
+        return
+    what = "custom" if cluster.gpu_type.lower() == CUSTOM else f"'{cluster.gpu_type}', not in the catalog,"
+    for name in c.gpu_missing:
+        yield Finding(f"cluster.gpu_spec.{name}", f"gpu_type {what} is described by cluster.gpu_spec, which needs "
+                      f"{name}", f"set cluster.gpu_spec.{name} to the GPU's datasheet figure (unit in the name; bandwidths "
+                      "per GPU and direction)")
 
 
 def gpus_per_node_fit(c: RuleContext) -> Iterator[Finding]:
@@ -85,6 +123,21 @@ def split_pinned(c: RuleContext) -> Iterator[Finding]:
                       f"set rollout_gpus, or {GRP}.initial_allocation_strategy: grp to let the planner choose")
 
 
+def _layout_problems(c: RuleContext, *codes: str) -> list[Rule]:
+    """The `planner.layout` problems of the configured layout with one of `codes` (the pool-size rules only
+    when train_gpus is set)."""
+    cfg = c.cfg
+    layout = TrainLayout(tp=cfg.train_tp_size, pp=cfg.train_pp_size, cp=cfg.train_cp_size, ep=cfg.train_ep_size,
+                         vpp=cfg.train_vpp_size)
+    found = layout.problems(c.model, world=cfg.train_gpus or None, gpus_per_node=cfg.cluster.gpus_per_node,
+                            max_model_len=cfg.max_model_len)
+    return [p for p in found if p.code in codes]
+
+
+def _joined(problems: list[Rule]) -> str:
+    return "; ".join(p.message for p in problems)
+
+
 def _head_ok_tp(c: RuleContext, limit: int | None = None) -> list[int]:
     if c.model is None:
         return divisors(c.cfg.cluster.gpus_per_node)
@@ -93,85 +146,67 @@ def _head_ok_tp(c: RuleContext, limit: int | None = None) -> list[int]:
 
 def layout_divides_train_gpus(c: RuleContext) -> Iterator[Finding]:
     cfg = c.cfg
-    mp = cfg.train_model_parallel_size
-    if cfg.train_gpus and cfg.train_gpus % mp:
+    problems = _layout_problems(c, "split_divisibility")
+    if problems:
+        mp = cfg.train_model_parallel_size
         rest = cfg.train_pp_size * cfg.train_cp_size
         tps = [t for t in divisors(cfg.train_gpus // rest) if t in _head_ok_tp(c)] if cfg.train_gpus % rest == 0 else []
         fix = f"choose train_tp_size from {one_of(tps)}" if tps else f"make train_gpus a multiple of {mp}"
-        yield Finding(
-            "train_tp_size",
-            f"train_tp_size x train_pp_size x train_cp_size ({cfg.train_tp_size}x{cfg.train_pp_size}x"
-            f"{cfg.train_cp_size}={mp}) must divide train_gpus ({cfg.train_gpus})",
-            fix,
-        )
+        yield Finding("train_tp_size", _joined(problems), fix)
 
 
 def tp_divides_heads(c: RuleContext) -> Iterator[Finding]:
     assert c.model is not None
-    m, tp = c.model, c.cfg.train_tp_size
-    if m.num_attention_heads % tp or m.num_kv_heads % tp:
-        yield Finding("train_tp_size",
-                      f"train_tp_size ({tp}) must divide the model's attention heads ({m.num_attention_heads}) "
-                      f"and KV heads ({m.num_kv_heads})",
-                      f"choose train_tp_size from {one_of(_head_ok_tp(c))}")
+    problems = _layout_problems(c, "tp_heads", "tp_kv_heads")
+    if problems:
+        yield Finding("train_tp_size", _joined(problems), f"choose train_tp_size from {one_of(_head_ok_tp(c))}")
 
 
 def pp_divides_layers(c: RuleContext) -> Iterator[Finding]:
     assert c.model is not None
-    layers, pp, vpp = c.model.num_layers, c.cfg.train_pp_size, c.cfg.train_vpp_size
-    if layers % (pp * vpp):
+    layers, vpp = c.model.num_layers, c.cfg.train_vpp_size
+    problems = _layout_problems(c, "pp_layers")
+    if problems:
         choices = [p for p in divisors(layers) if (layers // p) % vpp == 0]
-        yield Finding("train_pp_size",
-                      f"train_pp_size x train_vpp_size ({pp}x{vpp}={pp * vpp}) must divide the model's layers ({layers})",
+        yield Finding("train_pp_size", _joined(problems),
                       f"choose train_pp_size from {one_of(choices)}" if choices
                       else f"choose train_vpp_size dividing {layers}")
 
 
 def vpp_needs_pp(c: RuleContext) -> Iterator[Finding]:
-    if c.cfg.train_vpp_size > 1 and c.cfg.train_pp_size == 1:
-        yield Finding("train_vpp_size", "virtual pipeline stages need pipeline parallelism (train_pp_size > 1)",
-                      "set train_vpp_size: 1, or train_pp_size >= 2")
-
-
-def _ep_problem(c: RuleContext, ep: int) -> str:
-    assert c.model is not None
-    if ep <= 1:
-        return ""
-    if not c.model.is_moe:
-        return f"expert parallelism needs an MoE model; {c.model.name} is dense"
-    if c.model.num_experts % ep:
-        return f"EP ({ep}) must divide the model's expert count ({c.model.num_experts})"
-    return ""
+    problems = _layout_problems(c, "vpp_needs_pp")
+    if problems:
+        yield Finding("train_vpp_size", _joined(problems), "set train_vpp_size: 1, or train_pp_size >= 2")
 
 
 def ep_for_moe(c: RuleContext) -> Iterator[Finding]:
     assert c.model is not None
-    problem = _ep_problem(c, c.cfg.train_ep_size)
-    if problem:
+    problems = _layout_problems(c, "ep_dense", "ep_experts")
+    if problems:
         fix = f"choose train_ep_size from {one_of(divisors(c.model.num_experts, c.cfg.cluster.gpus_per_node * 8))}" \
             if c.model.is_moe else "set train_ep_size: 1"
-        yield Finding("train_ep_size", problem, fix)
+        yield Finding("train_ep_size", _joined(problems), fix)
 
 
 def ep_divides_train_gpus(c: RuleContext) -> Iterator[Finding]:
     cfg = c.cfg
-    base = cfg.train_tp_size * cfg.train_pp_size
-    unit = base * cfg.train_ep_size
-    if cfg.train_ep_size > 1 and cfg.train_gpus and cfg.train_gpus % unit:
+    problems = _layout_problems(c, "ep_data_parallel")
+    if problems:
+        base = cfg.train_tp_size * cfg.train_pp_size
+        unit = base * cfg.train_ep_size
         eps = divisors(cfg.train_gpus // base) if cfg.train_gpus % base == 0 else []
         if c.model is not None and c.model.is_moe:
             eps = [e for e in eps if c.model.num_experts % e == 0]
-        yield Finding("train_ep_size",
-                      f"train_tp_size x train_ep_size x train_pp_size ({cfg.train_tp_size}x{cfg.train_ep_size}x"
-                      f"{cfg.train_pp_size}={unit}) must divide train_gpus ({cfg.train_gpus}) for the expert layout",
+        yield Finding("train_ep_size", _joined(problems),
                       f"choose train_ep_size from {one_of(eps)}" if eps else f"make train_gpus a multiple of {unit}")
 
 
 def train_tp_within_node(c: RuleContext) -> Iterator[Finding]:
-    if c.cfg.train_tp_size > c.cfg.cluster.gpus_per_node:
-        yield Finding("train_tp_size", f"TP {c.cfg.train_tp_size} spans nodes (gpus_per_node "
-                      f"{c.cfg.cluster.gpus_per_node}): TP traffic then crosses the slow inter-node network",
-                      "keep train_tp_size <= cluster.gpus_per_node and use PP across nodes")
+    problems = _layout_problems(c, "tp_node")
+    if problems:
+        yield Finding("train_tp_size", _joined(problems) + ": TP traffic then crosses the slow inter-node network",
+                      "choose a train_tp_size that divides cluster.gpus_per_node and use PP across nodes")
+
 
 
 def rollout_tp_divides_gpus(c: RuleContext) -> Iterator[Finding]:
@@ -200,35 +235,50 @@ def rollout_tp_within_node(c: RuleContext) -> Iterator[Finding]:
                       f"set rollout_tp_size <= {c.cfg.cluster.gpus_per_node}")
 
 
-def _items(c: RuleContext, name: str) -> list[tuple[int, int]]:
-    return list(enumerate(getattr(c.planner, name)))
+# allowed_train_* lists are search spaces: the planner prunes a value the model or the node cannot use (with the
+# same `planner.layout` verdict and reason), so such a value is a warning; a list with no usable value is an error
+_ALLOWED_CODES = {"allowed_train_tp": ("tp_heads", "tp_kv_heads", "tp_node"), "allowed_train_pp": ("pp_layers",),
+                  "allowed_train_ep": ("ep_dense", "ep_experts")}
 
 
-def allowed_tp(c: RuleContext) -> Iterator[Finding]:
+def _allowed_problems(c: RuleContext, name: str, value: int) -> list[Rule]:
+    """Why the planner prunes every layout with `value` from list `name` (empty: usable)."""
+    vpp = c.cfg.train_vpp_size
+    layout = {"allowed_train_tp": TrainLayout(tp=value), "allowed_train_pp": TrainLayout(pp=value, vpp=vpp),
+              "allowed_train_ep": TrainLayout(ep=value)}[name]
+    found = layout.problems(c.model, gpus_per_node=c.cfg.cluster.gpus_per_node)
+    return [p for p in found if p.code in _ALLOWED_CODES[name]]
+
+
+def _usable_degrees(c: RuleContext, name: str) -> list[int]:
+    """Degrees the planner could use for list `name` (up to 64, or the expert count)."""
     assert c.model is not None
-    ok = _head_ok_tp(c)
-    for i, tp in _items(c, "allowed_train_tp"):
-        if tp not in ok:
-            yield Finding(f"{GRP}.allowed_train_tp[{i}]",
-                          f"TP {tp} must divide the attention heads ({c.model.num_attention_heads}) and KV heads "
-                          f"({c.model.num_kv_heads})", f"use values from {one_of(ok)}", value=tp)
+    limit = max(64, c.model.num_experts)
+    return [v for v in range(1, limit + 1) if not _allowed_problems(c, name, v)]
 
 
-def allowed_ep(c: RuleContext) -> Iterator[Finding]:
-    assert c.model is not None
-    for i, ep in _items(c, "allowed_train_ep"):
-        problem = _ep_problem(c, ep)
-        if problem:
-            fix = f"use divisors of {c.model.num_experts}" if c.model.is_moe else "use [1] for a dense model"
-            yield Finding(f"{GRP}.allowed_train_ep[{i}]", problem, fix, value=ep)
+def allowed_pruned(c: RuleContext) -> Iterator[Finding]:
+    """Values of an allowed_train_* list that the planner prunes, when the list has a usable value."""
+    for name in _ALLOWED_CODES:
+        values = list(getattr(c.planner, name))
+        problems = [(i, v, _allowed_problems(c, name, v)) for i, v in enumerate(values)]
+        if all(found for _, _, found in problems):
+            continue  # planner.allowed_usable reports the list
+        for i, v, found in problems:
+            if found:
+                yield Finding(f"{GRP}.{name}[{i}]", f"{_joined(found)}: the planner prunes it",
+                              f"drop {v} from {name} (a list shared between models may keep it: the planner skips it "
+                              "for this model)", value=v)
 
 
-def allowed_pp(c: RuleContext) -> Iterator[Finding]:
-    assert c.model is not None
-    for i, pp in _items(c, "allowed_train_pp"):
-        if c.model.num_layers % pp:
-            yield Finding(f"{GRP}.allowed_train_pp[{i}]", f"PP {pp} must divide the model's layers ({c.model.num_layers})",
-                          f"use values from {one_of(divisors(c.model.num_layers, 64))}", value=pp)
+def allowed_usable(c: RuleContext) -> Iterator[Finding]:
+    """An allowed_train_* list none of whose values the planner can use."""
+    for name in _ALLOWED_CODES:
+        values = list(getattr(c.planner, name))
+        if values and all(_allowed_problems(c, name, v) for v in values):
+            reasons = "; ".join(_joined(_allowed_problems(c, name, v)) for v in values)
+            yield Finding(f"{GRP}.{name}", f"no value is usable ({reasons})",
+                          f"use values from {one_of(_usable_degrees(c, name))}, or leave it empty to derive them")
 
 
 def allowed_unique(c: RuleContext) -> Iterator[Finding]:

@@ -1,5 +1,5 @@
-"""Cross-field checks of the CPU development platform (logical GPUs), the task and data files,
-checkpoint retention, tracking, ports and the tiny development model."""
+"""Cross-field checks of the CPU development platform (logical GPUs), the task's options (its data files are
+checked in checks_data.py), checkpoint retention, tracking, ports and the tiny development model."""
 
 from __future__ import annotations
 
@@ -74,45 +74,11 @@ def cpu_memory_utilization_ignored(c: RuleContext) -> Iterator[Finding]:
                       "rollout_kv_cache_bytes)", "remove it from CPU configurations")
 
 
-def dataset_required(c: RuleContext) -> Iterator[Finding]:
-    if c.cfg.task.name == "dataset" and not c.cfg.task.dataset_path:
-        yield Finding("task.dataset_path", "task.name dataset reads prompts from a file",
-                      "set task.dataset_path to a .jsonl or .parquet file, or choose a built-in task")
-
-
-def dataset_files(c: RuleContext) -> Iterator[Finding]:
-    for name in ("dataset_path", "eval_dataset_path"):
-        path = getattr(c.cfg.task, name)
-        if not path:
-            continue
-        if not path.endswith((".jsonl", ".parquet")):
-            yield Finding(f"task.{name}", "must be a .jsonl or .parquet file", "convert the data to JSONL or Parquet")
-        elif not os.path.isfile(path):
-            yield Finding(f"task.{name}", "file does not exist (resolved against the YAML file's directory, then "
-                          "the working directory)", "point it at an existing file")
-
-
-def eval_needs_data(c: RuleContext) -> Iterator[Finding]:
-    task = c.cfg.task
-    if task.eval_interval and task.name == "dataset" and not task.eval_dataset_path:
-        yield Finding("task.eval_interval", "evaluation of a dataset task needs task.eval_dataset_path",
-                      "set task.eval_dataset_path, or task.eval_interval: 0")
-
-
 def builtin_ignores_dataset(c: RuleContext) -> Iterator[Finding]:
     task = c.cfg.task
     if task.name in BUILTIN_TASKS and task.dataset_path:
         yield Finding("task.dataset_path", f"is ignored by the built-in task {task.name}",
                       "remove it, or set task.name: dataset")
-
-
-def tokenizer_exists(c: RuleContext) -> Iterator[Finding]:
-    cfg = c.cfg
-    if cfg.build_tiny_model.enabled or cfg.tokenizer_path == cfg.model_path:
-        return
-    if not os.path.exists(cfg.tokenizer_path):
-        yield Finding("tokenizer_path", "does not exist", "point it at a tokenizer directory, or leave it empty to "
-                      "use model_path")
 
 
 def checkpoint_keep_every(c: RuleContext) -> Iterator[Finding]:

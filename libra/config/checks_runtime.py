@@ -1,8 +1,11 @@
-"""Cross-field checks of the runtime planner and elastic options, rollout endpoints and weight sync."""
+"""Cross-field checks of the runtime planner and elastic options, rollout endpoints and weight sync, and the
+table of elastic-runtime options that are accepted by the schema but not wired to anything yet (`UNWIRED`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from libra.config.context import Finding, RuleContext
@@ -13,6 +16,77 @@ GRP = "global_resource_planner"
 MASTER = f"{GRP}.runtime_dynamic_reconfiguration_enabled"
 _NEEDS_MASTER = ("runtime_online_replanning", "runtime_cluster_swap_enabled", "runtime_reconfigure_training",
                  "runtime_training_pool_plan_only")
+
+
+@dataclass(frozen=True)
+class Unwired:
+    """An option that nothing acts on yet: `effect` is what it would do, `fix` how to run without it."""
+
+    option: str
+    effect: str
+    fix: str
+
+
+# `global_resource_planner` options that have no effect until the elastic runtime wires them. Each is refused
+# as Not implemented when set to anything but its default (its rule id is `unwired.<option>`); the change that
+# wires an option removes its entry here and its rule. runtime_manage_rollout_processes,
+# runtime_batch_collection_timeout_s / _max_retries and runtime_drain_before_reconfigure act today and are not
+# listed.
+UNWIRED: tuple[Unwired, ...] = (
+    Unwired("runtime_dynamic_reconfiguration_enabled", "resize the pools while the job runs",
+            "set it to false (the split and layout chosen at launch are kept for the whole job)"),
+    Unwired("runtime_online_replanning", "re-plan from the observed rollout and training throughput",
+            "set it to false (the launch plan is kept)"),
+    Unwired("runtime_rollout_reconfigure_strategy", "resize the rollout pool by a strategy other than diff",
+            "remove it (diff: the rollout pool only replaces failed instances)"),
+    Unwired("runtime_cluster_swap_enabled", "exchange GPUs between the rollout and the training pool",
+            "set it to false"),
+    Unwired("runtime_reconfigure_training", "change the training pool while the job runs", "set it to false"),
+    Unwired("runtime_training_pool_plan_only", "record training-pool changes in the event log",
+            "set it to false"),
+    Unwired("decouple_communication_domains", "keep elastic gradient traffic off the core training DP group",
+            "set it to false"),
+    Unwired("elastic_hybrid_replica_size_gpus", "size the replicas of elastic hybrid parallelism",
+            "remove it (0)"),
+    Unwired("elastic_hybrid_min_rollout_gpus", "keep rollout GPUs that elastic hybrid parallelism may not borrow",
+            "remove it (0)"),
+    Unwired("replan_interval_steps", "space online re-planning decisions", "remove it"),
+    Unwired("replan_min_gain", "set the hysteresis of online re-planning", "remove it"),
+)
+
+
+def _default_of(option: str) -> object:
+    from libra.config.sections import PlannerConfig
+
+    return options(PlannerConfig)[option].default
+
+
+def unwired_requested(cfg: Config) -> list[str]:
+    """The `UNWIRED` options this configuration sets to something other than their default."""
+    p = cfg.global_resource_planner
+    return [u.option for u in UNWIRED if getattr(p, u.option) != _default_of(u.option)]
+
+
+def unwired_check(u: Unwired) -> Callable[[RuleContext], Iterator[Finding]]:
+    """The check of one `UNWIRED` option: a finding when it is set to anything but its default."""
+
+    def check(c: RuleContext) -> Iterator[Finding]:
+        default = _default_of(u.option)
+        if getattr(c.planner, u.option) != default:
+            yield Finding(f"{GRP}.{u.option}", f"would {u.effect}, which is not implemented yet: the option is "
+                          f"accepted by the schema but nothing acts on it (default {default!r})", u.fix)
+
+    check.__name__ = f"unwired_{u.option}"
+    return check
+
+
+def train_context_parallel(c: RuleContext) -> Iterator[Finding]:
+    why = ("the training workers build Megatron-Core's local (non-Transformer-Engine) layers, whose attention "
+           "supports no context parallelism (Megatron-Core asserts when the model is built)")
+    if c.cfg.train_cp_size > 1:
+        yield Finding("train_cp_size", why, "set train_cp_size: 1")
+    if any(cp > 1 for cp in c.planner.allowed_train_cp):
+        yield Finding(f"{GRP}.allowed_train_cp", why, "use [1] (or leave it empty)")
 
 
 def runtime_needs_master(c: RuleContext) -> Iterator[Finding]:
@@ -67,7 +141,9 @@ def spare_gpus_for_strategy(c: RuleContext) -> Iterator[Finding]:
 
 
 def strategy_ignored(c: RuleContext) -> Iterator[Finding]:
-    for name in ("runtime_rollout_reconfigure_strategy", "runtime_drain_before_reconfigure"):
+    # runtime_drain_before_reconfigure is not listed: it also drains a ready rollout instance the reconciler
+    # stops outside a reconfiguration (e.g. one adopted beyond the desired count)
+    for name in ("runtime_rollout_reconfigure_strategy",):
         if c.is_set(f"{GRP}.{name}") and not c.planner.runtime_dynamic_reconfiguration_enabled:
             yield Finding(f"{GRP}.{name}", "is ignored while runtime_dynamic_reconfiguration_enabled is false",
                           f"remove it or set {MASTER}: true")

@@ -151,6 +151,14 @@ def min_lr_below_lr(c: RuleContext) -> Iterator[Finding]:
         yield Finding("optimizer.min_lr", f"exceeds optimizer.lr ({opt.lr})", f"set min_lr <= {opt.lr}")
 
 
+def min_lr_needs_decay(c: RuleContext) -> Iterator[Finding]:
+    opt = c.cfg.optimizer
+    if opt.min_lr > 0 and opt.lr_decay_style == "constant":
+        yield Finding("optimizer.min_lr", "has no effect: the learning rate stays at lr after the warm-up "
+                      "(optimizer.lr_decay_style is constant)",
+                      "set optimizer.lr_decay_style to linear or cosine to decay to min_lr, or remove min_lr")
+
+
 def warmup_within_steps(c: RuleContext) -> Iterator[Finding]:
     if c.cfg.optimizer.lr_warmup_steps > c.cfg.total_steps:
         yield Finding("optimizer.lr_warmup_steps", f"exceeds total_steps ({c.cfg.total_steps})",

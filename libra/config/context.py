@@ -10,7 +10,7 @@ from typing import Any
 
 from libra.config.errors import MISSING_VALUE
 from libra.config.schema import Config
-from planner.hardware import GPUSpec, UnknownGPUError, get_gpu
+from planner.hardware import GPUSpec, UnknownGPUError
 from planner.model_spec import ModelSpec, ModelSpecError
 
 
@@ -38,10 +38,11 @@ class RuleContext:
         except (ModelSpecError, OSError, ValueError, TypeError) as exc:
             self.model_error = str(exc)
         self.gpu: GPUSpec | None = None
+        self.gpu_missing: tuple[str, ...] = ()  # cluster.gpu_spec figures an undescribed gpu_type needs
         try:
-            self.gpu = get_gpu(cfg.cluster.gpu_type)
-        except UnknownGPUError:
-            pass
+            self.gpu = cfg.cluster.gpu()
+        except UnknownGPUError as exc:
+            self.gpu_missing = exc.missing
 
     @property
     def planner(self) -> Any:

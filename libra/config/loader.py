@@ -23,12 +23,13 @@ from libra.config.typecheck import Walker, all_option_paths
 from libra.config.yaml_io import parse_scalar, read_yaml
 
 
-def load(path: str, overrides: Iterable[str] = ()) -> Config:
-    """Load and validate a YAML job file; `overrides` are "dotted.key=yaml-value" strings (last wins)."""
+def load(path: str, overrides: Iterable[str] = (), planning: bool = False) -> Config:
+    """Load and validate a YAML job file; `overrides` are "dotted.key=yaml-value" strings (last wins).
+    `planning` (for `libra plan`) reports what only a launch needs as warnings (see `rules.Rule.launch_only`)."""
     data, issues = read_yaml(path)
     base_dir = os.path.dirname(os.path.abspath(path))
     stem = os.path.splitext(os.path.basename(path))[0]
-    return _build(data, path, base_dir, stem, overrides, issues)
+    return _build(data, path, base_dir, stem, overrides, issues, planning)
 
 
 def load_dict(data: dict[str, Any], source: str = "<dict>", overrides: Iterable[str] = (),
@@ -44,7 +45,7 @@ def dump(cfg: Config) -> dict[str, Any]:
 
 
 def _build(data: Any, source: str, base_dir: str | None, default_name: str, overrides: Iterable[str],
-           issues: list[ConfigIssue]) -> Config:
+           issues: list[ConfigIssue], planning: bool = False) -> Config:
     issues = list(issues)
     if data is None and not issues:
         data = {}
@@ -58,7 +59,7 @@ def _build(data: Any, source: str, base_dir: str | None, default_name: str, over
     issues += walker.result.issues
     kwargs = _derive(kwargs, base_dir, default_name)
     cfg = Config(**kwargs, source=source if source != "<dict>" else "")
-    errors, warnings = run_rules(RuleContext(cfg, walker.result.provided), walker.result.bad_paths)
+    errors, warnings = run_rules(RuleContext(cfg, walker.result.provided), walker.result.bad_paths, planning=planning)
     issues += errors
     if issues:
         raise ConfigError(issues, warnings, source)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from libra.config import checks_data as data
 from libra.config import checks_layout as lay
 from libra.config import checks_platform as plat
 from libra.config import checks_runtime as run
@@ -27,6 +28,7 @@ from libra.config.errors import (
     format_value,
     sentence,
 )
+from planner.architectures import PLAN, TRAIN, supporting
 
 GRP = "global_resource_planner"
 MODEL_FACTS = ("model_path", "build_tiny_model")
@@ -43,14 +45,20 @@ class Rule:
     check: Callable[[RuleContext], Iterable[Finding]]
     needs_model: bool = False
     needs_gpu: bool = False
+    # what only `libra launch` needs (the model can be planned but not run): `libra plan` reports it as a warning
+    launch_only: bool = False
+    # a finding refuses the option (Not implemented): later rules that read it are not run, so a refused
+    # option gives one error, not one per rule about how it combines with others
+    refuses: bool = False
 
     def reads(self) -> tuple[str, ...]:
         return self.fields + MODEL_FACTS if self.needs_model else self.fields
 
 
 def _r(id: str, kind: str, fields: str, summary: str, check: Callable[[RuleContext], Iterable[Finding]],
-       model: bool = False, gpu: bool = False) -> Rule:
-    return Rule(id, kind, tuple(f.strip() for f in fields.split(",") if f.strip()), summary, check, model, gpu)
+       model: bool = False, gpu: bool = False, launch_only: bool = False) -> Rule:
+    return Rule(id, kind, tuple(f.strip() for f in fields.split(",") if f.strip()), summary, check, model, gpu,
+                launch_only)
 
 
 P = GRP + "."
@@ -58,9 +66,14 @@ RULES: tuple[Rule, ...] = (
     # model and cluster
     _r("model.config", INVALID, "model_path", "model_path holds a readable HF config.json (or build_tiny_model is "
        "enabled, which supplies the architecture)", lay.model_config),
-    _r("model.architecture", NOT_IMPLEMENTED, "model_path", "the model type has a Megatron-Core conversion "
-       "(llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, mistral)", lay.model_architecture, model=True),
-    _r("cluster.gpu_type", INVALID, "cluster.gpu_type", "cluster.gpu_type is in the planner's hardware catalog",
+    _r("model.architecture", NOT_IMPLEMENTED, "model_path", "the planner models the model type "
+       f"({', '.join(supporting(PLAN))})", lay.model_architecture, model=True),
+    _r("model.runnable", NOT_IMPLEMENTED, "model_path", "training can build the model (an HF <-> Megatron-Core "
+       f"conversion: {', '.join(supporting(TRAIN))}, without RoPE scaling, sliding windows or MLP/output biases) "
+       "and the rollout pool can serve it; `libra plan` only warns, since planning such a job is legitimate",
+       lay.model_runnable, model=True, launch_only=True),
+    _r("cluster.gpu_type", INVALID, "cluster.gpu_type, cluster.gpu_spec", "cluster.gpu_type is in the planner's "
+       "hardware catalog, or cluster.gpu_spec gives every figure of the GPU (gpu_type custom or any other name)",
        lay.gpu_type_known),
     _r("cluster.gpus_per_node", INVALID, "cluster.gpus_per_node, cluster.gpu_type", "gpus_per_node does not exceed "
        "what one node of that GPU type holds", lay.gpus_per_node_fit, gpu=True),
@@ -85,6 +98,10 @@ RULES: tuple[Rule, ...] = (
     _r("planner.safety_margin", INVALID, f"{P}memory_budget_safety_margin_bytes, cluster.gpu_type",
        "memory_budget_safety_margin_bytes is below one GPU's memory", lay.safety_margin_fits, gpu=True),
     # training layout
+    Rule("train.context_parallel", NOT_IMPLEMENTED, ("train_cp_size", f"{P}allowed_train_cp"), "train_cp_size is "
+         "1 and allowed_train_cp holds only 1: the training workers build Megatron-Core's local layers, which have "
+         "no context parallelism (that needs Transformer Engine's attention)", run.train_context_parallel,
+         refuses=True),
     _r("layout.divides_train_gpus", INVALID, "train_tp_size, train_pp_size, train_cp_size, train_gpus",
        "train_tp_size x train_pp_size x train_cp_size divides train_gpus (DP = the quotient)",
        lay.layout_divides_train_gpus),
@@ -98,14 +115,15 @@ RULES: tuple[Rule, ...] = (
        "expert count", lay.ep_for_moe, model=True),
     _r("layout.ep_divides_train_gpus", INVALID, "train_tp_size, train_ep_size, train_pp_size, train_gpus",
        "train_tp_size x train_ep_size x train_pp_size divides train_gpus", lay.ep_divides_train_gpus),
-    _r("layout.tp_within_node", WARNING, "train_tp_size, cluster.gpus_per_node", "train_tp_size <= gpus_per_node "
-       "(TP across nodes is slow)", lay.train_tp_within_node),
-    _r("planner.allowed_tp", INVALID, f"{P}allowed_train_tp", "every allowed_train_tp value divides the attention "
-       "and KV heads", lay.allowed_tp, model=True),
-    _r("planner.allowed_ep", INVALID, f"{P}allowed_train_ep", "every allowed_train_ep value > 1 needs an MoE "
-       "model and divides the expert count", lay.allowed_ep, model=True),
-    _r("planner.allowed_pp", INVALID, f"{P}allowed_train_pp", "every allowed_train_pp value divides the layer "
-       "count", lay.allowed_pp, model=True),
+    _r("layout.tp_within_node", WARNING, "train_tp_size, cluster.gpus_per_node", "train_tp_size divides "
+       "gpus_per_node (TP across nodes is slow)", lay.train_tp_within_node),
+    _r("planner.allowed_usable", INVALID, f"{P}allowed_train_tp, {P}allowed_train_pp, {P}allowed_train_ep, "
+       "train_vpp_size, cluster.gpus_per_node", "each non-empty allowed_train_tp / _pp / _ep list has a value the "
+       "planner can use (TP divides the attention and KV heads and fits a node, PP x train_vpp_size divides the "
+       "layers, EP > 1 only for MoE models and divides the experts)", lay.allowed_usable, model=True),
+    _r("planner.allowed_pruned", WARNING, f"{P}allowed_train_tp, {P}allowed_train_pp, {P}allowed_train_ep, "
+       "train_vpp_size, cluster.gpus_per_node", "allowed_train_* values the model or node cannot use are pruned "
+       "by the planner (a search space, not a requirement)", lay.allowed_pruned, model=True),
     _r("planner.allowed_unique", INVALID, f"{P}allowed_train_tp, {P}allowed_train_ep, {P}allowed_train_pp, "
        f"{P}allowed_train_cp", "allowed_train_* lists contain no duplicates", lay.allowed_unique),
     # rollout layout
@@ -145,7 +163,10 @@ RULES: tuple[Rule, ...] = (
        "max_position_embeddings", trn.model_len_within_positions, model=True),
     _r("lengths.expected_response", INVALID, "expected_response_tokens, max_new_tokens",
        "expected_response_tokens <= max_new_tokens", trn.expected_response_len),
-    # runtime planner and elastic options
+    # runtime planner and elastic options: the ones nothing acts on yet first (one rule each, removed when wired)
+    *(Rule(f"unwired.{u.option}", NOT_IMPLEMENTED, (P + u.option,), f"{u.option} keeps its default until the "
+           f"elastic runtime wires it (it would {u.effect})", run.unwired_check(u), refuses=True)
+      for u in run.UNWIRED),
     _r("runtime.needs_master_switch", INVALID, f"{P}runtime_dynamic_reconfiguration_enabled, "
        f"{P}runtime_online_replanning, {P}runtime_cluster_swap_enabled, {P}runtime_reconfigure_training, "
        f"{P}runtime_training_pool_plan_only", "runtime_online_replanning, runtime_cluster_swap_enabled, "
@@ -163,9 +184,8 @@ RULES: tuple[Rule, ...] = (
     _r("runtime.spare_gpus", INVALID, f"{P}runtime_rollout_reconfigure_strategy, train_gpus, rollout_gpus, "
        "rollout_tp_size, cluster.num_nodes, cluster.gpus_per_node", "blue_green and prewarm with a pinned split "
        "leave at least one rollout instance's GPUs free", run.spare_gpus_for_strategy),
-    _r("runtime.strategy_ignored", WARNING, f"{P}runtime_rollout_reconfigure_strategy, "
-       f"{P}runtime_drain_before_reconfigure", "reconfiguration options set while runtime reconfiguration is off "
-       "are ignored", run.strategy_ignored),
+    _r("runtime.strategy_ignored", WARNING, f"{P}runtime_rollout_reconfigure_strategy", "a rollout reconfigure "
+       "strategy set while runtime reconfiguration is off is ignored", run.strategy_ignored),
     _r("runtime.replan_ignored", WARNING, f"{P}replan_interval_steps, {P}replan_min_gain", "re-planning options "
        "set while runtime_online_replanning is off are ignored", run.replan_ignored),
     _r("runtime.unmanaged_rollout", WARNING, f"{P}runtime_manage_rollout_processes", "with external rollout "
@@ -202,6 +222,8 @@ RULES: tuple[Rule, ...] = (
        "models", trn.grouped_gemm_dense, model=True),
     _r("optim.min_lr", INVALID, "optimizer.min_lr, optimizer.lr", "optimizer.min_lr <= optimizer.lr",
        trn.min_lr_below_lr),
+    _r("optim.min_lr_needs_decay", WARNING, "optimizer.min_lr, optimizer.lr_decay_style", "optimizer.min_lr has "
+       "an effect only with lr_decay_style linear or cosine", trn.min_lr_needs_decay),
     _r("optim.warmup", INVALID, "optimizer.lr_warmup_steps, total_steps", "optimizer.lr_warmup_steps <= "
        "total_steps", trn.warmup_within_steps),
     _r("memory.dry_run_needs_recompute", WARNING, f"{P}memory_budget_dry_run_enabled, recompute_logprobs",
@@ -227,16 +249,18 @@ RULES: tuple[Rule, ...] = (
     _r("cpu.memory_utilization_ignored", WARNING, "rollout_gpu_memory_utilization, cluster.logical_gpus",
        "rollout_gpu_memory_utilization is ignored on logical GPUs", plat.cpu_memory_utilization_ignored),
     # task, data, checkpoint, tracking, tiny model
-    _r("task.dataset_required", INVALID, "task.name, task.dataset_path", "task.name dataset needs "
-       "task.dataset_path", plat.dataset_required),
-    _r("task.dataset_files", INVALID, "task.dataset_path, task.eval_dataset_path", "dataset files exist and are "
-       ".jsonl or .parquet", plat.dataset_files),
-    _r("task.eval_needs_data", INVALID, "task.eval_interval, task.name, task.eval_dataset_path",
-       "evaluation of a dataset task needs task.eval_dataset_path", plat.eval_needs_data),
+    _r("task.builds", INVALID, "task.name, task.dataset_path, task.eval_dataset_path, task.input_key, "
+       "task.label_key, task.reward, task.params, task.eval_interval, batch_size", "the task builds from its files "
+       "as the launcher builds it: task.dataset_path (needed by task.name dataset) and task.eval_dataset_path are "
+       "readable .jsonl/.ndjson/.parquet/.pq files (optionally file@[start:stop]) with rows holding task.input_key "
+       "and task.label_key; evaluation prompts leave training prompts, at least batch_size of them for a dataset; "
+       "task.reward is registered; task.params are known to the task and reward; evaluation "
+       "(task.eval_interval > 0) has prompts; `libra plan` only warns", data.task_builds, launch_only=True),
     _r("task.builtin_ignores_dataset", WARNING, "task.name, task.dataset_path", "a built-in task ignores "
        "task.dataset_path", plat.builtin_ignores_dataset),
     _r("model.tokenizer", INVALID, "tokenizer_path, model_path, build_tiny_model.enabled", "a tokenizer_path "
-       "other than model_path exists", plat.tokenizer_exists),
+       "other than model_path is a readable directory holding tokenizer files; `libra plan` only warns",
+       data.tokenizer_readable, launch_only=True),
     _r("checkpoint.keep_every", INVALID, "checkpoint.keep_every, checkpoint.interval_steps",
        "checkpoint.keep_every is a multiple of checkpoint.interval_steps (which must be > 0)",
        plat.checkpoint_keep_every),
@@ -257,21 +281,26 @@ def _touches(field: str, bad: str) -> bool:
     return bad == field or bad.startswith((f"{field}.", f"{field}[")) or field.startswith(f"{bad}.")
 
 
-def run_rules(ctx: RuleContext, bad_paths: set[str], rules: Iterable[Rule] = RULES) -> tuple[list[ConfigIssue], list[str]]:
+def run_rules(ctx: RuleContext, bad_paths: set[str], rules: Iterable[Rule] = RULES,
+              planning: bool = False) -> tuple[list[ConfigIssue], list[str]]:
     """Run every applicable rule; returns (errors, warnings). Rules reading an option that already failed
-    its own check, or needing facts that could not be looked up, are skipped."""
+    its own check, or needing facts that could not be looked up, are skipped. `planning` (for `libra plan`)
+    turns the findings of launch-only rules into warnings."""
     errors: list[ConfigIssue] = []
     warnings: list[str] = []
+    refused: set[str] = set()
     for rule in rules:
-        if any(_touches(f, bad) for f in rule.reads() for bad in bad_paths):
+        if any(_touches(f, bad) for f in rule.reads() for bad in bad_paths | refused):
             continue
         if (rule.needs_model and ctx.model is None) or (rule.needs_gpu and ctx.gpu is None):
             continue
         for finding in rule.check(ctx):
             value = finding.value if finding.value is not MISSING_VALUE else value_at(ctx.cfg, finding.path)
-            if rule.kind == WARNING:
+            if rule.kind == WARNING or (planning and rule.launch_only):
                 warnings.append(f"{finding.path} = {format_value(value)}: {finding.rule.rstrip('.')}. "
                                 f"Fix: {sentence(finding.fix)} [{rule.id}]")
             else:
                 errors.append(ConfigIssue(finding.path, value, finding.rule, finding.fix, rule.kind, rule.id))
+                if rule.refuses:
+                    refused.add(finding.path)
     return errors, warnings

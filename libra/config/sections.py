@@ -12,6 +12,7 @@ from typing import Literal
 from dataclasses_json import DataClassJsonMixin
 
 from libra.config.fields import opt
+from planner.hardware import GPUSpec, describe_gpu
 
 GiB = 1024**3
 
@@ -19,6 +20,36 @@ ConsoleMode = Literal["rich", "plain", "off"]
 TrackingBackend = Literal["jsonl", "prometheus"]
 TaskName = Literal["mod_add", "copy_first", "max_of", "dataset"]
 BUILTIN_TASKS: tuple[str, ...] = ("mod_add", "copy_first", "max_of")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuSpecConfig(DataClassJsonMixin):
+    """Figures of a GPU for the planner, in datasheet units. With a gpu_type from the catalog, each figure set
+    (non-zero) replaces the catalog's (e.g. a slower network); with gpu_type custom or a type not in the
+    catalog, every figure is required. Bandwidths are per GPU and per direction."""
+
+    name: str = opt("", "Name shown in plans for a described GPU; empty = the gpu_type.")
+    memory_gb: float = opt(0.0, "Device memory per GPU in GB (10^9 bytes); 0 = from the catalog.", ge=0)
+    bf16_dense_tflops: float = opt(
+        0.0, "Dense (no 2:4 sparsity) bf16 tensor throughput per GPU in TFLOP/s; 0 = from the catalog.", ge=0
+    )
+    hbm_tb_per_s: float = opt(0.0, "Device memory bandwidth per GPU in TB/s; 0 = from the catalog.", ge=0)
+    intra_node_gb_per_s: float = opt(
+        0.0,
+        "Bandwidth from one GPU to its node peers in GB/s per direction (NVLink, Infinity Fabric or PCIe: half "
+        "the bidirectional datasheet figure); 0 = from the catalog.",
+        ge=0,
+    )
+    inter_node_gb_per_s: float = opt(
+        0.0, "Network bandwidth per GPU in GB/s per direction (a 400 Gb/s NIC per GPU = 50); 0 = from the catalog.",
+        ge=0,
+    )
+
+    def figures(self) -> dict[str, float]:
+        """The numeric figures by name (0 = not given), as `planner.hardware.describe_gpu` takes them."""
+        return {"memory_gb": self.memory_gb, "bf16_dense_tflops": self.bf16_dense_tflops,
+                "hbm_tb_per_s": self.hbm_tb_per_s, "intra_node_gb_per_s": self.intra_node_gb_per_s,
+                "inter_node_gb_per_s": self.inter_node_gb_per_s}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,8 +61,16 @@ class ClusterConfig(DataClassJsonMixin):
     gpus_per_node: int = opt(8, "GPUs (or logical GPUs) per node.", ge=1)
     gpu_type: str = opt(
         "H100",
-        "GPU model, a name or alias from the planner's hardware catalog (H100, H200, A100, B200, L40S, "
-        "H100-SXM-80GB, ..., cpu-logical). Sets memory and speed figures for planning.",
+        "GPU model, a name or alias from the planner's hardware catalog (H100, H100-PCIe, H100-NVL, H800, H20, "
+        "H200, A100, A100-40GB, A800, A10, L20, L40, L40S, B200, GB200, MI300X, MI325X, cpu-logical, or a full "
+        "name such as H100-SXM-80GB; case-insensitive), or custom (then cluster.gpu_spec describes it). Sets "
+        "memory and speed figures for planning (catalog listed in cluster_manual/planner.md; figures and their "
+        "datasheet sources in planner/hardware.py).",
+    )
+    gpu_spec: GpuSpecConfig = opt(
+        factory=GpuSpecConfig,
+        doc="Figures of a GPU not in the catalog (gpu_type custom or any other name), or corrections to a "
+        "catalog entry.",
     )
     logical_gpus: bool = opt(
         False,
@@ -40,6 +79,11 @@ class ClusterConfig(DataClassJsonMixin):
     )
     ray_address: str = opt("", "Address of an existing Ray cluster; empty starts a local Ray instance.")
     cpus_per_gpu: float = opt(1.0, "CPU cores reserved per GPU worker (Ray num_cpus of each actor).", gt=0)
+
+    def gpu(self) -> GPUSpec:
+        """The GPU the planner plans for: the catalog entry of gpu_type, corrected or described by gpu_spec.
+        Raises `planner.hardware.UnknownGPUError` naming the missing gpu_spec figures."""
+        return describe_gpu(self.gpu_type, self.gpu_spec.figures(), self.gpu_spec.name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +104,9 @@ class PlannerConfig(DataClassJsonMixin):
         4, "Dtype width of the logits temporary in the estimate: 2 (bf16/fp16) or 4 (fp32)."
     )
     memory_budget_workspace_factor: float = opt(
-        2.0, "Multiplier for simultaneous logits/workspace temporaries in the estimate.", ge=1.0
+        3.0, "Multiplier for simultaneous logits/workspace temporaries in the estimate: fp32 vocabulary-sized "
+        "tensors live at once in the log-prob recomputation (3: the logits or their fp32 copy, the shifted "
+        "logits and their exp, as measured by benchmarks/memory_accuracy_megatron.py).", ge=1.0
     )
     runtime_dynamic_reconfiguration_enabled: bool = opt(
         False, "Master switch for runtime reconfiguration; every runtime_* switch below needs it."
@@ -84,18 +130,22 @@ class PlannerConfig(DataClassJsonMixin):
     )
     allowed_train_tp: tuple[int, ...] = opt(
         (),
-        "Candidate training TP degrees; each must divide the attention and KV heads. Empty derives "
-        "them (powers of two up to gpus_per_node that divide the heads).",
+        "Candidate training TP degrees (a search space: values that do not divide the attention and KV heads "
+        "or exceed a node are pruned with a warning; at least one must be usable). Empty derives them "
+        "(powers of two up to gpus_per_node that divide the heads).",
         item_ge=1,
     )
     allowed_train_ep: tuple[int, ...] = opt(
         (),
-        "Candidate training EP degrees; EP > 1 is used only for MoE models and must divide the expert "
-        "count. Empty derives them.",
+        "Candidate training EP degrees (a search space: EP > 1 on a dense model or not dividing the expert "
+        "count is pruned with a warning; at least one must be usable). Empty derives them.",
         item_ge=1,
     )
     allowed_train_pp: tuple[int, ...] = opt(
-        (), "Candidate training PP degrees; each must divide the layer count. Empty derives them.", item_ge=1
+        (),
+        "Candidate training PP degrees (a search space: values whose PP x train_vpp_size does not divide the "
+        "layer count are pruned with a warning; at least one must be usable). Empty derives them.",
+        item_ge=1,
     )
     allowed_train_cp: tuple[int, ...] = opt(
         (), "Candidate training CP (context-parallel) degrees. Empty = [1] (no context parallelism).", item_ge=1
@@ -219,8 +269,15 @@ class OptimizerConfig(DataClassJsonMixin):
     """Adam optimizer of the training pool."""
 
     lr: float = opt(1e-6, "Peak learning rate.", gt=0)
-    min_lr: float = opt(0.0, "Final learning rate of the decay; must be <= lr.", ge=0)
+    min_lr: float = opt(
+        0.0, "Learning rate reached at total_steps by a linear or cosine lr_decay_style; must be <= lr.", ge=0
+    )
     lr_warmup_steps: int = opt(0, "Linear warm-up steps; must be <= total_steps.", ge=0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = opt(
+        "constant",
+        "Learning rate after the warm-up: constant (stays at lr), linear or cosine (from lr down to min_lr "
+        "at total_steps).",
+    )
     weight_decay: float = opt(0.0, "Decoupled weight decay (AdamW).", ge=0)
     adam_beta1: float = opt(0.9, "Adam beta1.", ge=0, lt=1)
     adam_beta2: float = opt(0.999, "Adam beta2.", ge=0, lt=1)

@@ -3,6 +3,7 @@ warnings), printed by `libra validate` and at launch."""
 
 from __future__ import annotations
 
+from libra.config.checks_runtime import unwired_requested
 from libra.config.schema import Config
 from planner.model_spec import ModelSpec, ModelSpecError
 
@@ -48,11 +49,16 @@ def summarize(cfg: Config) -> list[str]:
                   f"{per_dp // cfg.train_micro_batch_size} micro batches")
     if cfg.recompute_logprobs:
         batch += f"; recompute micro batch {cfg.recompute_micro_batch_size}"
-    runtime = "off"
-    if p.runtime_dynamic_reconfiguration_enabled:
-        runtime = f"on (strategy {p.runtime_rollout_reconfigure_strategy}" + \
-            (", training pool" if p.runtime_reconfigure_training else "") + \
-            (", online re-planning" if p.runtime_online_replanning else "") + ")"
+    # What runs, never what is merely requested: no option of the elastic runtime is wired yet (the
+    # `unwired.*` rules refuse them), so the pools keep the launch split for the whole job.
+    rollout_servers = ("started and replaced by Libra" if p.runtime_manage_rollout_processes
+                       else f"external ({len(cfg.rollout_endpoints)} endpoint(s), never started or stopped)")
+    runtime = (f"off (the launch split is kept; failed rollout instances are replaced); rollout servers "
+               f"{rollout_servers}; batch collection {p.runtime_batch_collection_timeout_s:g} s x "
+               f"{p.runtime_batch_collection_max_retries + 1} attempt(s)")
+    requested = unwired_requested(cfg)
+    if requested:
+        runtime += f"; requested but not implemented: {', '.join(requested)}"
     lines = [
         f"name       {cfg.name} (run_dir {cfg.run_dir})",
         f"model      {_model_line(cfg)}",

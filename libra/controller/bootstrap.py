@@ -1,5 +1,6 @@
 """What a controller sets up before its first tick: logging into the run directory, the tiny development
-model, the Ray runtime (local with logical GPUs, or an existing cluster), the tokenizer and the task."""
+model, the tokenizer and the task (checked before Ray starts), the Ray runtime (local with logical GPUs, or an
+existing cluster)."""
 
 from __future__ import annotations
 
@@ -56,10 +57,10 @@ def ensure_tiny_model(cfg: Config) -> str | None:
     tiny = cfg.build_tiny_model
     if not tiny.enabled:
         return None
-    from libra.config.mapping import build_from
-    from libra.models.tiny import TinyModelSpec, build_tiny_model
+    from libra.config.mapping import tiny_model_spec
+    from libra.models.tiny import build_tiny_model
 
-    spec = build_from(TinyModelSpec, tiny)
+    spec = tiny_model_spec(tiny)
     try:
         return build_tiny_model(cfg.model_dir(), spec)
     except FileExistsError as exc:
@@ -92,4 +93,15 @@ def stop_ray(runtime: Any) -> None:
 def load_tokenizer(cfg: Config) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_dir())
+    from libra.data.preflight import check_tokenizer_dir
+
+    path = cfg.tokenizer_path or cfg.model_dir()
+    check_tokenizer_dir(path, "tokenizer_path" if cfg.tokenizer_path != cfg.model_path else "model_path")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_task(cfg: Config, tokenizer: Any) -> Any:
+    """The job's task, checked as `libra validate` checks it (libra.data.preflight owns both)."""
+    from libra.data.preflight import PromptDemand, build_checked_task
+
+    return build_checked_task(cfg.task, tokenizer, PromptDemand(cfg.batch_size, cfg.task.eval_interval))

@@ -165,6 +165,9 @@ class Controller:
         if cfg.build_tiny_model.enabled:
             self.reporter.set_state("starting", message="building the tiny model")
             bootstrap.ensure_tiny_model(cfg)
+        # the task reads its files before anything starts: a bad dataset stops the job before Ray does
+        self.tokenizer = bootstrap.load_tokenizer(cfg)
+        self.task = bootstrap.load_task(cfg, self.tokenizer)
         desired = DesiredState.load(run.desired_state_json) if run.is_existing_run() else None
         if desired is None:
             self.reporter.set_state("starting", message="planning the initial allocation")
@@ -182,10 +185,6 @@ class Controller:
         self.runtime = bootstrap.start_ray(cfg, namespace=f"libra-{cfg.name or 'job'}")
         self.events.emit("ray", "joined Ray" if not self.runtime.owned else "started a local Ray",
                          address=self.runtime.address)
-        self.tokenizer = bootstrap.load_tokenizer(cfg)
-        from libra.data import build_task
-
-        self.task = build_task(cfg.task, self.tokenizer)
 
     def _set_desired(self, desired: DesiredState) -> None:
         self.desired = desired

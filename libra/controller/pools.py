@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 from libra.config import Config
-from libra.config.mapping import build_from
+from libra.config.mapping import rollout_pool_spec, training_pool_spec
 from libra.controller.members import MemberState
 from libra.controller.state import TrainLayout
 from libra.controller.tracker import MemberView
@@ -41,73 +41,27 @@ _ROLLOUT_STATES = {
 
 
 def rollout_spec(cfg: Config, run: RunDir, num_instances: int, trace: TraceSettings | None = None) -> Any:
-    """The rollout pool's spec; `trace` (the controller tracer's settings) turns on the instances' traces."""
-    from libra.rollout.spec import RolloutPoolSpec
-
+    """The rollout pool's spec; `trace` (the controller tracer's settings) turns on the instances' traces.
+    The pool keeps its registry and server logs under <run_dir>/rollout."""
     kv_bytes = cfg.rollout_kv_cache_bytes or (0 if cuda_available() else CPU_DEFAULT_KV_CACHE_BYTES)
-    gpr = cfg.global_resource_planner
-    return RolloutPoolSpec(
-        model_path=cfg.model_dir(),
-        num_instances=num_instances,
-        tp_size=cfg.rollout_tp_size,
-        max_model_len=cfg.max_model_len,
-        kv_cache_bytes=kv_bytes,
-        port_base=cfg.rollout_port_base,
-        enforce_eager=cfg.rollout_enforce_eager,
-        manage_processes=gpr.runtime_manage_rollout_processes,
-        endpoints=tuple(cfg.rollout_endpoints),
-        reload_method=cfg.rollout_weight_reload_method,
-        reload_strategy=cfg.rollout_weight_reload_strategy,
-        max_concurrent_requests=cfg.effective_max_concurrent_rollouts,
-        run_dir=str(run.root),  # the pool keeps its registry and server logs under <run_dir>/rollout
-        seed=cfg.seed,
-        gpu_memory_utilization=cfg.rollout_gpu_memory_utilization,
-        trace=trace,
-    )
+    return rollout_pool_spec(cfg, num_instances, kv_bytes, run_dir=str(run.root), trace=trace)
 
 
 def training_spec(
     cfg: Config, run: RunDir, gpus: int, layout: TrainLayout, trace: TraceSettings | None = None
 ) -> Any:
     """The training pool's spec; `trace` (the controller tracer's settings) turns on the ranks' traces."""
-    from libra.algo.spec import AlgorithmSpec, ISCorrectionSpec, RefKLSpec
-    from libra.training.spec import CheckpointRetention, MegatronOptions, OptimizerSpec, TrainingPoolSpec
-
-    a, o = cfg.algorithm, cfg.optimizer
-    return TrainingPoolSpec(
-        model_path=cfg.model_dir(),
-        num_gpus=gpus,
-        tp=layout.tp,
-        pp=layout.pp,
-        cp=layout.cp,
-        ep=layout.ep,
-        vpp=layout.vpp,
-        micro_batch_size=cfg.train_micro_batch_size,
-        recompute_logprobs=cfg.recompute_logprobs,
-        recompute_micro_batch_size=cfg.recompute_micro_batch_size,
-        algorithm=build_from(
-            AlgorithmSpec, a,
-            ref_kl=build_from(RefKLSpec, a.ref_kl),
-            is_correction=build_from(ISCorrectionSpec, a.is_correction),
-        ),
-        optimizer=build_from(OptimizerSpec, o),
-        megatron=build_from(MegatronOptions, cfg, prefix="megatron_"),
-        seed=cfg.seed,
-        run_dir=str(run.training),
-        params_dtype=cfg.megatron_params_dtype,
-        retention=CheckpointRetention(keep_last=max(1, cfg.checkpoint.keep_last), keep_every=cfg.checkpoint.keep_every),
-        trace=trace,
-    )
+    return training_pool_spec(cfg, gpus, layout, run_dir=str(run.training), trace=trace)
 
 
 def check_pool_specs(cfg: Config, run: RunDir, desired: Any) -> None:
     """Check both pool specs before anything starts, so a bad setting fails the launch at once (with every
     problem named) instead of failing pool creation tick after tick."""
-    from libra.training.hf_arch import read_hf_arch
+    from libra.training.hf_arch import read_training_model
     from libra.training.spec import check_spec
 
     rollout_spec(cfg, run, desired.rollout_instances).validate()
-    check_spec(training_spec(cfg, run, desired.train_gpus, desired.train_layout), read_hf_arch(cfg.model_dir()),
+    check_spec(training_spec(cfg, run, desired.train_gpus, desired.train_layout), read_training_model(cfg.model_dir()),
                cuda_available())
 
 

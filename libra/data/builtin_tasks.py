@@ -34,16 +34,27 @@ class EnumeratedTask:
         count = self.num_problems()
         if count > MAX_PROBLEMS:
             raise TaskError(
-                f"task '{self.name}' has {count} problems (limit {MAX_PROBLEMS}); use smaller params"
+                f"task '{self.name}' has {count} problems (limit {MAX_PROBLEMS})",
+                field="task.params",
+                value=dict(spec.params),
+                fix="use smaller size params",
             )
         fraction = float(self.params["holdout_fraction"])
         if not 0.0 < fraction < 1.0:
             raise TaskError(
-                f"task.params.holdout_fraction: {fraction} must be between 0 and 1 (exclusive), "
-                "so that there are both training and held-out problems"
+                f"{fraction} must be between 0 and 1 (exclusive), so that there are both training and held-out "
+                "problems",
+                field="task.params.holdout_fraction",
+                value=fraction,
+                fix="use a share such as 0.2",
             )
         if count < 2:
-            raise TaskError(f"task '{self.name}' has only {count} problem(s); increase its size params")
+            raise TaskError(
+                f"task '{self.name}' has only {count} problem(s)",
+                field="task.params",
+                value=dict(spec.params),
+                fix="increase its size params",
+            )
         n_eval = min(count - 1, max(1, round(count * fraction)))
         order = np.random.default_rng(int(self.params["split_seed"])).permutation(count)
         self.eval_ids: np.ndarray = order[:n_eval]
@@ -51,6 +62,14 @@ class EnumeratedTask:
         self.answers = frozenset(self.answer_space())
         single = [encode(a) for a in self.answers]
         self.answer_ids = frozenset(ids[0] for ids in single if len(ids) == 1)
+
+    @property
+    def num_train_prompts(self) -> int:
+        return len(self.train_ids)
+
+    @property
+    def num_eval_prompts(self) -> int:
+        return len(self.eval_ids)
 
     # Subclasses define the problems.
     def check_params(self) -> None:
@@ -93,7 +112,12 @@ class EnumeratedTask:
 def _positive(task: str, params: Mapping[str, Any], key: str, minimum: int = 1) -> int:
     value = int(params[key])
     if value < minimum:
-        raise TaskError(f"task.params.{key}: {value} for task '{task}' must be at least {minimum}")
+        raise TaskError(
+            f"{value} for task '{task}' must be at least {minimum}",
+            field=f"task.params.{key}",
+            value=value,
+            fix=f"set it to {minimum} or more",
+        )
     return value
 
 
@@ -109,7 +133,10 @@ class ModAdd(EnumeratedTask):
         self.limit = int(self.params["operand_limit"]) or self.modulus
         if self.limit < 1:
             raise TaskError(
-                f"task.params.operand_limit: {self.limit} must be at least 1 (or 0 for the modulus)"
+                f"{self.limit} must be at least 1 (or 0 for the modulus)",
+                field="task.params.operand_limit",
+                value=self.limit,
+                fix="set it to 0 (operands below the modulus) or a positive limit",
             )
 
     def num_problems(self) -> int:

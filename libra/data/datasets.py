@@ -40,7 +40,12 @@ def split_row_slice(path: str, field: str = "task.dataset_path") -> tuple[str, s
         return path, slice(None)
     match = _SLICE.match(path)
     if match is None:
-        raise TaskError(f"{field}: '{path}' has a malformed row slice; write it as file.jsonl@[start:stop]")
+        raise TaskError(
+            f"'{path}' has a malformed row slice",
+            field=field,
+            value=path,
+            fix="write it as file.jsonl@[start:stop] (integers, either end may be empty)",
+        )
     start, stop = match["start"], match["stop"]
     return match["path"], slice(int(start) if start else None, int(stop) if stop else None)
 
@@ -57,51 +62,94 @@ def _label_text(value: Any) -> str | None:
     return None
 
 
-def _record(row: Any, where: str, input_key: str, label_key: str) -> PromptRecord:
+def _missing_column(where: str, key: str, field: str, present: list[str], scope: str) -> TaskError:
+    columns = ", ".join(present) or "(none)"
+    return TaskError(
+        f"{where}: no column '{key}'; columns {scope}: {columns}",
+        field=field,
+        value=key,
+        fix=f"set {field} to one of {columns}, or give every row a '{key}' column",
+    )
+
+
+def _record(row: Any, where: str, input_key: str, label_key: str, field: str, path: str) -> PromptRecord:
     if not isinstance(row, dict):
-        raise TaskError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
-    for key, field in ((input_key, "task.input_key"), (label_key, "task.label_key")):
+        raise TaskError(
+            f"{where}: expected a JSON object per line, got {type(row).__name__}",
+            field=field,
+            value=path,
+            fix='write one JSON object per line, e.g. {"prompt": ..., "answer": ...}',
+        )
+    for key, key_field in ((input_key, "task.input_key"), (label_key, "task.label_key")):
         if key not in row:
-            present = ", ".join(sorted(map(str, row))) or "(none)"
-            raise TaskError(f"{where}: no column '{key}' ({field}); columns in this row: {present}")
+            raise _missing_column(where, key, key_field, sorted(map(str, row)), "in this row")
     text = row[input_key]
     if not isinstance(text, str) or not text:
-        raise TaskError(f"{where}, column '{input_key}': the prompt must be a non-empty string, got {text!r}")
+        raise TaskError(
+            f"{where}, column '{input_key}': the prompt must be a non-empty string, got {text!r}",
+            field=field,
+            value=path,
+            fix=f"give every row a non-empty text in column '{input_key}'",
+        )
     label = _label_text(row[label_key])
     if label is None:
         raise TaskError(
-            f"{where}, column '{label_key}': the label must be a string or a number, got {row[label_key]!r}"
+            f"{where}, column '{label_key}': the label must be a string or a number, got {row[label_key]!r}",
+            field=field,
+            value=path,
+            fix=f"give every row a string or number in column '{label_key}'",
         )
     extra = {k: v for k, v in row.items() if k not in (input_key, label_key)}
     return PromptRecord(text=text, label=label, metadata=extra)
 
 
-def _read_jsonl(path: str, input_key: str, label_key: str) -> list[PromptRecord]:
+def _read_jsonl(path: str, input_key: str, label_key: str, field: str) -> list[PromptRecord]:
     records = []
-    with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TaskError(f"{path}:{line_no}:{exc.colno}: invalid JSON ({exc.msg})") from None
-            records.append(_record(row, f"{path}:{line_no}", input_key, label_key))
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line_no, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TaskError(
+                        f"{path}:{line_no}:{exc.colno}: invalid JSON ({exc.msg})",
+                        field=field,
+                        value=path,
+                        fix=f"correct line {line_no}: one JSON object per line",
+                    ) from None
+                records.append(_record(row, f"{path}:{line_no}", input_key, label_key, field, path))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TaskError(
+            f"{path}: not readable as UTF-8 JSON lines ({exc})",
+            field=field,
+            value=path,
+            fix="point it at a readable UTF-8 .jsonl file",
+        ) from None
     return records
 
 
-def _read_parquet(path: str, input_key: str, label_key: str) -> list[PromptRecord]:
+def _read_parquet(path: str, input_key: str, label_key: str, field: str) -> list[PromptRecord]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as exc:
-        raise TaskError(f"{path}: not a readable parquet file ({exc})") from None
-    for key, field in ((input_key, "task.input_key"), (label_key, "task.label_key")):
+        raise TaskError(
+            f"{path}: not a readable parquet file ({exc})",
+            field=field,
+            value=path,
+            fix="point it at a parquet file (or write the data as .jsonl)",
+        ) from None
+    for key, key_field in ((input_key, "task.input_key"), (label_key, "task.label_key")):
         if key not in table.column_names:
-            raise TaskError(f"{path}: no column '{key}' ({field}); columns: {', '.join(table.column_names)}")
-    return [_record(row, f"{path} row {i}", input_key, label_key) for i, row in enumerate(table.to_pylist())]
+            raise _missing_column(path, key, key_field, list(table.column_names), "of the file")
+    return [
+        _record(row, f"{path} row {i}", input_key, label_key, field, path)
+        for i, row in enumerate(table.to_pylist())
+    ]
 
 
 def load_records(
@@ -109,21 +157,36 @@ def load_records(
 ) -> list[PromptRecord]:
     """The rows of a .jsonl / .parquet file (optionally `@[start:stop]`-sliced) as prompt records."""
     file_path, rows = split_row_slice(path, field)
-    if not os.path.isfile(file_path):
-        raise TaskError(f"{field}: no such file '{file_path}'")
     lower = file_path.lower()
-    if lower.endswith(JSONL_SUFFIXES):
-        records = _read_jsonl(file_path, input_key, label_key)
-    elif lower.endswith(PARQUET_SUFFIXES):
-        records = _read_parquet(file_path, input_key, label_key)
-    else:
+    if not lower.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES):
         raise TaskError(
-            f"{field}: '{file_path}' is neither JSON lines ({', '.join(JSONL_SUFFIXES)}) "
-            f"nor parquet ({', '.join(PARQUET_SUFFIXES)})"
+            f"'{file_path}' is neither JSON lines ({', '.join(JSONL_SUFFIXES)}) "
+            f"nor parquet ({', '.join(PARQUET_SUFFIXES)})",
+            field=field,
+            value=path,
+            fix="convert the data to JSON lines or parquet",
         )
+    if not os.path.isfile(file_path):
+        raise TaskError(
+            f"no such file '{file_path}' (a relative path resolves against the YAML file's "
+            "directory, then the working directory)",
+            field=field,
+            value=path,
+            fix="point it at an existing file",
+        )
+    if lower.endswith(JSONL_SUFFIXES):
+        records = _read_jsonl(file_path, input_key, label_key, field)
+    else:
+        records = _read_parquet(file_path, input_key, label_key, field)
     selected = records[rows]
     if not selected:
-        raise TaskError(f"{field}: '{path}' holds no rows" + (" in that slice" if "@[" in path else ""))
+        sliced = "@[" in path
+        raise TaskError(
+            f"'{path}' holds no rows" + (f" in that slice (the file has {len(records)})" if sliced else ""),
+            field=field,
+            value=path,
+            fix="choose a slice within the file's rows" if sliced else "point it at a file with rows",
+        )
     return selected
 
 
@@ -139,18 +202,28 @@ class DatasetTask:
         params = resolve_params("task 'dataset'", self.PARAMS, spec.params)
         if not spec.dataset_path:
             raise TaskError(
-                "task.dataset_path: required when task.name is 'dataset'; give a .jsonl or .parquet"
+                "required when task.name is 'dataset'",
+                field="task.dataset_path",
+                value="",
+                fix="set it to a .jsonl or .parquet file, or choose a built-in task",
             )
         self.encode = encode
-        records = load_records(spec.dataset_path, spec.input_key, spec.label_key)
         fraction = float(params["eval_holdout_fraction"])
         if not 0.0 <= fraction < 1.0:
-            raise TaskError(f"task.params.eval_holdout_fraction: {fraction} must be in [0, 1)")
+            raise TaskError(
+                f"{fraction} must be in [0, 1)",
+                field="task.params.eval_holdout_fraction",
+                value=fraction,
+                fix="use a share such as 0.1, or 0 for no held-out prompts",
+            )
         if spec.eval_dataset_path and fraction > 0.0:
             raise TaskError(
-                "task.params.eval_holdout_fraction: set it to 0 when task.eval_dataset_path is given "
-                "(held-out prompts come from one place)"
+                "set together with task.eval_dataset_path (held-out prompts come from one place)",
+                field="task.params.eval_holdout_fraction",
+                value=fraction,
+                fix="set it to 0, or remove task.eval_dataset_path",
             )
+        records = load_records(spec.dataset_path, spec.input_key, spec.label_key)
         self.eval_records: list[PromptRecord] = []
         if spec.eval_dataset_path:
             self.eval_records = load_records(
@@ -166,8 +239,21 @@ class DatasetTask:
         self.dropped_overlap = len(records) - len(self.train_records)
         if not self.train_records:
             raise TaskError(
-                f"task.dataset_path: every prompt of '{spec.dataset_path}' is also an eval prompt"
+                f"every one of the {len(records)} prompts of task.dataset_path '{spec.dataset_path}' is also an "
+                "evaluation prompt, and training never sees an evaluation prompt, so none is left to train on",
+                field="task.eval_dataset_path",
+                value=spec.eval_dataset_path,
+                fix="point task.eval_dataset_path at prompts other than the training prompts (or use "
+                "task.params.eval_holdout_fraction to hold out a share of task.dataset_path)",
             )
+
+    @property
+    def num_train_prompts(self) -> int:
+        return len(self.train_records)
+
+    @property
+    def num_eval_prompts(self) -> int:
+        return len(self.eval_records)
 
     def _prompt(self, record: PromptRecord) -> Prompt:
         return make_prompt(self.encode, record.text, record.label, record.metadata)
@@ -181,7 +267,10 @@ class DatasetTask:
     def eval_prompts(self, n: int) -> list[Prompt]:
         if not self.eval_records:
             raise TaskError(
-                "no held-out prompts: set task.eval_dataset_path or task.params.eval_holdout_fraction"
+                "the dataset task has no held-out prompts to evaluate on",
+                field="task.eval_interval",
+                fix="set task.eval_dataset_path or task.params.eval_holdout_fraction, or "
+                "task.eval_interval: 0",
             )
         chosen = self.eval_records if n <= 0 else self.eval_records[:n]
         return [self._prompt(r) for r in chosen]

@@ -14,8 +14,21 @@ Encode = Callable[[str], list[int]]
 ParamValue = int | float | str
 
 
+UNSET: Any = object()  # TaskError.value when the error does not carry the option's value
+
+
 class TaskError(ValueError):
-    """A task, reward or dataset was set up wrongly; the message names the field and what to change."""
+    """A task, reward or dataset was set up wrongly. `field` names the option to change (`task.input_key`),
+    `value` its value, `problem` what is wrong (with the file, line or row) and `fix` what to do; the message
+    says all of it. Configuration validation turns the same error into a finding on `field`."""
+
+    def __init__(self, problem: str, *, field: str = "", value: Any = UNSET, fix: str = "") -> None:
+        self.problem = problem
+        self.field = field
+        self.value = value
+        self.fix = fix
+        text = f"{field}: {problem}" if field else problem
+        super().__init__(f"{text}; fix: {fix}" if fix else text)
 
 
 @dataclass(frozen=True)

@@ -59,16 +59,16 @@ class TaskSpec:
 
     @classmethod
     def from_config(cls, task_config: Any) -> TaskSpec:
-        """From any object with the configuration's `task` fields (e.g. `Config.task`)."""
-        defaults = cls()
+        """From the configuration's `task` section (`Config.task`): every field is read from it, none is
+        filled in from this class's defaults, so a renamed option fails here instead of being dropped."""
         return cls(
-            name=str(getattr(task_config, "name", defaults.name)),
-            params=dict(getattr(task_config, "params", None) or {}),
-            dataset_path=str(getattr(task_config, "dataset_path", "") or ""),
-            eval_dataset_path=str(getattr(task_config, "eval_dataset_path", "") or ""),
-            input_key=str(getattr(task_config, "input_key", defaults.input_key)),
-            label_key=str(getattr(task_config, "label_key", defaults.label_key)),
-            reward=str(getattr(task_config, "reward", "") or ""),
+            name=str(task_config.name),
+            params=dict(task_config.params),
+            dataset_path=str(task_config.dataset_path),
+            eval_dataset_path=str(task_config.eval_dataset_path),
+            input_key=str(task_config.input_key),
+            label_key=str(task_config.label_key),
+            reward=str(task_config.reward),
         )
 
 
@@ -109,7 +109,11 @@ def _load_builtins() -> None:
         try:
             importlib.import_module(module)
         except ImportError as exc:
-            raise TaskError(f"{TASK_MODULES_ENV}: cannot import '{module}' ({exc})") from exc
+            raise TaskError(
+                f"{TASK_MODULES_ENV}: cannot import '{module}' ({exc})",
+                field="task",
+                fix=f"install the module or remove it from {TASK_MODULES_ENV}",
+            ) from exc
 
 
 def task_names() -> list[str]:
@@ -122,15 +126,20 @@ def reward_names() -> list[str]:
     return sorted(_REWARDS)
 
 
-def _unknown(kind: str, name: str, known: list[str]) -> TaskError:
-    return TaskError(f"unknown {kind} '{name}'; choose one of {', '.join(known)} or register your own")
+def _unknown(kind: str, field: str, name: str, known: list[str]) -> TaskError:
+    return TaskError(
+        f"unknown {kind} ({field}) '{name}'",
+        field=field,
+        value=name,
+        fix=f"choose one of {', '.join(known)}, or register your own (module in {TASK_MODULES_ENV})",
+    )
 
 
 def task_params(name: str) -> dict[str, ParamValue]:
     """The declared parameters of a task with their defaults (empty when the factory declares none)."""
     _load_builtins()
     if name not in _TASKS:
-        raise _unknown("task (task.name)", name, task_names())
+        raise _unknown("task", "task.name", name, task_names())
     return dict(getattr(_TASKS[name], "PARAMS", {}))
 
 
@@ -138,7 +147,7 @@ def reward_params(name: str) -> dict[str, ParamValue]:
     """The keyword-only parameters of a registered reward with their defaults."""
     _load_builtins()
     if name not in _REWARDS:
-        raise _unknown("reward (task.reward)", name, reward_names())
+        raise _unknown("reward", "task.reward", name, reward_names())
     signature = inspect.signature(_REWARDS[name])
     return {
         p.name: p.default
@@ -157,8 +166,10 @@ def coerce_param(owner: str, key: str, value: Any, default: ParamValue) -> Param
         return float(value)
     if isinstance(value, bool) or not isinstance(value, expected):
         raise TaskError(
-            f"task.params.{key}: {value!r} is not of type {expected.__name__} that {owner} expects "
-            f"(default {default!r})"
+            f"{value!r} is not of type {expected.__name__} that {owner} expects (default {default!r})",
+            field=f"task.params.{key}",
+            value=value,
+            fix=f"give a value of type {expected.__name__}, such as {default!r}",
         )
     return cast(ParamValue, value)
 
@@ -213,7 +224,7 @@ def build_task(spec: TaskSpec | Any, tokenizer: Any) -> Task:
         spec = TaskSpec.from_config(spec)
     _load_builtins()
     if spec.name not in _TASKS:
-        raise _unknown("task (task.name)", spec.name, task_names())
+        raise _unknown("task", "task.name", spec.name, task_names())
     factory = _TASKS[spec.name]
     reward_name = default_reward_name(spec)
     known = dict(getattr(factory, "PARAMS", {}))
@@ -223,9 +234,12 @@ def build_task(spec: TaskSpec | Any, tokenizer: Any) -> Task:
         unknown = sorted(set(spec.params) - set(known))
         if unknown:
             raise TaskError(
-                f"task.params: unknown key(s) {', '.join(unknown)} for task '{spec.name}'"
+                f"unknown key(s) {', '.join(unknown)} for task '{spec.name}'"
                 + (f" with reward '{reward_name}'" if reward_name else "")
-                + f"; known keys: {', '.join(sorted(known)) or '(none)'}"
+                + f"; known keys: {', '.join(sorted(known)) or '(none)'}",
+                field=f"task.params.{unknown[0]}",
+                value=spec.params[unknown[0]],
+                fix="remove the key or correct its spelling",
             )
     task = factory(spec, as_encode(tokenizer))
     if reward_name:

@@ -19,21 +19,22 @@ NUM_WORDS = 200
 ARCHS = ("llama", "qwen2", "qwen3")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TinyModelSpec:
-    """Shape of a tiny model; defaults give about 0.2M parameters."""
+    """Shape of a tiny model (from `build_tiny_model.*`, built by `libra.config.mapping.tiny_model_spec`).
+    Only `tie_word_embeddings`, which no option sets, has a default."""
 
-    arch: str = "llama"
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 128
-    max_position_embeddings: int = 512
-    init_std: float = 0.02
-    seed: int = 0
+    arch: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    init_std: float
+    seed: int
+    vocab_size: int  # embedding rows; ids past the word list are never produced by the tokenizer
     tie_word_embeddings: bool = False
-    vocab_size: int = 256  # embedding rows; ids past the word list are never produced by the tokenizer
 
 
 def vocabulary() -> list[str]:
@@ -84,7 +85,7 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int):  # type: ignore[no-untyped
     raise ValueError(f"unknown tiny model arch '{spec.arch}'; choose one of {ARCHS}")
 
 
-def build_tiny_model(out_dir: str, spec: TinyModelSpec | None = None, overwrite: bool = False) -> str:
+def build_tiny_model(out_dir: str, spec: TinyModelSpec, overwrite: bool = False) -> str:
     """Create (or reuse) a tiny random model + tokenizer in HF format under `out_dir`; returns `out_dir`.
 
     Reuse is keyed on the spec: an existing directory built from a different spec is an error unless
@@ -93,7 +94,6 @@ def build_tiny_model(out_dir: str, spec: TinyModelSpec | None = None, overwrite:
     import torch
     from transformers import AutoModelForCausalLM
 
-    spec = spec or TinyModelSpec()
     marker = os.path.join(out_dir, "libra_tiny_spec.json")
     if os.path.isfile(marker) and not overwrite:
         with open(marker, encoding="utf-8") as fh:

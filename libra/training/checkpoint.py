@@ -27,13 +27,10 @@ import os
 import re
 import shutil
 from collections.abc import Iterable
-from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from libra.training.spec import Layout
 
 LATEST = "latest"
 META = "libra_meta.json"
@@ -146,7 +143,7 @@ def save(
     chunks: list[Any],
     optimizer: Any,
     scheduler: Any,
-    layout: Layout,
+    layout: dict[str, int],
     extra_meta: dict[str, Any],
     keep_last: int,
     keep_every: int,
@@ -171,7 +168,7 @@ def save(
     if rank == 0:
         meta = {
             "step": step,
-            "layout": asdict(layout),
+            "layout": layout,
             "scheduler": scheduler.state_dict(),
             **extra_meta,
         }
@@ -188,7 +185,7 @@ def save(
 
 
 def load(
-    path: str, chunks: list[Any], optimizer: Any, scheduler: Any, layout: Layout, seed: int
+    path: str, chunks: list[Any], optimizer: Any, scheduler: Any, layout: dict[str, int], seed: int
 ) -> tuple[int, bool]:
     """Collective: load model + optimizer (+ RNG when the layout matches) from `path`; returns
     (step, rng_restored)."""
@@ -210,7 +207,7 @@ def load(
     step = int(meta["step"])
     rank = dist.get_rank()
     rng_file = os.path.join(ckpt, "rng", f"rank_{rank:05d}.pt")
-    same_layout = meta.get("layout") == asdict(layout)
+    same_layout = meta.get("layout") == layout
     if same_layout and os.path.isfile(rng_file):
         set_rng_state(torch.load(rng_file, weights_only=False))
         return step, True

@@ -1,5 +1,8 @@
 """HF <-> Megatron-Core weight mapping for Llama / Qwen2 / Qwen3 (dense and MoE), sharded for TP/PP/EP.
 
+These are the model types `planner.architectures` marks as trainable; a new family gets its mapping here and
+its `train=True` there, together.
+
 Each Megatron parameter of a `GPTModel` chunk (local layer index j, global index i = offset + j) maps to one
 or more HF tensors and has a *kind* that says how it is split across tensor-parallel ranks:
 
@@ -35,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from libra.training.hf_arch import HFArch, padded_vocab_size
+from libra.training.hf_arch import padded_vocab_size
+from planner.model_spec import ModelSpec
 
 KINDS = ("replicated", "vocab", "row", "qkv", "gated")
 
@@ -50,7 +54,7 @@ class ParamMapping:
     expert: bool = False
 
 
-def _layer_mappings(arch: HFArch, j: int, i: int, local_expert_ids: Iterable[int]) -> list[ParamMapping]:
+def _layer_mappings(arch: ModelSpec, j: int, i: int, local_expert_ids: Iterable[int]) -> list[ParamMapping]:
     m = f"decoder.layers.{j}."
     h = f"model.layers.{i}."
     out = [
@@ -63,13 +67,13 @@ def _layer_mappings(arch: HFArch, j: int, i: int, local_expert_ids: Iterable[int
         ParamMapping(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "row"),
         ParamMapping(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated"),
     ]
-    if arch.qkv_bias:
+    if arch.attention_bias:
         out.append(
             ParamMapping(
                 m + "self_attention.linear_qkv.bias", tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv"
             )
         )
-    if arch.qk_layernorm:
+    if arch.qk_norm:
         out.append(ParamMapping(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), "replicated"))
         out.append(ParamMapping(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), "replicated"))
     if arch.is_moe:
@@ -90,7 +94,7 @@ def _layer_mappings(arch: HFArch, j: int, i: int, local_expert_ids: Iterable[int
 
 
 def chunk_mappings(
-    arch: HFArch,
+    arch: ModelSpec,
     layer_offset: int,
     num_local_layers: int,
     pre_process: bool,
@@ -113,7 +117,7 @@ def chunk_mappings(
     return out
 
 
-def _split_qkv_full(arch: HFArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _split_qkv_full(arch: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """HF q/k/v (weights [out, in] or biases [out]) -> Megatron's group-interleaved fused layout."""
     g, qpg, d = arch.num_kv_heads, arch.heads_per_group, arch.head_dim
     tail = q.shape[1:]
@@ -123,7 +127,7 @@ def _split_qkv_full(arch: HFArch, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return fused.reshape(g * (qpg + 2) * d, *tail)
 
 
-def shard_from_hf(kind: str, hf: list[torch.Tensor], arch: HFArch, tp_rank: int, tp_size: int) -> torch.Tensor:
+def shard_from_hf(kind: str, hf: list[torch.Tensor], arch: ModelSpec, tp_rank: int, tp_size: int) -> torch.Tensor:
     """The TP shard `tp_rank` of a Megatron parameter built from its full HF tensors."""
     if kind == "replicated":
         return hf[0]
@@ -143,7 +147,7 @@ def shard_from_hf(kind: str, hf: list[torch.Tensor], arch: HFArch, tp_rank: int,
     raise ValueError(f"unknown parameter kind '{kind}'")
 
 
-def hf_from_shards(kind: str, shards: list[torch.Tensor], arch: HFArch) -> list[torch.Tensor]:
+def hf_from_shards(kind: str, shards: list[torch.Tensor], arch: ModelSpec) -> list[torch.Tensor]:
     """The full HF tensors of a Megatron parameter from its TP shards (in TP-rank order)."""
     if kind == "replicated":
         return [shards[0]]
@@ -208,7 +212,7 @@ def load_chunk_from_hf(
     chunk: torch.nn.Module,
     mappings: list[ParamMapping],
     reader: HFWeightReader,
-    arch: HFArch,
+    arch: ModelSpec,
     tp_rank: int,
     tp_size: int,
 ) -> None:

@@ -147,8 +147,23 @@ def install() -> bool:
         torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment,return-value]
         torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
         torch.cuda.empty_cache = lambda: None  # type: ignore[assignment]
+        _install_cpu_causal_mask()
         _installed = True
         return True
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, device=_CPU), diagonal=1).bool()
+
+
+def _install_cpu_causal_mask() -> None:
+    """Activation recomputation (megatron_recompute_granularity) reruns attention inside autograd, outside the
+    device mode; the default causal mask it builds there (`device="cuda"`) must land on the CPU too."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    utils.get_default_causal_mask = _cpu_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask
 
 
 def install_without_te() -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from libra.training.convert import ParamMapping, hf_from_shards
-from libra.training.hf_arch import HFArch
+from planner.model_spec import ModelSpec
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 INDEX = "model.safetensors.index.json"
@@ -34,7 +34,7 @@ def _gather(tensor: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
 
 
 def gather_stage_tensors(
-    chunk_params: list[tuple[torch.nn.Module, list[ParamMapping]]], arch: HFArch
+    chunk_params: list[tuple[torch.nn.Module, list[ParamMapping]]], arch: ModelSpec
 ) -> dict[str, torch.Tensor]:
     """Collective over TP (and EP for experts): HF-named full tensors of this rank's chunks (on CPU)."""
     from megatron.core import parallel_state as ps
@@ -85,7 +85,7 @@ def _copy_model_files(model_path: str, out_dir: str) -> None:
 def export(
     out_dir: str,
     chunk_params: list[tuple[torch.nn.Module, list[ParamMapping]]],
-    arch: HFArch,
+    arch: ModelSpec,
     model_path: str,
     dtype: torch.dtype,
 ) -> None:

@@ -1,7 +1,7 @@
 """Megatron-Core objects of a training worker: parallel state, `TransformerConfig`, `GPTModel` chunks with the
 local (non-TransformerEngine) layer spec, the DDP wrapper, the optimizer and its LR scheduler.
 
-The `*_kwargs` functions are pure: they map an `HFArch` + `TrainingPoolSpec` to the keyword arguments of the
+The `*_kwargs` functions are pure: they map a `ModelSpec` + `TrainingPoolSpec` to the keyword arguments of the
 Megatron config classes, so it is testable without a process group that each `megatron_*` option arrives at
 the field it names (see `MEGATRON_OPTION_FIELDS`).
 """
@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 
-from libra.training.hf_arch import HFArch, padded_vocab_size
-from libra.training.spec import Layout, TrainingPoolSpec
+from libra.training.hf_arch import padded_vocab_size
+from libra.training.spec import OptimizerSpec, TrainingPoolSpec
+from planner.layout import TrainLayout
+from planner.model_spec import ModelSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -25,15 +27,32 @@ MEGATRON_OPTION_FIELDS = {
     "use_distributed_optimizer": ("OptimizerConfig", "use_distributed_optimizer"),
     "use_cpu_initialization": ("TransformerConfig", "use_cpu_initialization"),
     "grouped_gemm": ("TransformerConfig", "moe_grouped_gemm"),
+    "recompute_granularity": ("TransformerConfig", "recompute_granularity"),
 }
 
 
-def uses_sequence_parallel(arch: HFArch, layout: Layout) -> bool:
+def recompute_kwargs(granularity: str) -> dict[str, Any]:
+    """`TransformerConfig` activation-recomputation fields for `megatron_recompute_granularity`.
+
+    selective: Megatron-Core recomputes the core attention (its default `recompute_modules`) and needs
+    no method. full: every transformer layer is a recompute unit (`uniform`, 1 layer), so only each
+    layer's input is kept and one layer's activations are rebuilt during backward, which is what the
+    planner's memory model budgets. none: Megatron-Core's `None`."""
+    if granularity == "none":
+        return dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+    if granularity == "selective":
+        return dict(recompute_granularity="selective", recompute_method=None, recompute_num_layers=None)
+    if granularity == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    raise ValueError(f"megatron recompute_granularity={granularity!r} is not one of none, selective, full")
+
+
+def uses_sequence_parallel(arch: ModelSpec, layout: TrainLayout) -> bool:
     """Megatron requires sequence parallelism for MoE with TP > 1 (else off: it needs seq_len % TP == 0)."""
     return arch.is_moe and layout.tp > 1
 
 
-def transformer_config_kwargs(arch: HFArch, spec: TrainingPoolSpec, layout: Layout, cuda: bool) -> dict[str, Any]:
+def transformer_config_kwargs(arch: ModelSpec, spec: TrainingPoolSpec, layout: TrainLayout, cuda: bool) -> dict[str, Any]:
     """Keyword arguments of `TransformerConfig` for `arch` under `layout`.
 
     Dropout is off (RL fine-tuning, and it keeps log-probs deterministic); fusions that need CUDA kernels
@@ -45,17 +64,17 @@ def transformer_config_kwargs(arch: HFArch, spec: TrainingPoolSpec, layout: Layo
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_heads,
+        num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_kv_heads,
         kv_channels=arch.head_dim,
-        ffn_hidden_size=arch.ffn_hidden_size or arch.moe_ffn_hidden_size,
+        ffn_hidden_size=arch.intermediate_size or arch.moe_intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_layernorm,
+        add_qkv_bias=arch.attention_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -84,12 +103,13 @@ def transformer_config_kwargs(arch: HFArch, spec: TrainingPoolSpec, layout: Layo
         moe_grouped_gemm=spec.megatron.grouped_gemm,
         calculate_per_token_loss=True,
         init_method_std=0.02,
+        **recompute_kwargs(spec.megatron.recompute_granularity),
     )
     if arch.is_moe:
         kwargs.update(
             num_moe_experts=arch.num_experts,
-            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
-            moe_router_topk=arch.moe_topk,
+            moe_ffn_hidden_size=arch.moe_intermediate_size,
+            moe_router_topk=arch.num_experts_per_tok,
             moe_router_pre_softmax=not arch.norm_topk_prob,
             moe_router_score_function="softmax",
             moe_router_load_balancing_type="none",
@@ -133,7 +153,7 @@ def ddp_config_kwargs(spec: TrainingPoolSpec) -> dict[str, Any]:
     )
 
 
-def initialize_parallel_state(layout: Layout) -> None:
+def initialize_parallel_state(layout: TrainLayout) -> None:
     """Create Megatron's TP/PP/CP/EP/DP groups on the already initialized default process group."""
     from megatron.core import parallel_state
 
@@ -146,13 +166,13 @@ def initialize_parallel_state(layout: Layout) -> None:
     )
 
 
-def build_transformer_config(arch: HFArch, spec: TrainingPoolSpec, layout: Layout, cuda: bool):  # type: ignore[no-untyped-def]
+def build_transformer_config(arch: ModelSpec, spec: TrainingPoolSpec, layout: TrainLayout, cuda: bool):  # type: ignore[no-untyped-def]
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(**transformer_config_kwargs(arch, spec, layout, cuda))
 
 
-def build_model_chunks(arch: HFArch, config, layout: Layout) -> list[torch.nn.Module]:  # type: ignore[no-untyped-def]
+def build_model_chunks(arch: ModelSpec, config, layout: TrainLayout) -> list[torch.nn.Module]:  # type: ignore[no-untyped-def]
     """The `GPTModel` chunk(s) of this rank's pipeline stage (VPP chunks in order)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -161,7 +181,7 @@ def build_model_chunks(arch: HFArch, config, layout: Layout) -> list[torch.nn.Mo
     layer_spec = get_gpt_layer_local_spec(
         num_experts=arch.num_experts or None,
         moe_grouped_gemm=config.moe_grouped_gemm,
-        qk_layernorm=arch.qk_layernorm,
+        qk_layernorm=arch.qk_norm,
         normalization="RMSNorm",
     )
     vocab = padded_vocab_size(arch.vocab_size, layout.tp)
@@ -199,21 +219,25 @@ def wrap_ddp(chunks: list[torch.nn.Module], config, spec: TrainingPoolSpec) -> l
 
 
 def build_optimizer(ddp_chunks: list[torch.nn.Module], spec: TrainingPoolSpec):  # type: ignore[no-untyped-def]
-    """Megatron optimizer + LR scheduler (linear warmup to `lr`, then constant)."""
+    """Megatron optimizer + LR scheduler: linear warm-up to `lr`, then constant or a linear / cosine decay to
+    `min_lr` at `lr_decay_steps` (the scheduler is stepped once per training step)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     opt_config = OptimizerConfig(**optimizer_config_kwargs(spec))
     optimizer = get_megatron_optimizer(opt_config, ddp_chunks)
-    o = spec.optimizer
-    scheduler = OptimizerParamScheduler(
-        optimizer,
+    return optimizer, OptimizerParamScheduler(optimizer, **scheduler_kwargs(spec.optimizer))
+
+
+def scheduler_kwargs(o: OptimizerSpec) -> dict[str, Any]:
+    """Megatron `OptimizerParamScheduler` arguments for the schedule `o` describes."""
+    return dict(
         init_lr=0.0 if o.lr_warmup_steps else o.lr,
         max_lr=o.lr,
         min_lr=o.min_lr,
         lr_warmup_steps=o.lr_warmup_steps,
-        lr_decay_steps=o.lr_warmup_steps + 1,
-        lr_decay_style="constant",
+        lr_decay_steps=max(o.lr_decay_steps, o.lr_warmup_steps + 1),
+        lr_decay_style=o.lr_decay_style,
         start_wd=o.weight_decay,
         end_wd=o.weight_decay,
         wd_incr_steps=0,
@@ -221,4 +245,3 @@ def build_optimizer(ddp_chunks: list[torch.nn.Module], spec: TrainingPoolSpec): 
         use_checkpoint_opt_param_scheduler=True,
         override_opt_param_scheduler=False,
     )
-    return optimizer, scheduler

@@ -14,9 +14,10 @@ from typing import Any
 from libra.cluster.ray_runtime import RayRuntime
 from libra.cluster.training_workers import TrainingWorkerGroup
 from libra.device import cuda_available
-from libra.training.hf_arch import read_hf_arch
-from libra.training.spec import Layout, TrainingPoolSpec, TrainSample, check_spec
+from libra.training.hf_arch import read_training_model
+from libra.training.spec import TrainingPoolSpec, TrainSample, check_spec
 from libra.training.worker import TrainingWorker
+from planner.layout import TrainLayout
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,8 @@ class TrainingPool:
         self.runtime = runtime
         self.spec = spec
         self.name = name
-        self.arch = read_hf_arch(spec.model_path)
-        self.layout: Layout = check_spec(spec, self.arch, cuda_available())
+        self.arch = read_training_model(spec.model_path)
+        self.layout: TrainLayout = check_spec(spec, self.arch, cuda_available())
         self._group: TrainingWorkerGroup | None = None
         self.rank_info: list[dict[str, int]] = []
 
@@ -42,7 +43,7 @@ class TrainingPool:
     def start(self) -> None:
         """Place the workers, form the process group and load the HF weights into Megatron on every rank."""
         t0 = time.perf_counter()
-        group = TrainingWorkerGroup(self.runtime, TrainingWorker, (self.spec,), self.layout.world, self.name)
+        group = TrainingWorkerGroup(self.runtime, TrainingWorker, (self.spec,), self.spec.num_gpus, self.name)
         self._group = group
         try:
             group.start()
@@ -53,7 +54,7 @@ class TrainingPool:
         except BaseException:
             self.shutdown()
             raise
-        log.info("training pool %s started: %s in %.1fs", self.name, self.layout.describe(), time.perf_counter() - t0)
+        log.info("training pool %s started: %s in %.1fs", self.name, self.layout.describe(self.spec.num_gpus), time.perf_counter() - t0)
 
     def train_step(self, samples: list[TrainSample], step: int) -> dict[str, float]:
         """One GRPO optimizer step on `samples`; metrics: loss, clip_frac, kl, entropy, grad_norm,

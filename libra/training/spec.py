@@ -1,19 +1,21 @@
 """What a training pool is asked to run: `TrainingPoolSpec` (layout, batch, algorithm, optimizer, Megatron
 options, checkpoint retention), `TrainSample`, and the checks that turn a bad spec into one clear error.
 
-Parallel sizes are derived and checked here in one place (`derive_layout`), every factor printed.
+Parallel sizes are derived and checked by `planner.layout` (`derive_layout` names the spec field of each
+problem), the code validation and the planner use too.
 Problems are collected, not raised one by one: `InvalidTrainingSpecError` for a spec that cannot work
 anywhere, `NotValidatedOnCPUError` for a layout or option that megatron-core 0.16.1 runs only on CUDA.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from libra.algo.spec import AlgorithmSpec
 from libra.observability.phase_trace import TraceSettings
-from libra.training.hf_arch import HFArch
+from planner.layout import TrainLayout
+from planner.model_spec import ModelSpec
 
 PARAMS_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -26,62 +28,78 @@ class NotValidatedOnCPUError(RuntimeError):
     """Not validated: megatron-core 0.16.1 runs this layout/option only with CUDA (the GPU path keeps it)."""
 
 
-@dataclass(frozen=True)
+LRDecayStyle = Literal["constant", "linear", "cosine"]
+
+
+@dataclass(frozen=True, kw_only=True)
 class OptimizerSpec:
-    """Adam settings (Megatron `OptimizerConfig`) and a linear-warmup-then-constant learning rate."""
+    """Adam settings (Megatron `OptimizerConfig`) and the learning-rate schedule: linear warm-up to `lr`, then
+    constant, or a linear / cosine decay that reaches `min_lr` after `lr_decay_steps` optimizer steps. Every field
+    is the user's (`optimizer.*` and `total_steps`, built by `libra.config.mapping.optimizer_spec`): no defaults
+    here."""
 
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 0.0
-    lr_warmup_steps: int = 0
+    lr: float
+    min_lr: float
+    lr_decay_style: LRDecayStyle
+    lr_decay_steps: int
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    clip_grad: float
+    lr_warmup_steps: int
 
 
-@dataclass(frozen=True)
+RecomputeGranularity = Literal["none", "selective", "full"]
+
+
+@dataclass(frozen=True, kw_only=True)
 class MegatronOptions:
-    """Megatron switches passed through by name (OptimizerConfig / TransformerConfig / DDP config fields)."""
+    """Megatron switches (OptimizerConfig / TransformerConfig / DDP config fields), from the `megatron_*`
+    options (`libra.config.mapping.megatron_options`): no defaults here."""
 
-    use_precision_aware_optimizer: bool = False
-    optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 1.0
-    use_cpu_initialization: bool = False
-    grouped_gemm: bool = False
-    use_distributed_optimizer: bool = False
+    use_precision_aware_optimizer: bool
+    optimizer_cpu_offload: bool
+    optimizer_offload_fraction: float
+    use_cpu_initialization: bool
+    grouped_gemm: bool
+    use_distributed_optimizer: bool
+    recompute_granularity: RecomputeGranularity
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckpointRetention:
     """Keep the newest `keep_last` checkpoints and, in addition, every step that is a multiple of
     `keep_every` (0 = none)."""
 
-    keep_last: int = 2
-    keep_every: int = 0
+    keep_last: int
+    keep_every: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainingPoolSpec:
-    """A Megatron-Core training pool: `num_gpus` workers laid out as TP x PP x CP x DP (EP inside DP)."""
+    """A Megatron-Core training pool: `num_gpus` workers laid out as TP x PP x CP x DP (EP inside DP).
+
+    Built from a job configuration by `libra.config.mapping.training_pool_spec`; the fields a user can set
+    have no defaults here, so none can be left behind on the way."""
 
     model_path: str
     num_gpus: int
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    vpp: int = 1
-    micro_batch_size: int = 1
-    recompute_logprobs: bool = True
-    recompute_micro_batch_size: int = 1
-    algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)
-    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
-    megatron: MegatronOptions = field(default_factory=MegatronOptions)
-    seed: int = 0
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    vpp: int
+    micro_batch_size: int
+    recompute_logprobs: bool
+    recompute_micro_batch_size: int
+    algorithm: AlgorithmSpec
+    optimizer: OptimizerSpec
+    megatron: MegatronOptions
+    seed: int
+    params_dtype: Literal["fp32", "bf16", "fp16"]
+    retention: CheckpointRetention
     run_dir: str = ""
-    params_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    retention: CheckpointRetention = field(default_factory=CheckpointRetention)
     call_timeout_s: float = 3600.0
     # phase tracing of every rank (rank r writes phase_trace_rank{1000 + r}.jsonl); None = off
     trace: TraceSettings | None = None
@@ -99,71 +117,28 @@ class TrainSample:
     reward: float
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Derived parallel sizes of a pool."""
-
-    world: int
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    vpp: int
-    dp: int
-
-    def describe(self) -> str:
-        return (
-            f"world={self.world} = TP {self.tp} x PP {self.pp} x CP {self.cp} x DP {self.dp} "
-            f"(EP {self.ep} inside TPxDP, VPP {self.vpp})"
-        )
+# the spec field behind each degree a `planner.layout` rule names
+_SPEC_FIELD = {"tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "vpp": "vpp", "world": "num_gpus"}
 
 
-def derive_layout(spec: TrainingPoolSpec, arch: HFArch | None = None) -> tuple[Layout | None, list[str]]:
-    """The layout of `spec` and every problem with it (checked against `arch` when given)."""
-    errors: list[str] = []
-    for name in ("num_gpus", "tp", "pp", "cp", "ep", "vpp", "micro_batch_size", "recompute_micro_batch_size"):
-        value = getattr(spec, name)
-        if value < 1:
-            errors.append(f"training.{name}={value} must be >= 1")
-    if errors:
+def derive_layout(spec: TrainingPoolSpec, model: ModelSpec | None = None) -> tuple[TrainLayout | None, list[str]]:
+    """The layout of `spec` and every problem with it (checked against `model` when given).
+
+    The layout rules are `planner.layout`'s, the same validation and the planner apply; each problem names
+    the spec field to change."""
+    errors = [f"training.{name}={getattr(spec, name)} must be >= 1"
+              for name in ("micro_batch_size", "recompute_micro_batch_size") if getattr(spec, name) < 1]
+    layout = TrainLayout(tp=spec.tp, pp=spec.pp, cp=spec.cp, ep=spec.ep, vpp=spec.vpp)
+    problems = layout.problems(model, world=spec.num_gpus)
+    for problem in problems:
+        name = _SPEC_FIELD.get(problem.degree, problem.degree)
+        errors.append(f"training.{name}={getattr(spec, name)}: {problem.message}")
+    if any(p.code in ("degree_positive", "split_divisibility") for p in problems):
         return None, errors
-    model_parallel = spec.tp * spec.pp * spec.cp
-    if spec.num_gpus % model_parallel:
-        errors.append(
-            f"training.num_gpus={spec.num_gpus} is not divisible by TP x PP x CP = {spec.tp} x {spec.pp} x {spec.cp}"
-            f" = {model_parallel}; choose num_gpus as a multiple of {model_parallel}"
-        )
-        return None, errors
-    layout = Layout(
-        world=spec.num_gpus, tp=spec.tp, pp=spec.pp, cp=spec.cp, ep=spec.ep, vpp=spec.vpp,
-        dp=spec.num_gpus // model_parallel,
-    )
-    if spec.vpp > 1 and spec.pp == 1:
-        errors.append(f"training.vpp={spec.vpp} needs pp > 1")
-    if spec.ep > 1 and (spec.num_gpus // spec.pp) % (spec.ep * spec.tp):
-        errors.append(
-            f"training.ep={spec.ep}: num_gpus / PP = {spec.num_gpus // spec.pp} must be divisible by EP x TP "
-            f"= {spec.ep * spec.tp}"
-        )
-    if arch is not None:
-        chunks = spec.pp * spec.vpp
-        if arch.num_layers % chunks:
-            errors.append(
-                f"training.pp x vpp = {chunks} does not divide the model's num_hidden_layers={arch.num_layers}"
-            )
-        if arch.num_heads % spec.tp or arch.num_kv_heads % spec.tp:
-            errors.append(
-                f"training.tp={spec.tp} must divide num_attention_heads={arch.num_heads} and "
-                f"num_key_value_heads={arch.num_kv_heads}"
-            )
-        if spec.ep > 1 and not arch.is_moe:
-            errors.append(f"training.ep={spec.ep} needs a mixture-of-experts model; {arch.model_type} is dense")
-        if arch.is_moe and arch.num_experts % spec.ep:
-            errors.append(f"training.ep={spec.ep} must divide num_experts={arch.num_experts}")
     return layout, errors
 
 
-def spec_errors(spec: TrainingPoolSpec, arch: HFArch | None = None) -> list[str]:
+def spec_errors(spec: TrainingPoolSpec, arch: ModelSpec | None = None) -> list[str]:
     """Invalid-configuration problems of `spec` (machine independent)."""
     _, errors = derive_layout(spec, arch)
     errors += spec.algorithm.errors("training.algorithm")
@@ -204,7 +179,7 @@ def spec_errors(spec: TrainingPoolSpec, arch: HFArch | None = None) -> list[str]
     return errors
 
 
-def cpu_not_validated(spec: TrainingPoolSpec, arch: HFArch | None = None) -> list[str]:
+def cpu_not_validated(spec: TrainingPoolSpec, arch: ModelSpec | None = None) -> list[str]:
     """Settings megatron-core 0.16.1 runs only with CUDA; empty when the spec runs on a CPU machine."""
     out: list[str] = []
     if spec.cp > 1:
@@ -235,8 +210,8 @@ def cpu_not_validated(spec: TrainingPoolSpec, arch: HFArch | None = None) -> lis
     return out
 
 
-def check_spec(spec: TrainingPoolSpec, arch: HFArch | None, cuda: bool) -> Layout:
-    """The layout of `spec`, or the error listing every problem."""
+def check_spec(spec: TrainingPoolSpec, arch: ModelSpec | None, cuda: bool) -> TrainLayout:
+    """The layout of `spec` (DP = `layout.dp(spec.num_gpus)`), or the error listing every problem."""
     layout, _ = derive_layout(spec, arch)
     errors = spec_errors(spec, arch)
     if errors:

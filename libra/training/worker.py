@@ -29,10 +29,12 @@ from libra.observability.trace_schema import rank_for
 from libra.training import batching, checkpoint, cpu_compat, export, megatron_setup
 from libra.training.batching import StepBatch
 from libra.training.convert import HFWeightReader, ParamMapping, chunk_mappings, load_chunk_from_hf
-from libra.training.hf_arch import HFArch, padded_vocab_size, read_hf_arch
+from libra.training.hf_arch import padded_vocab_size, read_training_model
 from libra.training.logprobs import vocab_parallel_logprobs
 from libra.training.pipeline import forward_full_logits, forward_logprobs, is_last_stage, run_schedule
-from libra.training.spec import Layout, TrainingPoolSpec, TrainSample, check_spec
+from libra.training.spec import TrainingPoolSpec, TrainSample, check_spec
+from planner.layout import TrainLayout
+from planner.model_spec import ModelSpec
 
 log = logging.getLogger(__name__)
 WARM_UP_NICENESS = 10
@@ -68,9 +70,9 @@ class TrainingWorker:
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
-        self.arch: HFArch = read_hf_arch(spec.model_path)
-        self.layout: Layout = check_spec(spec, self.arch, cuda_available())
-        if self.layout.world != world_size:
+        self.arch: ModelSpec = read_training_model(spec.model_path)
+        self.layout: TrainLayout = check_spec(spec, self.arch, cuda_available())
+        if spec.num_gpus != world_size:
             raise ValueError(f"spec.num_gpus={spec.num_gpus} but the pool started {world_size} workers")
         self.chunks: list[Any] = []  # DDP-wrapped GPTModel chunks
         self.ref_chunks: list[Any] = []
@@ -388,7 +390,7 @@ class TrainingWorker:
         with cpu_compat.device_scope(), self.tracer.span("checkpoint.save", step, path=ckpt_dir):
             retention = self.spec.retention
             return checkpoint.save(
-                ckpt_dir, step, self._unwrapped, self.optimizer, self.scheduler, self.layout,
+                ckpt_dir, step, self._unwrapped, self.optimizer, self.scheduler, self.layout.dims(self.world_size),
                 {"model_path": self.spec.model_path, "seed": self.spec.seed},
                 retention.keep_last, retention.keep_every,
             )
@@ -398,7 +400,8 @@ class TrainingWorker:
         try:
             with cpu_compat.device_scope():
                 step, _ = checkpoint.load(
-                    ckpt_dir, self._unwrapped, self.optimizer, self.scheduler, self.layout, self.spec.seed
+                    ckpt_dir, self._unwrapped, self.optimizer, self.scheduler, self.layout.dims(self.world_size),
+                    self.spec.seed,
                 )
         except BaseException as exc:
             self.tracer.record("checkpoint.load", start, now_ns(), path=ckpt_dir, error=type(exc).__name__)

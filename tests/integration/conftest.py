@@ -11,7 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from libra.cluster.ray_runtime import RayRuntime
-from libra.models.tiny import TinyModelSpec, build_tiny_model
+from libra.config.mapping import tiny_model_spec
+from libra.config.sections import TinyModelConfig
+from libra.models.tiny import build_tiny_model
 
 LOGICAL_GPUS = 8
 
@@ -32,4 +34,5 @@ def ray_runtime() -> Iterator[RayRuntime]:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random Llama-architecture model + word-level tokenizer in HF format."""
     out = str(tmp_path_factory.mktemp("tiny-model"))
-    return build_tiny_model(os.path.join(out, "llama"), TinyModelSpec(arch="llama", init_std=0.2, seed=0))
+    return build_tiny_model(os.path.join(out, "llama"), tiny_model_spec(TinyModelConfig(
+        arch="llama", hidden_size=64, intermediate_size=128, max_position_embeddings=512, init_std=0.2, seed=0)))

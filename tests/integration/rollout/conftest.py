@@ -10,12 +10,16 @@ import os
 
 import pytest
 
+from libra.config.mapping import tiny_model_spec
+from libra.config.sections import TinyModelConfig
 from libra.models.tiny import TinyModelSpec, build_tiny_model
 from libra.rollout.weights_checksum import checksum_hf_weights
 
 
 def rollout_model_spec(seed: int) -> TinyModelSpec:
-    return TinyModelSpec(arch="llama", hidden_size=64, num_heads=2, num_kv_heads=1, init_std=0.2, seed=seed)
+    return tiny_model_spec(TinyModelConfig(arch="llama", hidden_size=64, num_heads=2, num_kv_heads=1,
+                                           intermediate_size=128, max_position_embeddings=512, init_std=0.2,
+                                           seed=seed))
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import pytest
 
 from libra.cli.main import main
 from libra.cluster.ray_runtime import RayRuntime
+from libra.config.mapping import config_with, rollout_pool_spec
 from libra.observability.phase_trace import PhaseTracer, set_tracer
 from libra.observability.trace_schema import iter_trace
 from libra.rollout.pool import RolloutPool, stop_registered_servers
@@ -39,17 +41,13 @@ MAX_MODEL_LEN = 256
 
 
 def pool_spec(model_path: str, run_dir: str, **overrides: object) -> RolloutPoolSpec:
-    fields: dict[str, object] = dict(
-        model_path=model_path,
-        num_instances=2,
-        max_model_len=MAX_MODEL_LEN,
-        kv_cache_bytes=32 * 2**20,
-        run_dir=run_dir,
-        max_concurrent_requests=16,
-        startup_timeout_s=600.0,
-    )
+    """Two eager instances on free ports with in-place reloads, changed by `overrides`."""
+    cfg = config_with(model_path, max_model_len=MAX_MODEL_LEN, max_concurrent_rollouts=16, rollout_port_base=1024,
+                      rollout_enforce_eager=True, rollout_weight_reload_method="inplace", seed=0)
+    spec = rollout_pool_spec(cfg, num_instances=2, kv_cache_bytes=32 * 2**20, run_dir=run_dir)
+    fields: dict[str, object] = dict(port_base=0, startup_timeout_s=600.0)  # 0 = free ports (no option sets it)
     fields.update(overrides)
-    return RolloutPoolSpec(**fields)  # type: ignore[arg-type]
+    return replace(spec, **fields)  # type: ignore[arg-type]
 
 
 class PoolHolder:

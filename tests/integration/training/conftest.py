@@ -7,10 +7,10 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
-from training_cases import build_tiny_qwen3_moe
+from training_cases import build_tiny_qwen3_moe, tiny_spec
 
 from libra.cluster.ray_runtime import RayRuntime
-from libra.models.tiny import TinyModelSpec, build_tiny_model
+from libra.models.tiny import build_tiny_model
 from libra.training.pool import TrainingPool
 from libra.training.spec import TrainingPoolSpec
 
@@ -20,12 +20,12 @@ def training_models(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: st
     root = str(tmp_path_factory.mktemp("training-models"))
     return {
         "llama": tiny_model_dir,
-        "qwen2": build_tiny_model(os.path.join(root, "qwen2"), TinyModelSpec(arch="qwen2", init_std=0.2)),
+        "qwen2": build_tiny_model(os.path.join(root, "qwen2"), tiny_spec(arch="qwen2", init_std=0.2)),
         "qwen3": build_tiny_model(  # tied: the output layer on the last PP stage shares the embedding
-            os.path.join(root, "qwen3"), TinyModelSpec(arch="qwen3", init_std=0.2, tie_word_embeddings=True)
+            os.path.join(root, "qwen3"), tiny_spec(arch="qwen3", init_std=0.2, tie_word_embeddings=True)
         ),
         "llama4": build_tiny_model(
-            os.path.join(root, "llama4"), TinyModelSpec(arch="llama", num_layers=4, init_std=0.2, seed=1)
+            os.path.join(root, "llama4"), tiny_spec(arch="llama", num_layers=4, init_std=0.2, seed=1)
         ),
         "qwen3_moe": build_tiny_qwen3_moe(os.path.join(root, "qwen3_moe")),
     }

@@ -13,16 +13,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from training_cases import PARITY_IDS
+from training_cases import PARITY_IDS, pool_spec
 
 from libra.algo.advantages import compute_advantages
-from libra.algo.spec import AlgorithmSpec, ISCorrectionSpec, RefKLSpec
 from libra.models.tiny import vocabulary
 from libra.observability.phase_trace import TraceSettings
 from libra.observability.trace_schema import iter_trace
 from libra.rollout.weights_checksum import checksum_hf_weights
 from libra.training.checkpoint import LATEST
-from libra.training.spec import OptimizerSpec, TrainingPoolSpec, TrainSample
+from libra.training.spec import TrainSample
 
 VOCAB = {tok: i for i, tok in enumerate(vocabulary())}
 PROMPTS = [[VOCAB[w] for w in ("what", "is", "3", "+", "4", "?")], [VOCAB[w] for w in ("question", "7", "?")]]
@@ -47,15 +46,16 @@ def toy_batch(pool: Any) -> tuple[list[TrainSample], float]:
 
 
 def test_grpo_pool_end_to_end(start_pool: Any, training_models: dict[str, str], tmp_path: Any) -> None:
-    algorithm = AlgorithmSpec(
-        entropy_coef=0.001,
-        ref_kl=RefKLSpec(enable=True, coef=0.01, kl_type="k3"),
-        is_correction=ISCorrectionSpec(enable=True, action="clip", level="token"),
-    )
+    algorithm = {
+        "entropy_coef": 0.001,
+        "clip_ratio_c": 10.0,
+        "ref_kl": {"enable": True, "coef": 0.01, "kl_type": "k3"},
+        "is_correction": {"enable": True, "action": "clip", "level": "token"},
+    }
     traces = tmp_path / "traces"
-    spec = TrainingPoolSpec(
-        model_path=training_models["llama"], num_gpus=1, micro_batch_size=2, recompute_micro_batch_size=4,
-        recompute_logprobs=True, algorithm=algorithm, optimizer=OptimizerSpec(lr=5e-3),
+    spec = pool_spec(
+        training_models["llama"], 1, config={"algorithm": algorithm, "optimizer": {"lr": 5e-3, "weight_decay": 0.01}},
+        micro_batch_size=2, recompute_micro_batch_size=4, recompute_logprobs=True,
         trace=TraceSettings(True, str(traces)),
     )
     pool = start_pool(spec)

@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from training_cases import PARITY_IDS, offpolicy_samples
+from training_cases import PARITY_IDS, offpolicy_samples, pool_spec
 
 from libra.cluster.ray_runtime import RayRuntime
 from libra.training.checkpoint import LATEST, META, list_steps, read_meta
 from libra.training.pool import TrainingPool
-from libra.training.spec import CheckpointRetention, OptimizerSpec, TrainingPoolSpec
+from libra.training.spec import CheckpointRetention, TrainingPoolSpec
 
 LAYOUTS = {"tp2": (2, 2, 1), "dp2": (2, 1, 1), "pp2": (2, 1, 2), "tp1": (1, 1, 1)}  # gpus, tp, pp; TP1 last
 
@@ -31,9 +31,9 @@ class LayoutRun:
 
 def _spec(model: str, gpus: int, tp: int, pp: int, **kw: Any) -> TrainingPoolSpec:
     # the loss uses the samples' rollout log-probs as the old policy (no recomputation): off-policy data
-    return TrainingPoolSpec(
-        model_path=model, num_gpus=gpus, tp=tp, pp=pp, micro_batch_size=1, recompute_micro_batch_size=2,
-        recompute_logprobs=False, optimizer=OptimizerSpec(lr=1e-2), **kw,
+    return pool_spec(
+        model, gpus, config={"optimizer": {"lr": 1e-2, "weight_decay": 0.01}}, tp=tp, pp=pp, micro_batch_size=1,
+        recompute_micro_batch_size=2, recompute_logprobs=False, **kw,
     )
 
 

@@ -9,11 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from training_cases import PARITY_IDS, hf_reference_step, offpolicy_samples
+from training_cases import PARITY_IDS, hf_reference_step, offpolicy_samples, pool_spec
 
-from libra.algo.spec import AlgorithmSpec
 from libra.rollout.weights_checksum import checksum_hf_weights
-from libra.training.spec import OptimizerSpec, TrainingPoolSpec
 
 CASES = {
     "qwen2-tp2-qkv-bias": ("qwen2", dict(num_gpus=2, tp=2)),
@@ -30,9 +28,8 @@ def test_model_family(
     from transformers import AutoModelForCausalLM
 
     path = training_models[model]
-    spec = TrainingPoolSpec(
-        model_path=path, recompute_logprobs=False, optimizer=OptimizerSpec(lr=1e-3), **layout  # type: ignore[arg-type]
-    )
+    spec = pool_spec(path, config={"optimizer": {"lr": 1e-3, "weight_decay": 0.01}}, recompute_logprobs=False,
+                     **layout)
     pool = start_pool(spec)
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(torch.tensor(PARITY_IDS)).logits
@@ -41,7 +38,7 @@ def test_model_family(
     assert pool.export_hf(str(tmp_path / "export")) == checksum_hf_weights(path)
 
     samples = offpolicy_samples(3)
-    hf_loss, hf_grad_norm = hf_reference_step(path, samples, AlgorithmSpec())
+    hf_loss, hf_grad_norm = hf_reference_step(path, samples, spec.algorithm)
     metrics = pool.train_step(samples, 1)
     assert abs(metrics["loss"] - hf_loss) < 1e-5
     assert metrics["grad_norm"] == pytest.approx(hf_grad_norm, rel=1e-4)

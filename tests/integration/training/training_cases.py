@@ -4,10 +4,31 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import replace
+from typing import Any
 
 from libra.algo.spec import AlgorithmSpec
-from libra.models.tiny import build_tokenizer, vocabulary
-from libra.training.spec import TrainSample
+from libra.config.mapping import cpu_config, tiny_model_spec, training_pool_spec
+from libra.config.sections import TinyModelConfig
+from libra.models.tiny import TinyModelSpec, build_tokenizer, vocabulary
+from libra.training.spec import TrainingPoolSpec, TrainSample
+
+# The shape of the tests' tiny models (hidden 64: about 0.2M parameters).
+TEST_SHAPE: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, max_position_embeddings=512)
+
+
+def tiny_spec(**changes: Any) -> TinyModelSpec:
+    """A tiny model of the tests' shape (`build_tiny_model` options, plus `tie_word_embeddings`)."""
+    tied = bool(changes.pop("tie_word_embeddings", False))
+    return replace(tiny_model_spec(TinyModelConfig(**{**TEST_SHAPE, **changes})), tie_word_embeddings=tied)
+
+
+def pool_spec(model_path: str, num_gpus: int, config: dict[str, Any] | None = None,
+              **spec_changes: Any) -> TrainingPoolSpec:
+    """The training spec of a CPU job configuration with `config` option changes, then `spec_changes`
+    (layout, batch sizes, retention, trace) applied to the spec."""
+    spec = training_pool_spec(cpu_config(model_path, **(config or {})), num_gpus)
+    return replace(spec, **spec_changes)
 
 PARITY_IDS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47]]
 

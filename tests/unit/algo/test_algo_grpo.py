@@ -4,6 +4,7 @@ correction and the combined loss, plus where gradients must vanish."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +19,10 @@ from libra.algo.grpo import (
     kl_penalty,
     ppo_clipped_loss,
 )
-from libra.algo.spec import AlgorithmSpec, ISCorrectionSpec, RefKLSpec
+from libra.config.mapping import algorithm_spec
+from libra.config.sections import AlgorithmConfig
+
+BASE = algorithm_spec(AlgorithmConfig())  # the job configuration's defaults
 
 E = math.e
 
@@ -125,7 +129,7 @@ def test_is_correction(level: str, action: str, weights: list[list[float]], mask
 
 def test_combined_loss_hand_computed() -> None:
     """pg = -0.5 per token; k1 KL [0.5, 0] x 0.1; entropy [2, 3] x 0.01 -> L = [-0.47, -0.53], mean -0.5."""
-    spec = AlgorithmSpec(entropy_coef=0.01, ref_kl=RefKLSpec(enable=True, coef=0.1, kl_type="k1"))
+    spec = replace(BASE, entropy_coef=0.01, ref_kl=replace(BASE.ref_kl, enable=True, coef=0.1, kl_type="k1"))
     x = LossInputs(
         logp=torch.tensor([[-1.0, -2.0]]),
         old_logp=torch.tensor([[-1.0, -2.0]]),
@@ -146,7 +150,7 @@ def test_combined_loss_hand_computed() -> None:
 
 def test_is_mask_changes_the_denominator() -> None:
     """With IS masking the dropped token leaves numerator and denominator: mean over the kept token only."""
-    spec = AlgorithmSpec(is_correction=ISCorrectionSpec(enable=True, action="mask", lower_bound=0.5, upper_bound=2.0))
+    spec = replace(BASE, is_correction=replace(BASE.is_correction, enable=True, action="mask", lower_bound=0.5, upper_bound=2.0))
     x = LossInputs(
         logp=OLD.clone(), old_logp=OLD, rollout_logp=ROLLOUT, advantages=torch.tensor([1.0]), mask=torch.ones(1, 2)
     )
@@ -155,7 +159,7 @@ def test_is_mask_changes_the_denominator() -> None:
 
 
 def test_ref_kl_without_reference_is_an_error() -> None:
-    spec = AlgorithmSpec(ref_kl=RefKLSpec(enable=True))
+    spec = replace(BASE, ref_kl=replace(BASE.ref_kl, enable=True))
     x = LossInputs(logp=OLD, old_logp=OLD, rollout_logp=OLD, advantages=torch.tensor([1.0]), mask=torch.ones(1, 2))
     with pytest.raises(ValueError, match="reference log-probs"):
         grpo_loss(x, spec)

@@ -115,3 +115,21 @@ def test_invalid_configuration_exits_2(tmp_path, capsys: pytest.CaptureFixture[s
     job = write_job(tmp_path, "mistral-7b", HELD_OUT["mistral-7b"], nodes=1, extra="batch_size: 0\n")
     assert main(["plan", job]) == 2
     assert "batch_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["mistral-7b", "mixtral-8x7b"])
+def test_a_model_training_cannot_run_plans_but_never_launches(name: str, tmp_path,  # type: ignore[no-untyped-def]
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Planning a job for a model Libra cannot train yet is legitimate (a warning names what is missing);
+    `libra validate` and `libra launch` refuse it as Not implemented before anything starts."""
+    job = write_job(tmp_path, name, HELD_OUT[name], nodes=4)
+    missing = "training has no HF <-> Megatron-Core weight conversion for it"
+    assert main(["plan", job, "--json"]) == 0
+    err = capsys.readouterr().err
+    assert missing in err and "[model.runnable]" in err
+    for command in (["validate", job], ["launch", job, "--run-dir", str(tmp_path / "run")]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert f"Not implemented: model_path = \"{tmp_path / name}\": model_type '{HELD_OUT[name]['model_type']}'" in err
+        assert missing in err
+    assert not (tmp_path / "run").exists()

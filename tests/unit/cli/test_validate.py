@@ -28,8 +28,8 @@ def test_override_that_breaks_the_layout_exits_2() -> None:
     result = run_validate("configs/qwen2.5-7b-8gpu.yaml", "--set", "train_tp_size=3", "--set", "rollout_weight_sync_mode=nccl")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    assert "Invalid configuration: train_tp_size = 3: train_tp_size x train_pp_size x train_cp_size (3x1x1=3) " \
-           "must divide train_gpus (4). Fix: choose train_tp_size from {1, 2, 4}." in result.stderr
+    assert "Invalid configuration: train_tp_size = 3: TP x PP x CP = 3 x 1 x 1 = 3 does not divide the 4 training " \
+           "GPUs (DP = GPUs / (TP x PP x CP)). Fix: choose train_tp_size from {1, 2, 4}." in result.stderr
     assert "Not implemented (1):" in result.stderr
 
 

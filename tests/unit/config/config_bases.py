@@ -14,6 +14,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[3]
 MODELS = REPO / "configs" / "models"
 DELETE = object()
+# Mixtral-8x7B's config.json: planned, served by vLLM, no HF <-> Megatron-Core conversion in Libra
+MIXTRAL = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+    "max_position_embeddings": 32768, "num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1e6,
+    "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False,
+}
 
 
 def gpu_base() -> dict[str, Any]:
@@ -65,13 +72,16 @@ def cpu_base(tmp: Path) -> dict[str, Any]:
 
 
 def make_files(tmp: Path) -> None:
-    """Files some cases point at via "{tmp}": a dataset, an unsupported model, a non-model directory."""
-    (tmp / "train.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    """Files some cases point at via "{tmp}": a dataset (32 prompts), an unsupported model, a model the planner
+    plans but training cannot run (Mixtral), a non-model directory."""
+    (tmp / "train.jsonl").write_text("".join(f'{{"prompt": "{i}+1", "answer": "{i + 1}"}}\n' for i in range(32)))
     (tmp / "gpt2").mkdir(exist_ok=True)
     (tmp / "gpt2" / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "hidden_size": 768, "num_attention_heads": 12, "num_hidden_layers": 12,
         "intermediate_size": 3072, "vocab_size": 50257, "max_position_embeddings": 32768,
     }))
+    (tmp / "mixtral").mkdir(exist_ok=True)
+    (tmp / "mixtral" / "config.json").write_text(json.dumps(MIXTRAL))
     (tmp / "notamodel").mkdir(exist_ok=True)
     (tmp / "notamodel" / "README.txt").write_text("not a model\n")
 

@@ -142,9 +142,9 @@ def test_type_errors_are_never_cast(path: str, value: Any, rule: str) -> None:
 
 
 def test_int_widens_to_float_only() -> None:
-    cfg = load_dict(with_changes(gpu_base(), {"algorithm.clip_ratio_c": 3, "global_resource_planner.replan_min_gain": 0}))
+    cfg = load_dict(with_changes(gpu_base(), {"algorithm.clip_ratio_c": 3, "optimizer.weight_decay": 0}))
     assert isinstance(cfg.algorithm.clip_ratio_c, float) and cfg.algorithm.clip_ratio_c == 3.0
-    assert isinstance(cfg.global_resource_planner.replan_min_gain, float)
+    assert isinstance(cfg.optimizer.weight_decay, float)
 
 
 def test_optional_int_accepts_null_and_int() -> None:
@@ -308,7 +308,7 @@ def test_relative_path_falls_back_to_cwd(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_dataset_path_resolves_against_yaml_dir(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "train.jsonl").write_text("{}\n")
+    (tmp_path / "data" / "train.jsonl").write_text("".join(f'{{"prompt": "{i}", "answer": "{i}"}}\n' for i in range(16)))
     data = with_changes(gpu_base(), {"task.name": "dataset", "task.dataset_path": "data/train.jsonl"})
     cfg = load(write(tmp_path, yaml.safe_dump(data)))
     assert cfg.task.dataset_path == str(tmp_path / "data" / "train.jsonl")

@@ -16,3 +16,17 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     out = str(tmp_path_factory.mktemp("tiny-tokenizer"))
     build_tokenizer(out)
     return AutoTokenizer.from_pretrained(out)
+
+
+@pytest.fixture(autouse=True)
+def _registries_restored() -> Any:
+    """Tasks and rewards a test registers are removed after it, so later tests see the built-in registry."""
+    from libra.data import registry
+
+    registry.task_names()  # built-ins loaded before the snapshot
+    tasks, rewards = dict(registry._TASKS), dict(registry._REWARDS)
+    yield
+    registry._TASKS.clear()
+    registry._TASKS.update(tasks)
+    registry._REWARDS.clear()
+    registry._REWARDS.update(rewards)

@@ -70,10 +70,10 @@ BAD_JSONL = [
     ),
     pytest.param(
         '{"q": "a", "a": "1"}\n\n{"x": "b", "a": "2"}\n',
-        r"train.jsonl:3: no column 'q' \(task.input_key\); columns in this row: a, x",
+        r"task.input_key: .*train.jsonl:3: no column 'q'; columns in this row: a, x",
         id="missing-input",
     ),
-    pytest.param('{"q": "a"}\n', r"train.jsonl:1: no column 'a' \(task.label_key\)", id="missing-label"),
+    pytest.param('{"q": "a"}\n', r"task.label_key: .*train.jsonl:1: no column 'a'", id="missing-label"),
     pytest.param(
         '{"q": 5, "a": "1"}\n',
         "train.jsonl:1, column 'q': the prompt must be a non-empty string",
@@ -107,7 +107,7 @@ def test_bad_jsonl_names_file_line_and_column(tmp_path: Path, content: str, mess
         pytest.param(
             "parquet",
             "data.parquet",
-            r"no column 'prompt' \(task.input_key\); columns: question",
+            r"task.input_key: .*data.parquet: no column 'prompt'; columns of the file: question",
             id="parquet-missing-column",
         ),
         pytest.param(
@@ -193,7 +193,11 @@ def test_dataset_task_holdout_and_reward(tmp_path: Path, tiny_tokenizer: Any) ->
             id="two-eval-sources",
         ),
         pytest.param({"params": {"eval_holdout_fraction": 1.5}}, "eval_holdout_fraction", id="bad-fraction"),
-        pytest.param({"eval_dataset_path": "TRAIN"}, "every prompt", id="eval-equals-train"),
+        pytest.param(
+            {"eval_dataset_path": "TRAIN"},
+            "task.eval_dataset_path: every one of the 1 prompts",
+            id="eval-equals-train",
+        ),
         pytest.param(
             {"eval_dataset_path": "missing.jsonl"},
             "task.eval_dataset_path: no such file",

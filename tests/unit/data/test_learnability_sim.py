@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from libra.config import Config
-from libra.models.tiny import TinyModelSpec, build_tiny_model
+from libra.config.mapping import tiny_model_spec
+from libra.config.sections import TinyModelConfig
+from libra.models.tiny import build_tiny_model
 
 BENCHMARK = Path(__file__).resolve().parents[3] / "benchmarks" / "learnability.py"
 
@@ -34,7 +36,8 @@ def learnability() -> ModuleType:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from transformers import AutoModelForCausalLM
 
-    out = build_tiny_model(str(tmp_path_factory.mktemp("sim-model")), TinyModelSpec(init_std=0.2, seed=1))
+    out = build_tiny_model(str(tmp_path_factory.mktemp("sim-model")), tiny_model_spec(TinyModelConfig(
+        hidden_size=64, intermediate_size=128, max_position_embeddings=512, init_std=0.2, seed=1)))
     return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 
 
@@ -92,7 +95,7 @@ def test_recommendation_uses_real_config_keys(
         if isinstance(value, dict) and dataclasses.is_dataclass(hints[key]):
             section_fields = {f.name for f in dataclasses.fields(hints[key])}
             assert set(value) <= section_fields, (key, set(value) - section_fields)
-    assert recommended["optimizer"]["min_lr"] == recommended["optimizer"]["lr"]  # a constant learning rate
+    assert recommended["optimizer"]["lr_decay_style"] == "constant"
 
 
 def test_benchmark_file_exists() -> None:

@@ -75,8 +75,9 @@ def test_fp32_training_doubles_the_activation_tensors_but_not_fp32_statistics(im
     bf16 = act.RankShape(implementation=implementation, attention_backend=backend, act_bytes=2)
     fp32 = act.RankShape(implementation=implementation, attention_backend=backend, act_bytes=4)
     half, full = (act.layer_parts(spec, shape, 1024, moe=False) for shape in (bf16, fp32))
-    assert full["qkv_input"] == 2 * half["qkv_input"] and full["mlp"] == 2 * half["mlp"]
-    assert full["attn_norm"] < 2 * half["attn_norm"]  # the inverse RMS (and hf's input copy) are fp32 anyway
+    norm, first = ("norms", "q_k_v") if act.is_megatron_local(bf16) else ("attn_norm", "qkv_input")
+    assert full[first] == 2 * half[first] and full["mlp"] == 2 * half["mlp"]
+    assert full[norm] < 2 * half[norm]  # the inverse RMS (and hf's input copy) are fp32 anyway
     if backend == "flash":
         assert full["softmax_stats"] == half["softmax_stats"]
 

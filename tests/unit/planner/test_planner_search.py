@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 from planner_cases import dense, inputs, model
 
+from planner.grp import plan as plan_with_advice
 from planner.layout import TrainLayout, enumerate_layouts, layout_rule_violation
 from planner.model_spec import model_spec_from_dict
-from planner.plan import Candidate
+from planner.plan import Candidate, rank
 from planner.report import plan_dict
 from planner.search import SPLIT_CODES, brute_force, evaluate, search, split_sizes
 from planner.workload import PinnedLayout, PlannerInputs
@@ -55,8 +56,7 @@ def test_alternatives_are_feasible_distinct_and_ranked() -> None:
     ranked = [plan.chosen] + plan.alternatives
     assert all(e.feasible for e in ranked)
     assert len({e.candidate for e in ranked}) == len(ranked)
-    keys = [e.rank_key() for e in ranked]
-    assert keys == sorted(keys)
+    assert rank(ranked) == ranked
 
 
 def test_every_pruned_split_records_the_first_rule_it_breaks() -> None:
@@ -118,14 +118,14 @@ def test_configured_keeps_the_pinned_split_and_reports_memory() -> None:
 
 def test_configured_threshold_breaches_are_warnings_not_errors() -> None:
     inp = _pinned(inputs("qwen2.5-7b", bubble_ratio_threshold=0.001), train_gpus=4, rollout_gpus=4, pp=4)
-    plan = search(inp)
+    plan = plan_with_advice(inp)
     assert plan.feasible
     assert any(w.startswith("bubble_ratio") for w in plan.warnings)
 
 
 def test_configured_split_that_does_not_fit_says_what_to_change() -> None:
     inp = _pinned(inputs("qwen2.5-7b", train_micro_batch_size=2), train_gpus=4, rollout_gpus=4, tp=1)
-    plan = search(inp)
+    plan = plan_with_advice(inp)
     assert not plan.feasible and plan.chosen is not None
     assert not plan.chosen.train_memory.fits
     text = "\n".join(plan.suggestions)
@@ -135,7 +135,7 @@ def test_configured_split_that_does_not_fit_says_what_to_change() -> None:
 
 def test_single_option_fixes_are_verified_by_a_search() -> None:
     inp = _pinned(inputs("qwen2.5-7b", use_distributed_optimizer=False), train_gpus=4, rollout_gpus=4, tp=2)
-    plan = search(inp)
+    plan = plan_with_advice(inp)
     assert not plan.feasible
     fix = "megatron_optimizer_cpu_offload: true with megatron_optimizer_offload_fraction: 1.0 makes it plan"
     assert any(s.startswith(fix) for s in plan.suggestions)
@@ -144,7 +144,7 @@ def test_single_option_fixes_are_verified_by_a_search() -> None:
 
 
 def test_configured_structural_error_is_reported() -> None:
-    plan = search(_pinned(inputs("qwen2.5-7b"), train_gpus=3, rollout_gpus=5, tp=3))
+    plan = plan_with_advice(_pinned(inputs("qwen2.5-7b"), train_gpus=3, rollout_gpus=5, tp=3))
     assert not plan.feasible
     assert any(s.startswith("tp_heads") for s in plan.suggestions)
 
@@ -155,7 +155,7 @@ LLAMA_405B = {"model_type": "llama", "hidden_size": 16384, "intermediate_size": 
 
 def test_405b_on_one_node_is_infeasible_with_a_memory_explanation() -> None:
     spec = model_spec_from_dict(LLAMA_405B, name="llama-405b")
-    plan = search(inputs(spec, allowed_pp=(1, 2, 3, 6, 7, 9, 14, 18, 21)))
+    plan = plan_with_advice(inputs(spec, allowed_pp=(1, 2, 3, 6, 7, 9, 14, 18, 21)))
     assert not plan.feasible and plan.chosen is None
     text = "\n".join(plan.suggestions)
     assert "training state alone" in text and "per GPU" in text
@@ -163,7 +163,7 @@ def test_405b_on_one_node_is_infeasible_with_a_memory_explanation() -> None:
 
 
 def test_infeasible_advice_finds_a_cluster_that_works() -> None:
-    plan = search(inputs("qwen2.5-32b", nodes=1, gpus_per_node=2, gpu="A100", allowed_tp=(1, 2)))
+    plan = plan_with_advice(inputs("qwen2.5-32b", nodes=1, gpus_per_node=2, gpu="A100", allowed_tp=(1, 2)))
     assert not plan.feasible
     assert any(s.startswith("cluster.num_nodes:") for s in plan.suggestions)
 

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 
+from libra.config.mapping import config_with, rollout_pool_spec
 from libra.rollout.pool import RolloutPool
 from libra.rollout.spec import RolloutError, RolloutPoolSpec, RolloutSpecError
 
 
+def spec_with(**fields: object) -> RolloutPoolSpec:
+    """The rollout spec of a default job configuration with `fields` changed."""
+    return replace(rollout_pool_spec(config_with("/m"), num_instances=1, kv_cache_bytes=64 * 2**20), **fields)  # type: ignore[arg-type]
+
+
 def pool(tmp_path: os.PathLike[str]) -> RolloutPool:
-    return RolloutPool(
-        None, RolloutPoolSpec(model_path="/m", num_instances=1, max_model_len=64, run_dir=str(tmp_path))
-    )
+    return RolloutPool(None, spec_with(max_model_len=64, run_dir=str(tmp_path)))
 
 
 @pytest.mark.parametrize(
@@ -71,16 +76,14 @@ def test_invalid_publish(
 
 
 def test_restart_needs_managed_servers(tmp_path: os.PathLike[str]) -> None:
-    spec = RolloutPoolSpec(
-        model_path="/m", num_instances=0, manage_processes=False, endpoints=("http://h:1",)
-    )
+    spec = spec_with(num_instances=0, manage_processes=False, endpoints=("http://h:1",), reload_method="inplace")
     with pytest.raises(ValueError, match="needs manage_processes=True"):
         RolloutPool(None, spec).publish_weights(1, str(tmp_path), "sha256t1:x", method="restart")
 
 
 def test_invalid_spec_is_refused_at_construction() -> None:
     with pytest.raises(RolloutSpecError, match="tp_size=0"):
-        RolloutPool(None, RolloutPoolSpec(model_path="/m", num_instances=1, tp_size=0))
+        RolloutPool(None, spec_with(tp_size=0))
 
 
 @pytest.mark.parametrize("call", ["instances", "stats", "abort_all", "add_instance"])

@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
+from libra.config.mapping import config_with, rollout_pool_spec
 from libra.rollout.registry import InstanceRegistry, PoolRecord, RegistryEntry, RegistryError
 from libra.rollout.server import (
     ServerLaunch,
@@ -21,6 +23,11 @@ from libra.rollout.server import (
     server_command,
 )
 from libra.rollout.spec import RolloutPoolSpec, RolloutSpecError
+
+
+def spec_with(**fields: object) -> RolloutPoolSpec:
+    """The rollout spec of a default job configuration with `fields` changed."""
+    return replace(rollout_pool_spec(config_with("/m"), num_instances=1, kv_cache_bytes=64 * 2**20), **fields)  # type: ignore[arg-type]
 
 BAD_SPECS: dict[str, tuple[dict[str, object], list[str]]] = {
     "negative instances": ({"num_instances": -1}, ["num_instances=-1"]),
@@ -45,7 +52,7 @@ BAD_SPECS: dict[str, tuple[dict[str, object], list[str]]] = {
 @pytest.mark.parametrize("case", BAD_SPECS, ids=list(BAD_SPECS))
 def test_spec_reports_every_problem(case: str) -> None:
     fields, fragments = BAD_SPECS[case]
-    spec = RolloutPoolSpec(**{"model_path": "/m", "num_instances": 1, **fields})  # type: ignore[arg-type]
+    spec = spec_with(**fields)
     with pytest.raises(RolloutSpecError) as caught:
         spec.validate()
     for fragment in fragments:
@@ -53,7 +60,7 @@ def test_spec_reports_every_problem(case: str) -> None:
 
 
 def test_default_spec_is_valid() -> None:
-    RolloutPoolSpec(model_path="/m", num_instances=2).validate()
+    spec_with(num_instances=2).validate()
 
 
 def launch(**changes: object) -> ServerLaunch:

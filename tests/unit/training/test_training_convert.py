@@ -9,55 +9,69 @@ import pytest
 import torch
 
 from libra.training.convert import chunk_mappings, hf_from_shards, shard_from_hf
-from libra.training.hf_arch import HFArch, UnsupportedArchitectureError, arch_from_config, padded_vocab_size
+from libra.training.hf_arch import UnsupportedArchitectureError, padded_vocab_size, training_spec_from_config
+from planner.model_spec import ModelSpec
 
-ARCH = HFArch(
-    model_type="qwen2", vocab_size=11, hidden_size=4, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=1,
-    ffn_hidden_size=4, max_position_embeddings=32, rms_norm_eps=1e-6, rope_theta=1e4,
-    tie_word_embeddings=False, qkv_bias=True, qk_layernorm=False,
+ARCH = ModelSpec(
+    name="qwen2-tiny", model_type="qwen2", vocab_size=11, hidden_size=4, num_layers=4, num_attention_heads=4,
+    num_kv_heads=2, head_dim=1, intermediate_size=4, max_position_embeddings=32, rms_norm_eps=1e-6,
+    rope_theta=1e4, attention_bias=True,
 )
 
 BASE_CFG = {
     "model_type": "llama", "vocab_size": 219, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "intermediate_size": 128, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    "max_position_embeddings": 512,
 }
 ARCH_CASES = {
-    "llama-top-level-theta": ({**BASE_CFG, "rope_theta": 5e5}, dict(rope_theta=5e5, qkv_bias=False, head_dim=16)),
-    "qwen2-has-qkv-bias": ({**BASE_CFG, "model_type": "qwen2"}, dict(qkv_bias=True, qk_layernorm=False)),
+    "llama-top-level-theta": ({**BASE_CFG, "rope_theta": 5e5}, dict(rope_theta=5e5, attention_bias=False, head_dim=16)),
+    "qwen2-has-qkv-bias": ({**BASE_CFG, "model_type": "qwen2"}, dict(attention_bias=True, qk_norm=False)),
     "qwen3-rope-parameters-head-dim": (
         {**BASE_CFG, "model_type": "qwen3", "head_dim": 32, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}},
-        dict(qk_layernorm=True, head_dim=32, rope_theta=1e6),
+        dict(qk_norm=True, head_dim=32, rope_theta=1e6),
     ),
     "qwen3-moe-local-experts-alias": (
         {**BASE_CFG, "model_type": "qwen3_moe", "num_local_experts": 8, "num_experts_per_tok": 2,
          "moe_intermediate_size": 32, "norm_topk_prob": False},
-        dict(num_experts=8, moe_topk=2, moe_ffn_hidden_size=32, norm_topk_prob=False),
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False),
     ),
     "kv-heads-default-to-heads": ({k: v for k, v in BASE_CFG.items() if k != "num_key_value_heads"}, dict(num_kv_heads=4)),
 }
 
 
 @pytest.mark.parametrize("cfg,expected", ARCH_CASES.values(), ids=ARCH_CASES.keys())
-def test_arch_from_config(cfg: dict, expected: dict) -> None:
-    arch = arch_from_config(cfg)
+def test_training_reads_config_json_with_the_one_parser(cfg: dict, expected: dict) -> None:
+    spec = training_spec_from_config(cfg)
     for key, value in expected.items():
-        assert getattr(arch, key) == value, key
+        assert getattr(spec, key) == value, key
 
 
 UNSUPPORTED = {
-    "gpt2": ({**BASE_CFG, "model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+    "gpt2": ({**BASE_CFG, "model_type": "gpt2"}, "model_type 'gpt2': training has no HF <-> Megatron-Core"),
+    "mixtral": ({**BASE_CFG, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2},
+                "model_type 'mixtral' (Mixtral MoE): training has no HF <-> Megatron-Core"),
     "gelu": ({**BASE_CFG, "hidden_act": "gelu"}, "hidden_act 'gelu'"),
     "rope-scaling": ({**BASE_CFG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope type 'llama3'"),
     "llama-attention-bias": ({**BASE_CFG, "attention_bias": True}, "attention_bias=true"),
     "sliding-window": ({**BASE_CFG, "use_sliding_window": True}, "use_sliding_window"),
     "uneven-gqa": ({**BASE_CFG, "num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
+    "no-max-positions": ({k: v for k, v in BASE_CFG.items() if k != "max_position_embeddings"},
+                         "max_position_embeddings is missing"),
+    "moe-dense-layers": ({**BASE_CFG, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                          "mlp_only_layers": [0]}, "with dense layers"),
 }
 
 
 @pytest.mark.parametrize("cfg,message", UNSUPPORTED.values(), ids=UNSUPPORTED.keys())
 def test_unsupported_architectures(cfg: dict, message: str) -> None:
-    with pytest.raises(UnsupportedArchitectureError, match=message.replace("(", r"\(")):
-        arch_from_config(cfg)
+    with pytest.raises(UnsupportedArchitectureError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        training_spec_from_config(cfg)
+
+
+def test_every_feature_gap_is_named_at_once() -> None:
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        training_spec_from_config({**BASE_CFG, "hidden_act": "gelu", "mlp_bias": True})
+    assert "hidden_act 'gelu'" in str(info.value) and "mlp_bias=true" in str(info.value)
 
 
 @pytest.mark.parametrize("vocab,tp,padded", [(219, 1, 219), (219, 2, 220), (220, 4, 220), (219, 8, 224)])
@@ -124,7 +138,8 @@ def test_chunk_mappings_of_a_middle_pipeline_stage() -> None:
 
 
 def test_chunk_mappings_tied_and_moe() -> None:
-    arch = replace(ARCH, tie_word_embeddings=True, model_type="qwen3_moe", num_experts=4, moe_topk=2, qkv_bias=False)
+    arch = replace(ARCH, tie_word_embeddings=True, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                   attention_bias=False)
     maps = chunk_mappings(arch, 0, 1, pre_process=True, post_process=True, ep_rank=1, ep_size=2)
     names = {m.megatron: m for m in maps}
     assert names["output_layer.weight"].hf == ("model.embed_tokens.weight",)

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from libra.config.mapping import cpu_config, training_pool_spec
 from libra.observability.phase_trace import TraceSettings
 from libra.training.spec import TrainingPoolSpec
 from libra.training.worker import open_rank_tracer
 
 
 def spec_with(trace: TraceSettings | None) -> TrainingPoolSpec:
-    return TrainingPoolSpec(model_path="/m", num_gpus=1, trace=trace)
+    return training_pool_spec(cpu_config("/m"), num_gpus=1, trace=trace)
 
 
 @pytest.mark.parametrize(("rank", "file"), [(0, "phase_trace_rank1000.jsonl"), (7, "phase_trace_rank1007.jsonl")])

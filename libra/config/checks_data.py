@@ -1,0 +1,42 @@
+"""Cross-field checks that read the files a job names: the task, built from its dataset files exactly as the
+launcher builds it, and the tokenizer directory.
+
+Each check is owned by `libra.data.preflight` (the task's constructor, the registry, the dataset reader), which
+the controller also calls before it starts Ray; this module only turns its `TaskError` into a finding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from libra.config.context import Finding, RuleContext
+from libra.config.errors import MISSING_VALUE
+from libra.data.preflight import PromptDemand, check_tokenizer_dir, preflight_task
+from libra.data.prompt import UNSET, TaskError
+from libra.data.registry import TaskSpec
+
+
+def _finding(err: TaskError, default_field: str) -> Finding:
+    return Finding(
+        err.field or default_field,
+        err.problem,
+        err.fix or "correct the task section",
+        value=MISSING_VALUE if err.value is UNSET else err.value,
+    )
+
+
+def task_builds(c: RuleContext) -> Iterator[Finding]:
+    task = c.cfg.task
+    err = preflight_task(TaskSpec.from_config(task), PromptDemand(c.cfg.batch_size, task.eval_interval))
+    if err is not None:
+        yield _finding(err, "task")
+
+
+def tokenizer_readable(c: RuleContext) -> Iterator[Finding]:
+    cfg = c.cfg
+    if cfg.build_tiny_model.enabled or cfg.tokenizer_path == cfg.model_path:
+        return  # the launcher writes the tiny model's tokenizer; model_path is checked by model.config
+    try:
+        check_tokenizer_dir(cfg.tokenizer_path)
+    except TaskError as err:
+        yield _finding(err, "tokenizer_path")
