@@ -39,11 +39,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from planner.hardware import GPUSpec  # noqa: E402
 from planner.layout import TrainLayout  # noqa: E402
 from planner.memory import MemoryEstimate, train_memory  # noqa: E402
-from planner.model_spec import model_spec_from_dict  # noqa: E402
-from planner.workload import ClusterSpec, MemoryBudget, PlannerInputs, TrainOptions, Workload  # noqa: E402
+from planner.workload import PlannerInputs  # noqa: E402
 
 TARGET_ABS_REL_ERROR = 0.05
 TARGET_MAX_UNDER_ESTIMATE = 0.02
@@ -90,7 +88,6 @@ class Case:
     micro_batches: int = 2
     recompute_micro_batch: int = 2
     recompute: str = "none"  # "none" | "selective" | "full" (uniform, one layer per checkpoint)
-    sequence_parallel: bool | None = None  # None: as the workers decide (MoE with TP > 1)
 
     @property
     def world(self) -> int:
@@ -122,6 +119,9 @@ def cases() -> list[Case]:
         Case("gqa4-v4096-tp2", gqa4, tp=2, seq_len=192),
         Case("mqa-deep-v4096-full", deep, recompute="full", micro_batch=2),
         Case("moe-v4096", moe),
+        # vocabularies Megatron pads (to a multiple of 128 x TP): the loss masks the padding in one more buffer
+        Case("base-v1000-padded", replace(BASE, vocab=1000)),
+        Case("gqa4-v4000-tp2-padded", replace(gqa4, vocab=4000), tp=2, seq_len=192),
     ]
 
 
@@ -158,49 +158,17 @@ def build_hf_model(arch: Arch, out_dir: str) -> str:
     return out_dir
 
 
-def _recompute_kwargs(recompute: str) -> dict[str, Any]:
-    """TransformerConfig fields of Megatron-Core 0.16.1 for activation recomputation."""
-    if recompute == "none":
-        return {}
-    if recompute == "selective":
-        return {"recompute_granularity": "selective"}
-    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+def job_config(case: Case, model_dir: str) -> Any:
+    """The job this case runs, as a user would configure it on a CPU machine: the workers and the planner's
+    estimate are both built from it (`training_pool_spec` and `libra.planning.planner_inputs`)."""
+    from libra.config.mapping import cpu_config
 
-
-def _configure_megatron(case: Case) -> None:
-    """Recomputation and (when the case forces it) sequence parallelism on the workers' own config builder."""
-    from libra.training import megatron_setup
-
-    original = megatron_setup.transformer_config_kwargs
-    original_sp = megatron_setup.uses_sequence_parallel
-
-    def uses_sp(arch: Any, layout: Any) -> bool:
-        return case.sequence_parallel if case.sequence_parallel is not None else original_sp(arch, layout)
-
-    def kwargs(arch: Any, spec: Any, layout: Any, cuda: bool) -> dict[str, Any]:
-        out = original(arch, spec, layout, cuda)
-        out["sequence_parallel"] = uses_sp(arch, layout)
-        for key, value in _recompute_kwargs(case.recompute).items():
-            if not out.get(key):  # the workers' own setting wins once they set one
-                out[key] = value
-        return out
-
-    megatron_setup.transformer_config_kwargs = kwargs  # type: ignore[assignment]
-    megatron_setup.uses_sequence_parallel = uses_sp  # type: ignore[assignment]
-    if case.recompute != "none":
-        _causal_mask_on_cpu()
-
-
-def _causal_mask_on_cpu() -> None:
-    """Recomputation runs the attention again inside autograd's backward, outside the CPU device mode of
-    `libra.training.cpu_compat`, where Megatron-Core's default causal mask asks for a CUDA tensor."""
-    import torch
-    from megatron.core.fusions import fused_softmax
-
-    def causal_mask(sq: int) -> torch.Tensor:
-        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
-
-    fused_softmax.get_default_causal_mask = causal_mask  # type: ignore[assignment]
+    return cpu_config(model_dir, train_tp_size=case.tp, train_pp_size=case.pp, train_micro_batch_size=case.micro_batch,
+                      recompute_micro_batch_size=case.recompute_micro_batch, megatron_recompute_granularity=case.recompute,
+                      batch_size=1, n_samples=case.micro_batch * case.micro_batches,
+                      max_model_len=case.seq_len, max_new_tokens=case.seq_len - case.seq_len // 4,
+                      cluster={"num_nodes": 1, "gpus_per_node": max(2, case.world), "gpu_type": "cpu-logical",
+                               "logical_gpus": True})
 
 
 def _samples(case: Case) -> list[Any]:
@@ -223,15 +191,12 @@ def _rank_main(rank: int, case: Case, model_dir: str, port: int, out_dir: str) -
     import torch
 
     torch.set_num_threads(1)
-    from libra.config.mapping import cpu_config, training_pool_spec
+    from libra.config.mapping import training_pool_spec
     from libra.training import cpu_compat
     from libra.training.memory_probe import resident_bytes, transient_peak
     from libra.training.worker import TrainingWorker
 
-    _configure_megatron(case)
-    cfg = cpu_config(model_dir, train_tp_size=case.tp, train_pp_size=case.pp, train_micro_batch_size=case.micro_batch,
-                     recompute_micro_batch_size=case.recompute_micro_batch,
-                     megatron_recompute_granularity=case.recompute)
+    cfg = job_config(case, model_dir)
     spec = training_pool_spec(cfg, num_gpus=case.world, run_dir=os.path.join(out_dir, "run"))
     worker = TrainingWorker(spec, rank, case.world)
     worker.setup("127.0.0.1", port)
@@ -284,21 +249,16 @@ def workspace_factor() -> float:
 
 
 def planner_inputs(case: Case) -> PlannerInputs:
-    """What `libra.planning.planner_inputs` builds for this job on a CPU machine."""
-    spec = model_spec_from_dict(hf_config(case.arch), name=case.arch.label)
-    gpu = GPUSpec("measurement", 10**15, 1e15, 1e12, 1e11, 1e10)  # capacity is irrelevant here
-    workload = Workload(batch_size=1, n_samples=case.micro_batch * case.micro_batches,
-                        max_model_len=case.seq_len, max_new_tokens=case.seq_len - case.seq_len // 4,
-                        recompute_logprobs=True, recompute_micro_batch_size=case.recompute_micro_batch,
-                        train_micro_batch_size=case.micro_batch)
-    sp = case.sequence_parallel if case.sequence_parallel is not None else spec.is_moe
-    train = TrainOptions(params_dtype_bytes=4, use_distributed_optimizer=False, recompute_granularity=case.recompute,  # type: ignore[arg-type]
-                         sequence_parallel=sp, implementation="megatron", attention_backend="eager",
-                         fused_optimizer=False)
-    budget = MemoryBudget(check_enabled=True, safety_margin_bytes=0, logits_dtype_bytes=4,
-                          workspace_factor=workspace_factor())
-    return PlannerInputs(model=spec, cluster=ClusterSpec(1, case.world, gpu), workload=workload, train=train,
-                         budget=budget)
+    """What `libra plan` gives the planner for this job (`libra.planning.planner_inputs` of `job_config`), with
+    no safety margin: the figure compared is the estimate itself. Needs only the model's config.json."""
+    from libra.planning import planner_inputs as job_planner_inputs
+
+    with tempfile.TemporaryDirectory() as model_dir:
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(hf_config(case.arch), f)
+        inputs = job_planner_inputs(job_config(case, model_dir))
+    return replace(inputs, model=replace(inputs.model, name=case.arch.label),
+                   budget=replace(inputs.budget, safety_margin_bytes=0))
 
 
 MEASURED_TO_MOMENTS = {"logprob": ("logprob_recompute", "logprob_forward"),

@@ -43,8 +43,9 @@ def vocab_parallel_logprobs(
     start = tp_rank * local_vocab
     ids = torch.arange(start, start + local_vocab, device=logits.device)
     valid = ids < vocab_size
+    padded = not bool(valid.all())
     x = logits.float()
-    if not bool(valid.all()):
+    if padded:
         x = x.masked_fill(~valid, float("-inf"))
     with torch.no_grad():
         shift = x.max(dim=-1).values
@@ -62,6 +63,11 @@ def vocab_parallel_logprobs(
     logp = target_logit - log_z
     if not with_entropy:
         return logp, None
-    weighted = torch.where(valid, exp * shifted, torch.zeros_like(exp)).sum(dim=-1)
+    # exp x shifted is 0 x -inf = nan on padded rows. Mask the product in place: the multiplication's backward
+    # needs only its inputs, and a torch.where would hold two more vocabulary-sized buffers at the loss's peak.
+    product = exp * shifted
+    if padded:
+        product.masked_fill_(~valid, 0.0)
+    weighted = product.sum(dim=-1)
     entropy = log_z - _reduce(weighted, tp_size) / sum_exp
     return logp, entropy

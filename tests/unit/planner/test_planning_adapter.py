@@ -30,7 +30,7 @@ def test_gpu_job_maps_every_planner_option() -> None:
     inp = planner_inputs(cfg)
     w, t, s, b = inp.workload, inp.train, inp.space, inp.budget
     assert (w.batch_size, w.n_samples, w.max_model_len, w.max_new_tokens) == (32, 8, 4096, 3072)
-    assert (w.train_micro_batch_size, w.recompute_micro_batch_size, w.max_head_offpolicyness) == (2, 2, 1)
+    assert (w.train_micro_batch_size, w.recompute_micro_batch_size, w.max_head_offpolicyness) == (1, 2, 1)
     assert t.use_distributed_optimizer and t.recompute_granularity == "selective"
     assert (t.implementation, t.attention_backend, t.fused_optimizer) == ("megatron", "flash", True)
     assert b.safety_margin_bytes == cfg.global_resource_planner.memory_budget_safety_margin_bytes
