@@ -324,28 +324,13 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _hf_row(row: dict[str, Any]) -> dict[str, Any]:
-    """A transformers case of `benchmarks/memory_accuracy.py` with the per-case fields both benchmarks write
-    (older files lack them): implementation, pp, vocab and the phase the measured peak fell in."""
-    if "peak_moment" in row:
-        return row
-    from benchmarks import memory_accuracy as hf_bench
-
-    vocab = {c.name: c.spec.vocab_size for c in hf_bench.cases()}
-    measured = {t["term"]: t["measured_bytes"] for t in row.get("terms", [])}
-    phases = {"train": measured.get("train:peak", 0), "logprob": measured.get("logprob_recompute:peak", 0),
-              "optimizer_step": measured.get("optimizer_step:peak", 0)}
-    return dict(row, implementation="hf", pp=1, vocab=vocab.get(row["model"]),
-                peak_moment=max(phases, key=lambda k: phases[k]))
-
-
 def merge(out_path: str, rows: list[dict[str, Any]], factor: float, wall_s: float | None) -> dict[str, Any]:
     """Write the megatron cases into the result file, keeping the transformers ("hf") cases it holds."""
     existing: dict[str, Any] = {}
     if os.path.isfile(out_path):
         with open(out_path, encoding="utf-8") as fh:
             existing = json.load(fh)
-    hf = [_hf_row(c) for c in existing.get("cases", []) if c.get("implementation", "hf") == "hf"]
+    hf = [c for c in existing.get("cases", []) if c.get("implementation") == "hf"]
     names = {r["model"] for r in rows}
     kept = [c for c in existing.get("cases", []) if c.get("implementation") == "megatron" and c["model"] not in names]
     megatron = kept + rows
