@@ -91,7 +91,9 @@ def test_layouts_train_like_tp1(layout_runs: dict[str, LayoutRun], layout: str) 
         assert abs(a["loss"] - b["loss"]) < 1e-5, step
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), step
         assert b["tokens"] == a["tokens"]
-        assert b["logprob_gap"] == pytest.approx(a["logprob_gap"], abs=1e-5)
+        # a mean of |log-prob differences| near 2: TP 2 sums the vocabulary in two fp32 halves, so it may differ
+        # from TP 1 in the fifth significant digit (1.6e-5 relative seen), like the gradient norm above
+        assert b["logprob_gap"] == pytest.approx(a["logprob_gap"], rel=1e-4)
 
 
 def test_resume_reproduces_the_next_step(layout_runs: dict[str, LayoutRun]) -> None:
