@@ -35,6 +35,7 @@ class ControlLoop:
         timeouts: StateTimeouts | None = None,
         interval_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        on_observed: Callable[[ObservedState, DesiredState], None] | None = None,
     ) -> None:
         self.tracker = tracker
         self.executor = executor
@@ -45,6 +46,7 @@ class ControlLoop:
         self.timeouts = timeouts or StateTimeouts()
         self.interval_s = interval_s
         self.clock = clock
+        self.on_observed = on_observed  # sees every observation first (e.g. to end a finished reconfiguration)
         self.ticks = 0
         self.tick_errors = 0
         self.last_observed: ObservedState | None = None
@@ -70,6 +72,8 @@ class ControlLoop:
                 self.last_observed = observed
                 for error in observed.errors:
                     log.debug("error since the last tick: %s", error)
+                if self.on_observed is not None:
+                    self.on_observed(observed, self.desired())
                 actions = reconcile(observed, self.desired(), self.timeouts)
                 if actions:
                     self.executor.submit(actions)

@@ -6,6 +6,10 @@ them there (replacing failed members, adopting servers left by an earlier contro
 runs on the main thread: a lag-bounded batch from the rollout producer -> advantages -> one training step
 -> weight publish every `sync_interval` steps -> validated ACKs -> metrics, evaluation, checkpoints.
 
+The rollout pool can be reconfigured while the job runs (`request_reconfigure`: a new instance count and/or
+TP, carried out by a strategy of `libra.controller.strategies`); weight publishes of the RL loop go through
+the executor and its weight gate, so they never interleave with a change of who serves.
+
 A stop request (SIGINT / SIGTERM, or `--max-steps`) ends the loop at a step boundary; the `finally` path
 always stops the producer, saves a checkpoint, stops the pools, flushes traces and stops the Ray cluster
 it started. A launch on an existing run directory resumes from its newest complete checkpoint.
@@ -13,10 +17,12 @@ it started. A launch on an existing run directory resumes from its newest comple
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -25,14 +31,24 @@ from libra.controller import bootstrap
 from libra.controller.allocation import initial_allocation
 from libra.controller.batching import CollectionCancelled
 from libra.controller.control_loop import ControlLoop
+from libra.controller.desired_store import DesiredStore
 from libra.controller.events import EventLog
-from libra.controller.executor import Executor
+from libra.controller.executor import Executor, PublishOutcome
+from libra.controller.gate import WeightGate, WeightsRef
 from libra.controller.members import MemberState, StateTimeouts
-from libra.controller.pools import RolloutPoolEdge, TrainingPoolEdge, check_pool_specs
+from libra.controller.pools import RolloutPoolEdge, TrainingPoolEdge, check_pool_specs, rollout_fingerprint
+from libra.controller.reconfigure import (
+    ReconfigureLimits,
+    ReconfigureTarget,
+    finish_if_converged,
+    plan_reconfigure,
+    trigger_switch,
+)
 from libra.controller.reporting import Reporter
 from libra.controller.rl_loop import RLLoop
+from libra.controller.services import GenerationService, JobSession, TrainingService
 from libra.controller.signals import StopRequest
-from libra.controller.state import ROLLOUT, TRAIN, DesiredState
+from libra.controller.state import ROLLOUT, TRAIN, DesiredState, ObservedState
 from libra.controller.tracker import MemberTracker
 from libra.observability.console import make_console
 from libra.observability.metrics import LibraMetrics
@@ -80,7 +96,7 @@ class Controller:
         self.end_step = min(cfg.total_steps, self.options.max_steps or cfg.total_steps)
         self.rl: RLLoop | None = None
         self.runtime: Any = None
-        self.desired: DesiredState | None = None
+        self.store: DesiredStore | None = None
         self.tracker: MemberTracker | None = None
         self.executor: Executor | None = None
         self.loop: ControlLoop | None = None
@@ -88,6 +104,7 @@ class Controller:
         self.train_edge: TrainingPoolEdge | None = None
         self.metrics: LibraMetrics | None = None
         self.reporter: Reporter | None = None
+        self.gate = WeightGate()
         self.task: Any = None
         self.tokenizer: Any = None
         self._tracer: PhaseTracer | None = None
@@ -105,8 +122,8 @@ class Controller:
             self._start_pools()
             self._memory_dry_run()
             assert self.reporter is not None
-            self.rl = RLLoop(self.cfg, self.run, self, self.events, self.reporter, self.task, self.tokenizer,
-                             self.stop, self.end_step)
+            self.rl = RLLoop(self.cfg, self.run, self.session(), self.events, self.reporter, self.task,
+                             self.tokenizer, self.stop, self.end_step)
             self.rl.restore()
             self.rl.run_steps()
             outcome = "interrupted" if self.stop.requested and self.step < self.end_step else "finished"
@@ -179,16 +196,25 @@ class Controller:
         else:
             self.events.emit("desired_restored", "desired state restored from the run directory",
                              generation=desired.generation)
-        self._set_desired(desired)
+        gpr = cfg.global_resource_planner
+        # what the running configuration says about the cluster and the instances' launch settings
+        desired = dataclasses.replace(
+            desired, rollout_fingerprint=rollout_fingerprint(cfg, run, desired.rollout_tp),
+            cluster_gpus=cfg.total_gpus, cluster_swap_enabled=gpr.runtime_cluster_swap_enabled,
+        )
+        self.store = DesiredStore(run.desired_state_json, desired)
+        if desired.reconfiguring:
+            self.events.emit("reconfigure_resumed", f"continuing {desired.reconfiguring}",
+                             generation=desired.generation)
         check_pool_specs(cfg, run, desired)
         self.reporter.set_state("starting", message="starting Ray")
         self.runtime = bootstrap.start_ray(cfg, namespace=f"libra-{cfg.name or 'job'}")
         self.events.emit("ray", "joined Ray" if not self.runtime.owned else "started a local Ray",
                          address=self.runtime.address)
 
-    def _set_desired(self, desired: DesiredState) -> None:
-        self.desired = desired
-        desired.save(self.run.desired_state_json)
+    @property
+    def desired(self) -> DesiredState | None:
+        return self.store.get() if self.store is not None else None
 
     def _start_pools(self) -> None:
         cfg, run = self.cfg, self.run
@@ -198,10 +224,10 @@ class Controller:
         trace = self._tracer.settings() if self._tracer is not None else None
         self.rollout_edge = RolloutPoolEdge(cfg, run, self.runtime, trace=trace)
         self.train_edge = TrainingPoolEdge(cfg, run, self.runtime, trace=trace)
-        self.executor = Executor(self.tracker, self.rollout_edge, self.train_edge, self.events)
+        self.executor = Executor(self.tracker, self.rollout_edge, self.train_edge, self.events, gate=self.gate)
         self.loop = ControlLoop(self.tracker, self.executor, self.rollout_edge, self.train_edge,
                                 self.desired_state, self.events, self.options.timeouts,
-                                self.options.tick_interval_s)
+                                self.options.tick_interval_s, on_observed=self._on_observed)
         self.reporter.set_state("starting", message="starting the rollout and training pools")
         self.loop.start()
         ready = self.loop.wait_until(self._pools_ready, self.options.startup_timeout_s, self.stop.event)
@@ -252,7 +278,9 @@ class Controller:
         d = self.desired
         return {
             ROLLOUT: {"desired_instances": d.rollout_instances, "tp": d.rollout_tp, "gpus": d.rollout_gpus,
-                      "members": self.tracker.counts(ROLLOUT), "weight_version": self._served_version()},
+                      "members": self.tracker.counts(ROLLOUT), "weight_version": self._served_version(),
+                      "strategy": d.reconfigure_strategy, "reconfiguring": d.reconfiguring,
+                      "generation": d.generation},
             TRAIN: {"gpus": d.train_gpus, "layout": d.train_layout.describe(d.train_gpus),
                     "members": self.tracker.counts(TRAIN)},
         }
@@ -267,32 +295,83 @@ class Controller:
             TRAIN: f"{d.train_gpus} GPUs {d.train_layout.describe(d.train_gpus)}",
         }
 
-    # ---- what the RL loop asks of the controller (LoopHost) -------------------------------------------
-    def train_pool(self) -> Any:
+    # ---- what the RL loop is given (JobSession) -------------------------------------------------------
+    def session(self) -> JobSession:
+        """The RL loop's view of the job: typed pool services and the controller's read-outs."""
+        assert self.store is not None
+        return JobSession(training=self.train_pool(), generation=self.rollout_pool(), desired=self.store,
+                          publish_weights=self.publish_weights, served_versions=self.served_versions,
+                          wake_reconciler=self.wake_reconciler, pool_status=self.pool_status,
+                          pool_text=self.pool_text, tick_errors=self.tick_errors)
+
+    def train_pool(self) -> TrainingService:
         if self.train_edge is None or self.train_edge.pool is None:
             raise RuntimeError("the training pool is not running")
-        return self.train_edge.pool
+        return cast(TrainingService, self.train_edge.pool)
 
-    def rollout_pool(self) -> Any:
+    def rollout_pool(self) -> GenerationService:
         if self.rollout_edge is None or self.rollout_edge.pool is None:
             raise RuntimeError("the rollout pool is not running")
-        return self.rollout_edge.pool
+        return cast(GenerationService, self.rollout_edge.pool)
 
     def desired_state(self) -> DesiredState:
-        assert self.desired is not None
-        return self.desired
-
-    def set_desired(self, desired: DesiredState) -> None:
-        """Adopt and checkpoint a new desired state (the next tick acts on it)."""
-        self._set_desired(desired)
-        if self.tracker is not None:
-            self.tracker.set_weight_version(desired.weight_version)
+        assert self.store is not None
+        return self.store.get()
 
     def served_versions(self) -> list[int]:
-        """Weight versions the live rollout members report (adopted servers may differ)."""
+        """Weight versions the live rollout members hold by their last ACK (adopted servers may differ)."""
         assert self.tracker is not None
-        return [v for m in self.tracker.members(ROLLOUT) if m.live
-                if isinstance(v := m.info.get("weight_version"), int)]
+        return [m.weight_version for m in self.tracker.members(ROLLOUT) if m.live and m.weight_version is not None]
+
+    def publish_weights(self, version: int, path: str, checksum: str) -> Any:
+        """Publish version `version` to every rollout instance at a step boundary, through the executor's
+        weight gate (a membership change waits; a new instance is later given the same weights)."""
+        if self.executor is None:
+            raise RuntimeError("the rollout pool is not running")
+        outcome: PublishOutcome = self.executor.publish_weights(WeightsRef(version, path, checksum))
+        return outcome.details.get("report", outcome.details)
+
+    # ---- reconfiguration ------------------------------------------------------------------------------
+    def request_reconfigure(self, target: ReconfigureTarget, strategy: str | None = None) -> DesiredState:
+        """Reconfigure the rollout pool to `target` by `strategy` (default: the configured
+        runtime_rollout_reconfigure_strategy). Checked at once (ReconfigureRefused names the problem); carried
+        out by the control loop over the next ticks; `reconfigure_done` in the event log says when."""
+        assert self.tracker is not None
+        gpr = self.cfg.global_resource_planner
+        limits = ReconfigureLimits(
+            enabled=gpr.runtime_dynamic_reconfiguration_enabled,
+            cluster_swap_enabled=gpr.runtime_cluster_swap_enabled,
+            gpus_per_node=self.cfg.cluster.gpus_per_node,
+            model=self.cfg.model_spec(),
+            drain_before_stop=gpr.runtime_drain_before_reconfigure,
+            fingerprint_for=lambda tp: rollout_fingerprint(self.cfg, self.run, tp),
+        )
+        assert self.store is not None
+        observed = self.tracker.snapshot(time.time(), take_errors=False)
+        try:
+            desired = self.store.change(lambda current: plan_reconfigure(current, target, strategy, limits, observed))
+        except ValueError as exc:
+            self.events.emit("reconfigure_refused", str(exc), target=target.describe(), strategy=strategy or "")
+            raise
+        self.events.emit("reconfigure_requested", desired.reconfiguring, generation=desired.generation,
+                         strategy=desired.reconfigure_strategy, drain=desired.drain_before_stop)
+        self.wake_reconciler()
+        return desired
+
+    def trigger_switch(self) -> DesiredState:
+        """The trigger of a `prewarm` reconfiguration: the prewarmed instances take over serving."""
+        assert self.store is not None
+        desired = self.store.change(trigger_switch)
+        self.events.emit("reconfigure_switch", desired.reconfiguring, generation=desired.generation)
+        self.wake_reconciler()
+        return desired
+
+    def _on_observed(self, observed: ObservedState, desired: DesiredState) -> None:
+        done = finish_if_converged(observed, desired)
+        # a change made since this tick read the desired state is left for the next tick to judge
+        if done is not None and self.store is not None and self.store.replace_if(desired, done):
+            self.events.emit("reconfigure_done", desired.reconfiguring, generation=desired.generation,
+                             seconds=round(time.time() - desired.updated_at, 3))
 
     def wake_reconciler(self) -> None:
         if self.loop is not None:

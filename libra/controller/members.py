@@ -7,10 +7,16 @@ PENDING -> STARTING -> LOADING -> READY -> DRAINING -> STOPPED
 
 A member records each transition with its time and reason; a state held longer than its timeout is a
 failure the reconciler acts on. Only this module changes a member's state, and only along the table.
+
+A rollout member also carries its spec (TP, launch fingerprint), the GPUs it runs on, whether it receives
+traffic, the desired-state generation it was started for, and the weight version it serves (taken from
+publish ACKs only). Member ids are one id space, `<pool>-<n>`, handed out by `next_member_ids`; the
+rollout pool uses the same id for the instance.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -81,6 +87,18 @@ class Transition:
         return {"at": self.at, "from": self.source.value, "to": self.target.value, "reason": self.reason}
 
 
+def next_member_ids(used: Collection[str], pool: str, count: int) -> tuple[str, ...]:
+    """The `count` lowest free ids `<pool>-<n>`: the only place member (and rollout instance) ids are made."""
+    ids: list[str] = []
+    index = 0
+    while len(ids) < count:
+        candidate = f"{pool}-{index}"
+        if candidate not in used:
+            ids.append(candidate)
+        index += 1
+    return tuple(ids)
+
+
 @dataclass
 class Member:
     """One pool member. `key` is the pool's own id once known (rollout instance id, training rank)."""
@@ -94,12 +112,23 @@ class Member:
     error: str = ""
     busy: bool = False  # an action on this member is in flight
     history: list[Transition] = field(default_factory=list)
+    # ---- rollout members: spec and generation ----
+    tp: int = 0  # 0 = unknown (then the desired TP is assumed)
+    fingerprint: str = ""  # launch settings; "" = unknown
+    gpu_ids: tuple[str, ...] = ()
+    generation: int = 0  # the desired-state generation it was started for (0 = adopted, unknown)
+    weight_version: int | None = None  # the publish version it holds, from ACKs (None = unknown)
+    serving: bool = False  # receives generation requests
 
     @classmethod
     def new(cls, member_id: str, pool: str, now: float, reason: str = "wanted", key: str = "") -> Member:
         member = cls(id=member_id, pool=pool, state=S.PENDING, since=now, key=key)
         member.history.append(Transition(now, S.PENDING, S.PENDING, reason))
         return member
+
+    def gpus(self, default_tp: int) -> int:
+        """GPUs this member holds (its TP, or `default_tp` while the pool has not reported it)."""
+        return len(self.gpu_ids) or self.tp or default_tp
 
     def can_move_to(self, target: MemberState) -> bool:
         return target in TRANSITIONS[self.state]
@@ -151,5 +180,11 @@ class Member:
             "since": self.since,
             "error": self.error,
             "info": self.info,
+            "tp": self.tp,
+            "fingerprint": self.fingerprint,
+            "gpu_ids": list(self.gpu_ids),
+            "generation": self.generation,
+            "weight_version": self.weight_version,
+            "serving": self.serving,
             "history": [t.to_dict() for t in self.history],
         }

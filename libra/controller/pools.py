@@ -2,19 +2,23 @@
 training pool (`libra.training.TrainingPool`, Megatron-Core workers), built from the job configuration.
 
 Each edge owns its pool object once created, reports members as `MemberView`s, and is the only place that
-translates a pool's own notion of state into the transition table's.
+translates a pool's own notion of state into the transition table's. The rollout edge is the actuator the
+reconciler drives: instance ids are member ids, and a publish reports the ACKed version of each instance.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from libra.config import Config
 from libra.config.mapping import rollout_pool_spec, training_pool_spec
+from libra.controller.executor import PublishOutcome
+from libra.controller.gate import WeightsRef
 from libra.controller.members import MemberState
-from libra.controller.state import TrainLayout
+from libra.controller.state import RolloutSpec, TrainLayout
 from libra.controller.tracker import MemberView
 from libra.device import cuda_available
 from libra.observability.phase_trace import TraceSettings
@@ -78,18 +82,27 @@ class _PoolEdge:
 
 
 class RolloutPoolEdge(_PoolEdge):
-    """Creates the `RolloutPool` on first use; afterwards adds, removes and reports its instances."""
+    """The rollout pool as an actuator: the reconciler names every instance (its member id), the pool starts,
+    adopts, stops, reloads and routes exactly what it is told."""
 
-    def __init__(self, cfg: Config, run: RunDir, runtime: Any, trace: TraceSettings | None = None) -> None:
-        super().__init__(cfg, run, runtime, trace)
-        self._lock = threading.Lock()
-
-    def create(self, num_instances: int) -> list[MemberView]:
+    def create(self, member_ids: Sequence[str], spec: RolloutSpec) -> list[MemberView]:
+        """Open the pool, adopt the live servers an earlier controller left (those whose launch settings
+        still hold; the others are stopped), start the missing `member_ids` and serve every instance on the
+        pool's current weights. Surplus adopted servers are reported and trimmed by the reconciler."""
         from libra.rollout.pool import RolloutPool
 
-        pool = RolloutPool(self.runtime, rollout_spec(self.cfg, self.run, num_instances, self.trace))
+        pool = RolloutPool(self.runtime, rollout_spec(self.cfg, self.run, len(member_ids), self.trace))
         try:
-            pool.start()
+            if not pool.spec.manage_processes:
+                pool.start()  # configured endpoints: they all serve
+            else:
+                pool.open()
+                adopted = self._adopt_live(pool)
+                missing = [m for m in member_ids if m not in adopted][: max(0, len(member_ids) - len(adopted))]
+                self._start_all(pool, missing, spec)
+                current = [i.id for i in pool.instances() if i.weight_version == pool.weight_version]
+                if current:
+                    pool.set_serving(current)
         except BaseException:
             try:
                 pool.shutdown()
@@ -99,19 +112,51 @@ class RolloutPoolEdge(_PoolEdge):
         self.pool = pool
         return self.views()
 
-    def add(self) -> MemberView:
-        # One membership change at a time: the pool names a new instance from the ones it already knows,
-        # so two concurrent adds could pick the same name.
-        with self._lock:
-            instance_id = self._pool().add_instance()
-        for view in self.views():
-            if view.key == instance_id:
-                return view
-        return MemberView(str(instance_id), S.READY)
+    @staticmethod
+    def _adopt_live(pool: Any) -> list[str]:
+        adopted = []
+        for server in sorted(pool.live_servers(), key=lambda s: s.instance_id):
+            if server.in_pool:
+                continue
+            launch = pool.spec.instance_spec(server.tp_size)
+            if launch.fingerprint() == server.fingerprint:
+                pool.start_instance(server.instance_id, launch)
+                adopted.append(server.instance_id)
+            else:
+                log.info("stopping live server %s: its launch settings differ from this job's", server.instance_id)
+                pool.stop_instance(server.instance_id, drain=False)
+        return adopted
 
-    def remove(self, key: str, drain: bool) -> None:
-        with self._lock:
-            self._pool().remove_instance(key, drain=drain)
+    @staticmethod
+    def _start_all(pool: Any, member_ids: Sequence[str], spec: RolloutSpec) -> None:
+        if not member_ids:
+            return
+        launch = pool.spec.instance_spec(spec.tp)
+        with ThreadPoolExecutor(max_workers=len(member_ids), thread_name_prefix="libra-rollout-start") as threads:
+            for future in [threads.submit(pool.start_instance, m, launch) for m in member_ids]:
+                future.result()
+
+    def start(self, member_id: str, spec: RolloutSpec) -> MemberView:
+        pool = self._pool()
+        launch = pool.spec.instance_spec(spec.tp)
+        if spec.fingerprint and launch.fingerprint() != spec.fingerprint:
+            raise ValueError(f"instance {member_id}: the desired launch fingerprint {spec.fingerprint} is not this "
+                             f"pool's ({launch.fingerprint()}); the configuration changed under a running job")
+        return instance_view(pool.start_instance(member_id, launch))
+
+    def stop(self, key: str, drain: bool) -> None:
+        self._pool().stop_instance(key, drain=drain)
+
+    def publish(self, weights: WeightsRef, keys: Sequence[str] | None) -> PublishOutcome:
+        pool = self._pool()
+        targets = None if keys is None else list(keys)
+        report = pool.publish_weights(weights.version, weights.path, weights.checksum, instance_ids=targets)
+        acks = {str(a.instance_id): int(a.weight_version) for a in getattr(report, "acks", ())
+                if hasattr(a, "instance_id") and hasattr(a, "weight_version")}
+        return PublishOutcome(acks, {"report": report})
+
+    def set_serving(self, keys: Sequence[str]) -> None:
+        self._pool().set_serving(list(keys))
 
     def views(self) -> list[MemberView]:
         pool = self.pool
@@ -134,12 +179,28 @@ def instance_view(info: Any) -> MemberView:
     if not healthy and state in (S.READY, S.LOADING):
         state, error = S.FAILED, f"instance reported unhealthy (state {state_name})"
     details = {}
-    for name in ("host", "port", "pid", "gpu_ids", "weight_version", "adopted"):
+    for name in ("host", "port", "pid", "gpu_ids", "weight_version", "adopted", "outstanding"):
         if hasattr(info, name):
             value = getattr(info, name)
             details[name] = list(value) if isinstance(value, tuple | list) else value
-    return MemberView(key=str(getattr(info, "instance_id", getattr(info, "id", ""))), state=state, info=details,
-                      error=error)
+    serving = getattr(info, "serving", None)
+    version = getattr(info, "weight_version", None)
+    return MemberView(
+        key=str(getattr(info, "instance_id", getattr(info, "id", ""))),
+        state=state,
+        info=details,
+        error=error,
+        tp=int(getattr(info, "tp_size", 0) or 0),
+        gpu_ids=tuple(str(g) for g in getattr(info, "gpu_ids", ()) or ()),
+        fingerprint=str(getattr(info, "fingerprint", "") or ""),
+        serving=serving if isinstance(serving, bool) else None,
+        weight_version=version if isinstance(version, int) else None,
+    )
+
+
+def rollout_fingerprint(cfg: Config, run: RunDir, tp: int) -> str:
+    """The launch fingerprint of one rollout instance of TP `tp` under this configuration."""
+    return str(rollout_spec(cfg, run, 1).instance_spec(tp).fingerprint())
 
 
 class TrainingPoolEdge(_PoolEdge):

@@ -10,7 +10,8 @@ publish of step N (so they see policy N), and their result is taken before step 
 publish. The figures land in step N+1's metrics row with `eval_step: N`. The last step evaluates in the
 foreground, so its own row carries them.
 
-The loop talks to the rest of the controller through `LoopHost` (pools, desired state, pool reports).
+The loop is given a `JobSession` (typed training and generation services, the desired-state store, the
+weight publish through the executor's gate, pool read-outs), never the controller itself.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, cast
 
 from libra.config import Config
 from libra.controller.batching import SampleBuffer
@@ -30,34 +31,20 @@ from libra.controller.events import EventLog
 from libra.controller.producer import RolloutProducer, SamplingSettings
 from libra.controller.reporting import Reporter
 from libra.controller.rl_step import build_samples, rollout_metrics
+from libra.controller.services import JobSession
 from libra.controller.signals import StopRequest
-from libra.controller.state import DesiredState
 from libra.observability.phase_trace import get_tracer
 from libra.run_dir import RunDir, truncate_jsonl_after_step
 
 PHASES = ("rollout", "train", "sync", "eval", "checkpoint")
 
 
-class LoopHost(Protocol):
-    """What the RL loop needs from its controller."""
-
-    def train_pool(self) -> Any: ...
-    def rollout_pool(self) -> Any: ...
-    def desired_state(self) -> DesiredState: ...
-    def set_desired(self, desired: DesiredState) -> None: ...
-    def served_versions(self) -> list[int]: ...
-    def pool_status(self) -> dict[str, Any]: ...
-    def pool_text(self) -> dict[str, str]: ...
-    def wake_reconciler(self) -> None: ...
-    def tick_errors(self) -> int: ...
-
-
 class RLLoop:
-    def __init__(self, cfg: Config, run: RunDir, host: LoopHost, events: EventLog, reporter: Reporter,
+    def __init__(self, cfg: Config, run: RunDir, session: JobSession, events: EventLog, reporter: Reporter,
                  task: Any, tokenizer: Any, stop: StopRequest, end_step: int) -> None:
         self.cfg = cfg
         self.run = run
-        self.host = host
+        self.session = session
         self.events = events
         self.reporter = reporter
         self.task = task
@@ -85,7 +72,7 @@ class RLLoop:
             state, train_dir = latest
             self.reporter.set_state("starting", message=f"resuming from step {state.step}")
             with get_tracer().span("checkpoint.load", step=state.step):
-                loaded = self.host.train_pool().load_checkpoint(str(train_dir))
+                loaded = self.session.training.load_checkpoint(str(train_dir))
             if int(loaded) != state.step:
                 self.events.emit("warning", f"training checkpoint reports step {loaded}, controller state {state.step}")
             state.sessions += 1
@@ -104,14 +91,14 @@ class RLLoop:
 
     def _align_rollout_weights(self, step: int) -> None:
         """Make the rollout servers serve the trainer's weights of `step` (adopted servers may hold others)."""
-        served = self.host.served_versions()
-        desired = self.host.desired_state()
+        served = self.session.served_versions()
+        desired = self.session.desired.get()
         offset = desired.rollout_version_offset
         # Only servers fresh from model_path (version 0) serving a fresh trainer are known to hold its weights.
         fresh = step == 0 and offset == 0 and all(v == 0 for v in served)
         if served and max(served) > step + offset:
             offset = max(served) - step
-            self.host.set_desired(dataclasses.replace(desired, rollout_version_offset=offset))
+            self.session.desired.update(rollout_version_offset=offset)
             self.events.emit("version_offset", f"adopted servers hold publish version {max(served)}, newer than "
                              f"the checkpoint (step {step}); policy versions are published with offset {offset}",
                              offset=offset)
@@ -145,11 +132,12 @@ class RLLoop:
 
     async def _generate(self, prompt_ids: list[int], **sampling: Any) -> list[Any]:
         """The rollout pool's `generate`, with publish versions mapped back to policy versions."""
-        offset = self.host.desired_state().rollout_version_offset
-        completions = await self.host.rollout_pool().generate(prompt_ids, **sampling)
+        offset = self.session.desired.get().rollout_version_offset
+        completions = await self.session.generation.generate(prompt_ids, **sampling)
         if not offset:
             return list(completions)
-        return [dataclasses.replace(c, weight_version=c.weight_version - offset) for c in completions]
+        # completions are frozen dataclasses (`libra.rollout.Completion`)
+        return [dataclasses.replace(cast(Any, c), weight_version=c.weight_version - offset) for c in completions]
 
     def _score(self, prompt: Any, response_ids: list[int]) -> float:
         text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
@@ -174,9 +162,9 @@ class RLLoop:
                 self.timings["loop"] = now - loop_started
                 row["elapsed_s"] = round(self.state.train_seconds + self.timings["loop"], 3)
                 self.rows.append(row)
-                self.reporter.pools(self.host.pool_status())
-                self.reporter.step(row, self.host.pool_text(), self.buffer.depth(),
-                                   {"tick_errors": self.host.tick_errors(), "rollout_failures": self.producer.failures})
+                self.reporter.pools(self.session.pool_status())
+                self.reporter.step(row, self.session.pool_text(), self.buffer.depth(),
+                                   {"tick_errors": self.session.tick_errors(), "rollout_failures": self.producer.failures})
         finally:
             self._settle_pending_evaluation()
             self.timings["loop"] = time.monotonic() - loop_started
@@ -205,7 +193,7 @@ class RLLoop:
             eval_wait = time.monotonic() - t
             samples = build_samples(groups, cfg.algorithm.advantage_norm_mode, TrainSample)
             t = time.monotonic()
-            train_metrics = self.host.train_pool().train_step(samples, step=number)
+            train_metrics = self.session.training.train_step(samples, step=number)
             times["train"] = time.monotonic() - t
             self.state.step = number
             self.state.prompts_drawn = self.producer.prompts_drawn - self.buffer.running - self.buffer.buffered
@@ -230,7 +218,7 @@ class RLLoop:
             times["checkpoint"] = time.monotonic() - t
         for phase, seconds in times.items():
             self.timings[phase] += seconds
-        desired = self.host.desired_state()
+        desired = self.session.desired.get()
         row: dict[str, Any] = {"step": number, "wall_time": round(time.time(), 3)}
         row.update(rollout_metrics(groups, index))
         row.update({f"train_{k}": v for k, v in train_metrics.items() if isinstance(v, int | float)})
@@ -262,7 +250,7 @@ class RLLoop:
             f"{self.cfg.global_resource_planner.runtime_batch_collection_max_retries}",
             running=self.buffer.running,
         )
-        self.host.wake_reconciler()
+        self.session.wake_reconciler()
 
     # ---- weights, evaluation, checkpoints -------------------------------------------------------------
     def publish(self, version: int, reason: str) -> dict[str, Any]:
@@ -271,9 +259,10 @@ class RLLoop:
         started = time.monotonic()
         # traced by the pools: weight_sync.export on the training ranks, weight_sync.publish (the flow source
         # of the instances' reloads) by the rollout pool on this process's tracer
-        checksum = self.host.train_pool().export_hf(str(out))
-        publish_version = version + self.host.desired_state().rollout_version_offset
-        report = self.host.rollout_pool().publish_weights(publish_version, str(out), checksum)
+        checksum = self.session.training.export_hf(str(out))
+        publish_version = version + self.session.desired.get().rollout_version_offset
+        # through the controller's weight gate: no rollout membership change runs during a publish
+        report = self.session.publish_weights(publish_version, str(out), checksum)
         seconds = time.monotonic() - started
         self._mark_rollout_version(version)
         self.run.prune_weights(keep={version})
@@ -285,7 +274,7 @@ class RLLoop:
         assert self.buffer is not None
         self.rollout_version = version
         self.buffer.set_rollout_version(version)
-        self.host.set_desired(dataclasses.replace(self.host.desired_state(), weight_version=version))
+        self.session.desired.update(weight_version=version)
 
     def _start_evaluation(self, number: int) -> None:
         """Evaluate policy `number` on a helper thread while the loop goes on to the next step."""
@@ -326,7 +315,7 @@ class RLLoop:
     def _run_evaluation(self, number: int) -> dict[str, float]:
         from libra.data import evaluate
 
-        cfg, producer, pool = self.cfg, self.producer, self.host.rollout_pool()
+        cfg, producer, pool = self.cfg, self.producer, self.session.generation
         assert producer is not None
 
         async def generate_all(prompts: Sequence[Any]) -> list[tuple[list[int], str]]:
@@ -351,7 +340,7 @@ class RLLoop:
             return
         with get_tracer().span("checkpoint.save", step=step):
             target = self.store.begin(step)
-            self.host.train_pool().save_checkpoint(str(target), step)
+            self.session.training.save_checkpoint(str(target), step)
             snapshot = ControllerState.from_dict(self.state.to_dict())
             if self._loop_started is not None:
                 snapshot.train_seconds += time.monotonic() - self._loop_started

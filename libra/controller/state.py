@@ -22,6 +22,26 @@ TRAIN = "train"
 
 
 @dataclass(frozen=True)
+class RolloutSpec:
+    """What makes one rollout instance: its TP degree and the fingerprint of its launch settings (model,
+    dtype, KV cache, ...). Two instances with equal specs are interchangeable; a member whose spec differs
+    from the desired one is outdated and is replaced by the reconfigure strategy."""
+
+    tp: int
+    fingerprint: str = ""
+
+    def differs_from(self, other: RolloutSpec) -> list[str]:
+        """What differs (empty = same). An unknown fingerprint (adopted from a pool that does not report
+        one) is taken as matching: only a known difference makes an instance outdated."""
+        changes = []
+        if self.tp != other.tp:
+            changes.append(f"TP {self.tp} -> {other.tp}")
+        if self.fingerprint and other.fingerprint and self.fingerprint != other.fingerprint:
+            changes.append(f"launch settings {self.fingerprint[:8]} -> {other.fingerprint[:8]}")
+        return changes
+
+
+@dataclass(frozen=True)
 class DesiredState:
     """What the job should look like. Every change bumps `generation` and is checkpointed."""
 
@@ -35,6 +55,12 @@ class DesiredState:
     rollout_version_offset: int = 0
     reconfigure_strategy: str = "diff"
     drain_before_stop: bool = True
+    rollout_fingerprint: str = ""  # launch settings of every rollout instance (RolloutSpec.fingerprint)
+    cluster_gpus: int = 0  # every GPU of the cluster (0 = unknown: no spare GPUs are assumed)
+    cluster_swap_enabled: bool = False  # runtime_cluster_swap_enabled
+    # prewarm: the target instances are started and kept on current weights; serving flips once this is set
+    switch_now: bool = True
+    reconfiguring: str = ""  # the reconfiguration in progress ("" = none), as the event log names it
     generation: int = 0
     reason: str = ""
     updated_at: float = 0.0
@@ -42,6 +68,15 @@ class DesiredState:
     @property
     def rollout_gpus(self) -> int:
         return self.rollout_instances * self.rollout_tp
+
+    @property
+    def rollout_spec(self) -> RolloutSpec:
+        return RolloutSpec(self.rollout_tp, self.rollout_fingerprint)
+
+    @property
+    def publish_version(self) -> int:
+        """The weight version every serving rollout instance must hold (policy version + offset)."""
+        return self.weight_version + self.rollout_version_offset
 
     def evolve(self, reason: str, **changes: Any) -> DesiredState:
         """A new desired state with `changes`, the next generation and the time of the change."""
@@ -92,7 +127,6 @@ class ObservedState:
     rollout: PoolObservation = PoolObservation()
     train: PoolObservation = PoolObservation()
     members: tuple[Member, ...] = ()
-    weight_version: int = 0  # the version the rollout pool serves (last validated ACK batch)
     errors: tuple[str, ...] = field(default_factory=tuple)  # action errors since the last tick
 
     def of(self, pool: str) -> list[Member]:

@@ -2,8 +2,10 @@
 pools report (observation) and from the executor (action begun, done, failed).
 
 It never calls a pool itself. Observations are given as `MemberView`s; a view whose key no member has is a
-server started by an earlier controller and is adopted as a new member; a live member whose key disappears
-from the views has failed. Every state change goes through the transition table and into the event log.
+server started by an earlier controller and is adopted as a new member (keeping its id when the id is one
+of ours, `<pool>-<n>`); a live member whose key disappears from the views has failed. Every state change
+goes through the transition table and into the event log. A member's weight version changes only through
+`record_acks` (publish ACKs); its GPUs, TP, fingerprint and serving flag are what the pool reports.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from libra.controller.events import EventLog
-from libra.controller.members import InvalidTransition, Member, MemberState, Transition
-from libra.controller.state import ROLLOUT, TRAIN, ObservedState, PoolObservation
+from libra.controller.members import InvalidTransition, Member, MemberState, Transition, next_member_ids
+from libra.controller.state import ROLLOUT, TRAIN, ObservedState, PoolObservation, RolloutSpec
 
 S = MemberState
 
@@ -29,6 +31,11 @@ class MemberView:
     state: MemberState
     info: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+    tp: int = 0  # rollout instances: TP degree (0 = not reported)
+    gpu_ids: tuple[str, ...] = ()
+    fingerprint: str = ""
+    serving: bool | None = None  # None: the pool does not route per instance (every live instance serves)
+    weight_version: int | None = None  # as the pool's last ACK says; read at start and adoption only
 
 
 @dataclass
@@ -47,20 +54,22 @@ class MemberTracker:
         self._members: dict[str, Member] = {}
         self._pools = {ROLLOUT: _Pool(), TRAIN: _Pool()}
         self._errors: list[str] = []
-        self._weight_version = 0
         self._adopted = 0
         self._lock = threading.RLock()
 
     # ---- snapshot for the reconciler ------------------------------------------------------------------
-    def snapshot(self, now: float) -> ObservedState:
+    def snapshot(self, now: float, take_errors: bool = True) -> ObservedState:
+        """The observation of one tick; it takes the action errors since the last one (unless told not to:
+        a look from outside the control loop leaves them for the next tick)."""
         with self._lock:
-            errors, self._errors = tuple(self._errors), []
+            errors = tuple(self._errors)
+            if take_errors:
+                self._errors = []
             return ObservedState(
                 now=now,
                 rollout=self._pool_observation(ROLLOUT),
                 train=self._pool_observation(TRAIN),
                 members=tuple(copy.deepcopy(m) for m in self._members.values()),
-                weight_version=self._weight_version,
                 errors=errors,
             )
 
@@ -89,12 +98,34 @@ class MemberTracker:
         return self._adopted
 
     # ---- changes (executor) ---------------------------------------------------------------------------
-    def add_member(self, member_id: str, pool: str, now: float, reason: str) -> None:
+    def add_member(self, member_id: str, pool: str, now: float, reason: str, spec: RolloutSpec | None = None,
+                   generation: int = 0) -> None:
         with self._lock:
             if member_id in self._members:
                 return
-            self._members[member_id] = Member.new(member_id, pool, now, reason)
-            self.events.emit("member_added", member=member_id, pool=pool, reason=reason)
+            member = Member.new(member_id, pool, now, reason)
+            if spec is not None:
+                member.tp, member.fingerprint = spec.tp, spec.fingerprint
+            member.generation = generation
+            self._members[member_id] = member
+            described: dict[str, Any] = {"tp": spec.tp, "fingerprint": spec.fingerprint} if spec else {}
+            self.events.emit("member_added", member=member_id, pool=pool, reason=reason, generation=generation,
+                             **described)
+
+    def record_acks(self, versions: dict[str, int]) -> None:
+        """The weight version each member ACKed (member id -> publish version)."""
+        with self._lock:
+            for member_id, version in versions.items():
+                if member_id in self._members:
+                    self._members[member_id].weight_version = version
+
+    def set_serving(self, member_ids: Iterable[str], pool: str = ROLLOUT) -> None:
+        """Exactly `member_ids` of `pool` receive traffic (after the pool flipped routing)."""
+        wanted = set(member_ids)
+        with self._lock:
+            for member in self._members.values():
+                if member.pool == pool:
+                    member.serving = member.id in wanted
 
     def move(self, member_id: str, target: MemberState, now: float, reason: str) -> list[Transition]:
         """Move a member along the table (through intermediate states when an observation skipped them).
@@ -131,6 +162,15 @@ class MemberTracker:
             if info:
                 member.info.update(info)
 
+    def bind_view(self, member_id: str, view: MemberView) -> None:
+        """Bind a member to what the pool reports after starting it, including the weights it loaded."""
+        with self._lock:
+            self.bind(member_id, view.key, view.info)
+            member = self._members[member_id]
+            _apply_view(member, view)
+            if view.weight_version is not None:
+                member.weight_version = view.weight_version
+
     def set_pool(self, pool: str, *, created: bool | None = None, busy: bool | None = None,
                  error: str | None = None, size: int | None = None) -> None:
         with self._lock:
@@ -161,10 +201,6 @@ class MemberTracker:
         with self._lock:
             self._errors.append(message)
 
-    def set_weight_version(self, version: int) -> None:
-        with self._lock:
-            self._weight_version = version
-
     # ---- observation (passive step) -------------------------------------------------------------------
     def observe(self, pool: str, views: Iterable[MemberView], now: float) -> None:
         """Fold one pool report into the members: bind, adopt, advance, and fail the vanished."""
@@ -187,6 +223,7 @@ class MemberTracker:
                         continue
                     member = self._adopt(pool, view, now)
                 member.info.update(view.info)
+                _apply_view(member, view)
                 if member.state in (S.STOPPED, S.FAILED) or member.busy:
                     continue
                 if view.state != member.state:
@@ -200,12 +237,22 @@ class MemberTracker:
                     self.move(member.id, S.FAILED, now, "no longer reported by the pool")
 
     def _adopt(self, pool: str, view: MemberView, now: float) -> Member:
-        index = 0
-        while f"{pool}-{index}" in self._members:
-            index += 1
-        member_id = f"{pool}-{index}"
+        own_id = view.key.startswith(f"{pool}-") and view.key not in self._members
+        member_id = view.key if own_id else next_member_ids(self._members, pool, 1)[0]
         member = Member.new(member_id, pool, now, reason="adopted a running member", key=view.key)
+        member.weight_version = view.weight_version
         self._members[member_id] = member
         self._adopted += 1
         self.events.emit("member_adopted", member=member_id, pool=pool, key=view.key, info=view.info)
         return member
+
+
+def _apply_view(member: Member, view: MemberView) -> None:
+    """What the pool reports about a member's placement, spec and routing (never its weight version)."""
+    if view.tp:
+        member.tp = view.tp
+    if view.gpu_ids:
+        member.gpu_ids = tuple(view.gpu_ids)
+    if view.fingerprint:
+        member.fingerprint = view.fingerprint
+    member.serving = member.live if view.serving is None else view.serving

@@ -1,5 +1,8 @@
-"""Managed instance lifecycle: launch (placement group + host actor + server + weight check), adoption of
-live servers listed in the registry, stop, and the registry bookkeeping that goes with each.
+"""Managed instance lifecycle: launch (placement group + host actor + server + weight check) under the id
+and spec the caller chose, the survey of live servers listed in the registry and their adoption, stop, and
+the registry bookkeeping that goes with each. Which instances to adopt, start or stop is the caller's
+decision; the registry keeps every live server until the caller adopts or stops it. Also the last-resort
+cleanup that kills every registered server of a run directory (`stop_registered_servers`).
 
 All coroutines run on the pool's event loop; blocking Ray calls go through threads.
 """
@@ -10,6 +13,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import signal
 import socket
 import time
 from dataclasses import replace
@@ -22,7 +26,7 @@ from libra.rollout.host import LocalHostHandle, ServerHost
 from libra.rollout.registry import InstanceRegistry, PoolRecord, RegistryEntry
 from libra.rollout.router import READY, STARTING, InstanceSlot
 from libra.rollout.server import ServerLaunch, pid_alive
-from libra.rollout.spec import RolloutPoolSpec, ServerStartError
+from libra.rollout.spec import InstanceIdError, InstanceSpec, RolloutPoolSpec, ServerStartError
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,8 @@ class InstanceManager:
         self.registry = InstanceRegistry(run_dir)
         self.record = PoolRecord()
         self.tracked: dict[str, InstanceSlot] = {}  # every server this pool runs, routable or not
+        # live servers of the registry that nobody has adopted or stopped yet: (entry, host handle)
+        self.unclaimed: dict[str, tuple[RegistryEntry, Any]] = {}
         self.log_dir = os.path.join(run_dir, "rollout", "logs")
         # Actor names are cluster-wide: tie them to the run directory so two runs never collide.
         self.run_tag = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:8]
@@ -82,13 +88,17 @@ class InstanceManager:
     def actor_name(self, instance_id: str) -> str:
         return f"libra-{self.run_tag}-{instance_id}"
 
-    def launch_for(self, instance_id: str, model_path: str) -> ServerLaunch:
-        spec = self.spec
-        port = spec.port_base + instance_index(instance_id) if spec.port_base else 0
+    def launch_for(self, instance_id: str, model_path: str, spec: InstanceSpec) -> ServerLaunch:
+        port_base = self.spec.port_base
+        if port_base and instance_index(instance_id) < 0:
+            raise InstanceIdError(
+                f"instance id {instance_id!r}: with port_base={port_base} the id must end in '-<number>' "
+                "(the port is port_base + number), e.g. 'rollout-3'"
+            )
         return ServerLaunch(
             model_path=model_path,
-            port=port,
-            host=spec.bind_host,
+            port=port_base + instance_index(instance_id) if port_base else 0,
+            host=self.spec.bind_host,
             max_model_len=spec.max_model_len,
             kv_cache_bytes=spec.kv_cache_bytes,
             tp_size=spec.tp_size,
@@ -100,12 +110,19 @@ class InstanceManager:
             log_path=os.path.join(self.log_dir, f"{instance_id}.log"),
         )
 
+    def entry_spec(self, entry: RegistryEntry) -> InstanceSpec:
+        """The spec a registered server was started with (entries of older registries: the pool's)."""
+        return InstanceSpec.from_dict(entry.spec) if entry.spec else self.spec.instance_spec()
+
     def save(self) -> None:
         """Write the registry: the pool's current weights and every tracked server."""
-        self.record.entries = {s.id: self._entry(s) for s in self.tracked.values() if s.managed and s.pid}
+        entries = {iid: entry for iid, (entry, _) in self.unclaimed.items()}
+        entries.update({s.id: self._entry(s) for s in self.tracked.values() if s.managed and s.pid})
+        self.record.entries = entries
         self.registry.save(self.record)
 
     def _entry(self, slot: InstanceSlot) -> RegistryEntry:
+        spec = slot.spec or self.spec.instance_spec()
         return RegistryEntry(
             instance_id=slot.id,
             host=slot.host,
@@ -118,14 +135,16 @@ class InstanceManager:
             checksum=slot.checksum,
             model_path=slot.model_path,
             actor_name=self.actor_name(slot.id),
-            fingerprint=self.launch_for(slot.id, slot.model_path).fingerprint(),
+            fingerprint=self.launch_for(slot.id, slot.model_path, spec).fingerprint(),
             log_path=os.path.join(self.log_dir, f"{slot.id}.log"),
             started_at=time.time(),
+            spec=spec.to_dict(),
+            spec_fingerprint=spec.fingerprint(),
         )
 
     # ---- hosts ----------------------------------------------------------------------------------------
 
-    async def _new_host(self, instance_id: str) -> Any:
+    async def _new_host(self, instance_id: str, tp_size: int) -> Any:
         name = self.actor_name(instance_id)
         if self.runtime is None:
             return LocalHostHandle(ServerHost(instance_id, self.spec.bind_host), name)
@@ -139,14 +158,15 @@ class InstanceManager:
             True,  # tie the server to the actor that holds its GPUs
             name=name,
             namespace=self.runtime.namespace,
-            tp_size=self.spec.tp_size,
+            tp_size=tp_size,
             detached=True,  # the server must outlive a controller crash; shutdown() removes it
         )
 
     async def _find_host(self, entry: RegistryEntry) -> Any:
         if self.runtime is None:
             host = ServerHost(entry.instance_id, self.spec.bind_host)
-            launch = replace(self.launch_for(entry.instance_id, entry.model_path), port=entry.port)
+            launch = self.launch_for(entry.instance_id, entry.model_path, self.entry_spec(entry))
+            launch = replace(launch, port=entry.port)
             if entry.hostname == socket.gethostname() and host.adopt(launch, entry.pid, entry.start_ticks):
                 return LocalHostHandle(host, entry.actor_name)
             return None
@@ -156,13 +176,13 @@ class InstanceManager:
 
     # ---- launch ---------------------------------------------------------------------------------------
 
-    async def launch(self, instance_id: str) -> InstanceSlot:
+    async def launch(self, instance_id: str, spec: InstanceSpec) -> InstanceSlot:
         """Start one instance on the pool's current weights and check, inside the server, what it loaded."""
-        handle = await self._new_host(instance_id)
+        launch = self.launch_for(instance_id, self.record.model_path, spec)
+        handle = await self._new_host(instance_id, spec.tp_size)
         slot: InstanceSlot | None = None
         try:
             ident = await handle.acall("identity")
-            launch = self.launch_for(instance_id, self.record.model_path)
             info = await handle.acall("start", launch, self.spec.startup_timeout_s)
             slot = InstanceSlot(
                 id=instance_id,
@@ -178,6 +198,7 @@ class InstanceManager:
                 model_path=self.record.model_path,
                 checksum="",
                 handle=handle,
+                spec=spec,
             )
             self.tracked[instance_id] = slot
             self.save()  # recorded before the check, so a crash now still leaves it findable
@@ -228,36 +249,49 @@ class InstanceManager:
 
     # ---- adoption -------------------------------------------------------------------------------------
 
-    async def adopt_all(self) -> list[InstanceSlot]:
-        """Adopt every live, healthy, compatible server in the registry; clean up the other entries."""
+    async def survey(self) -> None:
+        """Read the registry and keep, as unclaimed, every server that still runs and answers; clean up the
+        entries whose server is gone (their host actors and GPUs are released)."""
         self.record = self.registry.load()
-        adopted: list[InstanceSlot] = []
+        self.unclaimed = {}
         for entry in list(self.record.entries.values()):
-            slot, reason = await self._adopt(entry)
-            if slot is not None:
-                adopted.append(slot)
-                self.tracked[slot.id] = slot
-                log.info(
-                    "adopted rollout instance %s (pid %d, version %d)", slot.id, slot.pid, slot.weight_version
-                )
+            handle, reason = await self._live_host(entry)
+            if handle is not None:
+                self.unclaimed[entry.instance_id] = (entry, handle)
             else:
-                log.warning("not adopting rollout instance %s: %s; cleaned up", entry.instance_id, reason)
+                log.warning(
+                    "rollout instance %s in the registry is gone (%s); cleaned up", entry.instance_id, reason
+                )
         self.save()
-        return adopted
 
-    async def _adopt(self, entry: RegistryEntry) -> tuple[InstanceSlot | None, str]:
-        expected = self.launch_for(entry.instance_id, entry.model_path).fingerprint()
+    async def _live_host(self, entry: RegistryEntry) -> tuple[Any, str]:
         handle = await self._find_host(entry)
         if handle is None:
             self._kill_orphan(entry)
             return None, "its host is gone"
-        reason = ""
-        if entry.fingerprint != expected:
-            reason = f"launch settings changed ({entry.fingerprint} -> {expected})"
-        else:
-            status = await handle.acall("status")
-            if not status["alive"] or int(status["pid"]) != entry.pid:
-                reason = f"server process {entry.pid} is not running"
+        status = await handle.acall("status")
+        if not status["alive"] or int(status["pid"]) != entry.pid:
+            await self._discard(handle)
+            return None, f"server process {entry.pid} is not running"
+        client = ServerClient(self.session, f"http://{entry.host}:{entry.port}", entry.instance_id)
+        if not await client.health():
+            await self._discard(handle)
+            return None, "server does not answer /health"
+        return handle, ""
+
+    async def adopt(self, instance_id: str, spec: InstanceSpec) -> InstanceSlot | None:
+        """Take over the unclaimed live server `instance_id` if it was started with a spec of the same
+        fingerprint; None when there is no such server. A server of that id with another spec is an error:
+        the caller stops it first (it decides whether to replace it)."""
+        claimed = self.unclaimed.get(instance_id)
+        if claimed is None:
+            return None
+        entry, handle = claimed
+        if entry.spec_fingerprint != spec.fingerprint():
+            raise InstanceIdError(
+                f"a live server named {instance_id!r} runs with another spec (fingerprint "
+                f"{entry.spec_fingerprint or 'unknown'}, asked for {spec.fingerprint()}); stop_instance it first"
+            )
         slot = InstanceSlot(
             id=entry.instance_id,
             client=ServerClient(self.session, f"http://{entry.host}:{entry.port}", entry.instance_id),
@@ -272,19 +306,47 @@ class InstanceManager:
             checksum=entry.checksum,
             adopted=True,
             handle=handle,
+            spec=spec,
         )
-        if not reason and not await slot.client.health():
-            reason = "server does not answer /health"
-        if not reason:
+        try:
+            report = await self._server_state(slot)
+        except Exception as exc:
+            raise ServerStartError(
+                f"{instance_id}: cannot adopt, its weight state is unreadable: {exc}"
+            ) from exc
+        slot.weight_version, slot.checksum = report["weight_version"], report["checksum"]
+        slot.state = READY
+        del self.unclaimed[instance_id]
+        self.tracked[instance_id] = slot
+        self.save()
+        log.info("adopted rollout instance %s (pid %d, version %d)", slot.id, slot.pid, slot.weight_version)
+        return slot
+
+    async def stop_unclaimed(self, instance_id: str) -> bool:
+        """Stop an unclaimed live server; False when there is none of that id."""
+        claimed = self.unclaimed.pop(instance_id, None)
+        if claimed is None:
+            return False
+        try:
+            await self._discard(claimed[1])
+        finally:
+            self.save()
+        return True
+
+    async def adopt_all(self, spec: InstanceSpec) -> list[InstanceSlot]:
+        """Adopt every unclaimed live server (see `survey`) started with `spec`; stop the others (the
+        pool-decides start of `RolloutPool.start`)."""
+        adopted: list[InstanceSlot] = []
+        for instance_id in sorted(self.unclaimed):
             try:
-                report = await self._server_state(slot)
-                slot.weight_version, slot.checksum = report["weight_version"], report["checksum"]
-                slot.state = READY
-                return slot, ""
+                slot = await self.adopt(instance_id, spec)
             except Exception as exc:
-                reason = f"weight state unreadable: {exc}"
-        await self._discard(handle)
-        return None, reason
+                log.warning("not adopting rollout instance %s: %s; stopped", instance_id, exc)
+                await self.stop_unclaimed(instance_id)
+                continue
+            if slot is not None:
+                adopted.append(slot)
+        return adopted
 
     async def _server_state(self, slot: InstanceSlot) -> dict[str, Any]:
         """The weights the server itself reports (re-verified when it never reported them)."""
@@ -300,9 +362,29 @@ class InstanceManager:
 
             rollout_hosts.remove_group(entry.actor_name)
         if entry.hostname == socket.gethostname() and pid_alive(entry.pid, entry.start_ticks):
-            import signal
-
             try:
                 os.killpg(entry.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def stop_registered_servers(run_dir: str, timeout_s: float = 10.0) -> list[int]:
+    """Last-resort cleanup: kill the process group of every server in run_dir's registry that still runs on
+    this host (verified by pid start time). Returns the pids signalled."""
+    try:
+        record = InstanceRegistry(run_dir).load()
+    except Exception:
+        return []
+    killed = []
+    for entry in record.entries.values():
+        if entry.hostname == socket.gethostname() and pid_alive(entry.pid, entry.start_ticks):
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(entry.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    break
+                deadline = time.monotonic() + timeout_s
+                while pid_alive(entry.pid, entry.start_ticks) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            killed.append(entry.pid)
+    return killed

@@ -35,17 +35,20 @@ class RegistryEntry:
     checksum: str
     model_path: str
     actor_name: str
-    fingerprint: dict[str, Any]
+    fingerprint: dict[str, Any]  # the server launch's (ServerLaunch.fingerprint)
     log_path: str
     started_at: float
+    spec: dict[str, Any] = field(default_factory=dict)  # the InstanceSpec it was started with
+    spec_fingerprint: str = ""  # InstanceSpec.fingerprint(); "" = written before instance specs existed
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RegistryEntry:
         names = set(cls.__dataclass_fields__)
-        missing = sorted(names - set(data))
+        optional = {"spec", "spec_fingerprint"}
+        missing = sorted(names - optional - set(data))
         if missing:
             raise RegistryError(f"registry entry {data.get('instance_id', '?')} lacks fields {missing}")
-        return cls(**{k: data[k] for k in names})
+        return cls(**{k: data[k] for k in names if k in data})
 
 
 @dataclass

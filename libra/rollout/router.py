@@ -1,5 +1,7 @@
-"""Request routing over the pool's instances: global admission, least-outstanding-requests choice, retry on
-another instance when one fails mid-request, and the per-instance state the reload protocol locks.
+"""Request routing over the pool's instances: global admission, the serving set (the instances that receive
+new requests, replaced in one step), least-outstanding-requests choice among them, retry on another instance
+when one fails mid-request, aborting one instance's requests, and the per-instance state the reload protocol
+locks.
 
 Everything here runs on the pool's event loop thread; no locking beyond asyncio is needed.
 """
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from libra.rollout.client import InstanceFailure, ServerClient
-from libra.rollout.spec import NoHealthyInstanceError
+from libra.rollout.spec import InstanceSpec, InstanceStoppedError, NoHealthyInstanceError
 
 STARTING, READY, RELOADING, DRAINING, FAILED, STOPPED = (
     "starting",
@@ -48,7 +50,10 @@ class InstanceSlot:
     outstanding: int = 0
     dispatched: int = 0
     handle: Any = None  # HostHandle of a managed instance
+    spec: InstanceSpec | None = None  # its launch spec (None for unmanaged endpoints)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    requests: set[asyncio.Task[Any]] = field(default_factory=set)  # its HTTP requests in flight
+    stopped_reason: str = ""  # set when its requests are aborted by a stop without drain
 
     @property
     def routable(self) -> bool:
@@ -68,10 +73,14 @@ def pick_least_outstanding(slots: Iterable[InstanceSlot], exclude: set[str]) -> 
 
 
 class Router:
-    """Admits at most `max_concurrent` requests at once and sends each to the least-loaded instance."""
+    """Admits at most `max_concurrent` requests at once and sends each to the least-loaded serving instance.
+
+    `slots` holds every instance the pool knows; only those in `serving` receive new requests. An empty
+    serving set means "between two sets" (a restart), so requests wait for the next one."""
 
     def __init__(self, max_concurrent: int, request_timeout_s: float, wait_for_instance_s: float) -> None:
         self.slots: dict[str, InstanceSlot] = {}
+        self.serving: frozenset[str] = frozenset()
         self._admission = asyncio.Semaphore(max_concurrent)
         self._changed = asyncio.Condition()
         self._request_timeout_s = request_timeout_s
@@ -80,6 +89,7 @@ class Router:
         self.in_flight = 0
         self.completed = 0
         self.failed = 0
+        self.aborted = 0
         self.retries = 0
         self.tokens = 0
         self._busy_since = 0.0
@@ -95,6 +105,19 @@ class Router:
         if failure:
             slot.failure = failure
         await self.notify()
+
+    async def set_serving(self, instance_ids: Iterable[str]) -> None:
+        """Replace the serving set in one step (no await between reading and writing it)."""
+        self.serving = frozenset(instance_ids)
+        await self.notify()
+
+    def abort_requests_of(self, slot: InstanceSlot, reason: str) -> int:
+        """Cancel `slot`'s requests in flight; each one's caller gets InstanceStoppedError. Returns how many."""
+        slot.stopped_reason = reason
+        requests = [r for r in slot.requests if not r.done()]
+        for request in requests:
+            request.cancel()
+        return len(requests)
 
     def busy_seconds(self) -> float:
         return self.busy_s + (time.monotonic() - self._busy_since if self.in_flight else 0.0)
@@ -113,6 +136,9 @@ class Router:
             response, slot, version = await self._send_with_retry(payload)
             self.completed += 1
             return response, slot, version
+        except InstanceStoppedError:
+            self.aborted += 1
+            raise
         except BaseException:
             self.failed += 1
             raise
@@ -130,9 +156,19 @@ class Router:
             slot.outstanding += 1
             slot.dispatched += 1
             version = slot.weight_version
+            request = asyncio.ensure_future(slot.client.complete(payload, self._request_timeout_s))
+            slot.requests.add(request)
             try:
-                response = await slot.client.complete(payload, self._request_timeout_s)
+                response = await request
                 return response, slot, version
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if request.cancelled() and slot.stopped_reason and not (current and current.cancelling()):
+                    raise InstanceStoppedError(
+                        f"{slot.id} was stopped without draining ({slot.stopped_reason}); the request was "
+                        "aborted and produced nothing: requeue its prompt"
+                    ) from None
+                raise
             except InstanceFailure as exc:
                 # The server broke mid-request: take it out of rotation and run the request elsewhere.
                 errors.append(str(exc))
@@ -141,6 +177,7 @@ class Router:
                 if slot.state in (READY, DRAINING):
                     await self.set_state(slot, FAILED, failure=str(exc))
             finally:
+                slot.requests.discard(request)
                 slot.outstanding -= 1
                 await self.notify()
 
@@ -148,17 +185,19 @@ class Router:
         deadline = time.monotonic() + self._wait_for_instance_s
         async with self._changed:
             while True:
-                slot = pick_least_outstanding(self.slots.values(), tried)
+                serving = [s for s in self.slots.values() if s.id in self.serving]
+                slot = pick_least_outstanding(serving, tried)
                 if slot is not None:
                     return slot
-                may_recover = [
-                    s for s in self.slots.values() if s.state in TRANSITIONAL and s.id not in tried
-                ]
+                may_recover = not self.serving or any(
+                    s.state in TRANSITIONAL and s.id not in tried for s in serving
+                )
                 remaining = deadline - time.monotonic()
                 if not may_recover or remaining <= 0:
                     states = {s.id: s.state for s in self.slots.values()}
                     raise NoHealthyInstanceError(
-                        f"no rollout instance can take the request (states {states}); "
+                        f"no rollout instance can take the request (states {states}, serving "
+                        f"{sorted(self.serving)}); "
                         + (f"failures: {errors}" if errors else "add or restart instances")
                     )
                 try:

@@ -6,7 +6,11 @@ log-prob of each sampled token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from libra.observability.phase_trace import TraceSettings
 
@@ -37,6 +41,88 @@ class RequestRejectedError(RolloutError):
 
 class GenerationAborted(RolloutError):
     """The request was aborted by `abort_all()` (a step boundary) or by pool shutdown."""
+
+
+class InstanceStoppedError(GenerationAborted):
+    """The instance running the request was stopped without draining (`stop_instance(id, drain=False)`).
+    The request produced no completion, so the caller requeues its prompt: nothing is lost or counted twice."""
+
+
+class InstanceIdError(RolloutError, ValueError):
+    """An instance id that is malformed, already in use, or unknown to the pool."""
+
+
+class ServingSetError(RolloutError, ValueError):
+    """`set_serving` was given an instance that may not serve (not ready, or not on the current weights)."""
+
+
+def is_requeueable(exc: BaseException) -> bool:
+    """Whether a failed generation may be sent again as is: it was aborted (a stopped instance or a step
+    boundary) and so produced no completion. A request the server refused as invalid is not requeueable."""
+    return isinstance(exc, GenerationAborted)
+
+
+INSTANCE_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+
+
+def instance_id_problem(instance_id: object) -> str:
+    """Why `instance_id` cannot name an instance (it names log files and cluster-wide actors), or ""."""
+    if not isinstance(instance_id, str) or not INSTANCE_ID_PATTERN.fullmatch(instance_id):
+        return (
+            f"instance id {instance_id!r}: use 1-63 letters, digits, '_', '.' or '-', starting with a letter "
+            "or digit (e.g. 'rollout-3')"
+        )
+    return ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstanceSpec:
+    """Everything that makes one server launch differently. Two servers with the same fingerprint are
+    interchangeable; the weights they hold are not part of it (they change by publish, see `weight_version`).
+    `model_path` names the model; a new instance loads the pool's current weights, which are these until
+    the first publish."""
+
+    model_path: str
+    tp_size: int
+    max_model_len: int
+    kv_cache_bytes: int
+    dtype: str
+    enforce_eager: bool
+    seed: int
+    gpu_memory_utilization: float
+    served_model_name: str
+
+    def problems(self) -> list[str]:
+        errors: list[str] = []
+        if self.tp_size < 1:
+            errors.append(f"tp_size={self.tp_size!r}: must be >= 1")
+        if self.max_model_len < 16:
+            errors.append(f"max_model_len={self.max_model_len!r}: must be >= 16")
+        if self.kv_cache_bytes < 0:
+            errors.append(f"kv_cache_bytes={self.kv_cache_bytes!r}: must be >= 0 (0 = let the device decide)")
+        if self.dtype not in DTYPES:
+            errors.append(f"dtype={self.dtype!r}: choose one of {DTYPES}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            errors.append(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: must be in (0, 1]")
+        if not self.model_path:
+            errors.append("model_path='': required")
+        return errors
+
+    def fingerprint(self) -> str:
+        """A stable hash of every field (sorted JSON), e.g. 'is-3f2a...'; equal specs have equal ones."""
+        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return "is-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> InstanceSpec:
+        names = set(cls.__dataclass_fields__)
+        missing = sorted(names - set(data))
+        if missing:
+            raise RolloutSpecError(f"instance spec {data} lacks fields {missing}")
+        return cls(**{k: data[k] for k in names})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +207,21 @@ class RolloutPoolSpec:
         if errors:
             raise RolloutSpecError("invalid rollout pool spec:\n  " + "\n  ".join(errors))
 
+    def instance_spec(self, tp_size: int | None = None) -> InstanceSpec:
+        """The launch spec of one instance: the pool-wide settings with the instance's own TP (default: the
+        pool's), so instances of different TP can coexist while a reshape runs."""
+        return InstanceSpec(
+            model_path=self.model_path,
+            tp_size=self.tp_size if tp_size is None else tp_size,
+            max_model_len=self.max_model_len,
+            kv_cache_bytes=self.kv_cache_bytes,
+            dtype=self.dtype,
+            enforce_eager=self.enforce_eager,
+            seed=self.seed,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            served_model_name=self.served_model_name,
+        )
+
 
 @dataclass
 class Completion:
@@ -147,13 +248,37 @@ class InstanceInfo:
     state: str  # starting | ready | reloading | draining | failed | stopped
     healthy: bool
     model_path: str = ""
-    outstanding: int = 0
+    outstanding: int = 0  # requests in flight on it
     managed: bool = True
     adopted: bool = False
+    tp_size: int = 1
+    fingerprint: str = ""  # InstanceSpec.fingerprint() of its launch ("" for unmanaged endpoints)
+    serving: bool = False  # in the set that receives new requests (`set_serving`)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def in_flight(self) -> int:
+        return self.outstanding
+
+
+@dataclass(frozen=True)
+class LiveServer:
+    """A server the registry lists that answered /health when the pool opened (or that the pool runs now):
+    what the reconciler needs to decide whether to adopt it (`start_instance` with the same id and a spec
+    of the same fingerprint) or to stop it (`stop_instance`)."""
+
+    instance_id: str
+    fingerprint: str
+    tp_size: int
+    gpu_ids: tuple[str, ...]
+    weight_version: int
+    host: str
+    port: int
+    pid: int
+    in_pool: bool  # already started or adopted by this pool
 
 
 @dataclass(frozen=True)
@@ -168,4 +293,5 @@ class PoolStats:
     retries: int
     in_flight: int
     queue_depth: int
+    requests_aborted: int = 0  # raised InstanceStoppedError (their prompts are requeued by the caller)
     outstanding_by_instance: dict[str, int] = field(default_factory=dict)

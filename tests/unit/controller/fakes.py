@@ -1,62 +1,130 @@
 """Fake pool edges for controller unit tests: in-memory stand-ins for the rollout and training pools at the
-executor's edge (the real pools are exercised by tests/integration/controller)."""
+executor's edge (the real pools are exercised by tests/integration/controller).
+
+The fake rollout pool behaves like the actuator: instances are named by the caller, hold GPUs, start
+without traffic, serve only once `set_serving` names them (refused unless READY and on the published
+weights), and report the weight version of their last ACK."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+from libra.controller.executor import PublishOutcome
+from libra.controller.gate import WeightsRef
 from libra.controller.members import MemberState
-from libra.controller.state import TrainLayout
+from libra.controller.state import RolloutSpec, TrainLayout
 from libra.controller.tracker import MemberView
 
 
-class FakeRolloutEdge:
-    """Instances are dict entries; `fail_next` makes the next create/add/remove raise."""
+@dataclass
+class FakeInstance:
+    state: MemberState
+    tp: int
+    gpu_ids: tuple[int, ...]
+    fingerprint: str = ""
+    serving: bool = False
+    weight_version: int = 0
 
-    def __init__(self, preexisting: int = 0) -> None:
-        self.instances: dict[str, MemberState] = {}
-        self.counter = 0
+
+class FakeRolloutEdge:
+    """`gpus` GPUs for rollout (0 = unlimited); `fail_next` makes the next create/start/stop/publish/serve
+    raise; `ops` records every call in order; `gate`, when set, makes start() block until it is set."""
+
+    def __init__(self, preexisting: int = 0, gpus: int = 0, spec: RolloutSpec = RolloutSpec(1)) -> None:
+        self.instances: dict[str, FakeInstance] = {}
+        self.gpus = gpus
+        self.published = 0
+        self.launch_version: int | None = None  # the version new instances load (None: the published one)
         self.fail_next: set[str] = set()
         self.removed: list[tuple[str, bool]] = []
-        self.gate: threading.Event | None = None  # when set, add() blocks until the event is set
+        self.ops: list[tuple[str, ...]] = []
+        self.gate: threading.Event | None = None
         self._lock = threading.Lock()
-        for _ in range(preexisting):
-            self._new()
+        for index in range(preexisting):
+            self._new(f"rollout-{index}", spec, serving=True)
 
-    def _new(self) -> str:
+    def _free_gpus(self) -> list[int]:
+        used = {int(g) for i in self.instances.values() for g in i.gpu_ids}
+        limit = self.gpus or 1024
+        return [g for g in range(limit) if g not in used]
+
+    def _new(self, key: str, spec: RolloutSpec = RolloutSpec(1), serving: bool = False) -> FakeInstance:
         with self._lock:
-            key = f"inst-{self.counter}"
-            self.counter += 1
-            self.instances[key] = MemberState.READY
-            return key
+            free = self._free_gpus()
+            if len(free) < spec.tp:
+                raise RuntimeError(f"fake pool: {key} needs {spec.tp} GPUs, {len(free)} free")
+            version = self.published if self.launch_version is None else self.launch_version
+            instance = FakeInstance(MemberState.READY, spec.tp, tuple(str(g) for g in free[: spec.tp]),
+                                    spec.fingerprint, serving, version)
+            self.instances[key] = instance
+            return instance
 
     def _maybe_fail(self, op: str) -> None:
         if op in self.fail_next:
             self.fail_next.discard(op)
             raise RuntimeError(f"fake {op} failure")
 
-    def create(self, num_instances: int) -> list[MemberView]:
+    def create(self, member_ids: Sequence[str], spec: RolloutSpec) -> list[MemberView]:
+        self.ops.append(("create", *member_ids))
         self._maybe_fail("create")
-        while len(self.instances) < num_instances:
-            self._new()
+        for member_id in member_ids:
+            if len(self.instances) >= len(member_ids):
+                break
+            if member_id not in self.instances:
+                self._new(member_id, spec, serving=True)
         return self.views()
 
-    def add(self) -> MemberView:
-        self._maybe_fail("add")
+    def start(self, member_id: str, spec: RolloutSpec) -> MemberView:
+        self.ops.append(("start", member_id))
+        self._maybe_fail("start")
         if self.gate is not None:
             self.gate.wait(10)
-        key = self._new()
-        return MemberView(key, MemberState.READY)
+        if member_id not in self.instances:
+            self._new(member_id, spec)
+        return self._view(member_id, self.instances[member_id])
 
-    def remove(self, key: str, drain: bool) -> None:
-        self._maybe_fail("remove")
+    def stop(self, key: str, drain: bool) -> None:
+        self.ops.append(("stop", key))
+        self._maybe_fail("stop")
         self.removed.append((key, drain))
         with self._lock:
             self.instances.pop(key, None)
 
+    def publish(self, weights: WeightsRef, keys: Sequence[str] | None) -> PublishOutcome:
+        self.ops.append(("publish", str(weights.version), *(keys or ["*"])))
+        self._maybe_fail("publish")
+        with self._lock:
+            targets = list(self.instances) if keys is None else list(keys)
+            for key in targets:
+                self.instances[key].weight_version = weights.version
+            if keys is None:
+                self.published = weights.version
+            return PublishOutcome({key: weights.version for key in targets}, {"acks_validated": len(targets)})
+
+    def set_serving(self, keys: Sequence[str]) -> None:
+        self.ops.append(("serve", *keys))
+        self._maybe_fail("serve")
+        with self._lock:
+            for key in keys:
+                instance = self.instances[key]
+                if instance.state != MemberState.READY or instance.weight_version != self.published:
+                    raise RuntimeError(f"fake pool: {key} is not READY on weights v{self.published}")
+            for key, instance in self.instances.items():
+                instance.serving = key in keys
+
+    def serving(self) -> list[str]:
+        return sorted(k for k, i in self.instances.items() if i.serving)
+
+    @staticmethod
+    def _view(key: str, i: FakeInstance) -> MemberView:
+        return MemberView(key, i.state, tp=i.tp, gpu_ids=i.gpu_ids, fingerprint=i.fingerprint, serving=i.serving,
+                          weight_version=i.weight_version)
+
     def views(self) -> list[MemberView]:
         with self._lock:
-            return [MemberView(k, s) for k, s in sorted(self.instances.items())]
+            return [self._view(k, i) for k, i in sorted(self.instances.items())]
 
 
 class FakeTrainingEdge:

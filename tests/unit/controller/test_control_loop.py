@@ -70,7 +70,7 @@ def test_fresh_job_reaches_ready(harness: Harness) -> None:
 
 def test_vanished_instance_is_failed_and_replaced(harness: Harness) -> None:
     harness.settle()
-    harness.rollout.instances.pop("inst-0")
+    harness.rollout.instances.pop("rollout-0")
     harness.settle()
     states = harness.states()
     assert states["rollout-0"] == "STOPPED"
@@ -141,7 +141,7 @@ def test_add_in_flight_is_not_adopted_twice(harness: Harness) -> None:
     gate = threading.Event()
     harness.rollout.gate = gate
     harness.loop.tick()  # add starts and blocks
-    harness.rollout._new()  # the server shows up in the pool before add() returns ...
+    harness.rollout._new("rollout-2")  # the server shows up in the pool before start() returns ...
     harness.loop.tick()  # ... and must not be adopted as a fourth member
     gate.set()
     harness.executor.wait_idle(5)
@@ -151,7 +151,7 @@ def test_add_in_flight_is_not_adopted_twice(harness: Harness) -> None:
 def test_failed_stop_still_leaves_the_pool(harness: Harness) -> None:
     harness.settle()
     harness.want = harness.want.evolve("test", rollout_instances=1)
-    harness.rollout.fail_next.add("remove")
+    harness.rollout.fail_next.add("stop")
     harness.settle()
     states = sorted(harness.states().values())
     assert states == ["READY", "STOPPED"]

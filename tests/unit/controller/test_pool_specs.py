@@ -40,3 +40,32 @@ def test_specs_trace_nothing_by_default(tmp_path: Path) -> None:
     cfg, run = load_dict(JOB), RunDir.at(tmp_path / "run")
     assert rollout_spec(cfg, run, 1).trace is None
     assert training_spec(cfg, run, 1, TrainLayout()).trace is None
+
+
+def test_launch_fingerprint_changes_with_tp_and_settings(tmp_path: Path) -> None:
+    from libra.controller.pools import rollout_fingerprint
+
+    run = RunDir.at(tmp_path / "run")
+    cfg = load_dict(JOB)
+    assert rollout_fingerprint(cfg, run, 1) == rollout_fingerprint(load_dict(JOB), run, 1)
+    assert rollout_fingerprint(cfg, run, 1) != rollout_fingerprint(cfg, run, 2)
+    assert rollout_fingerprint(cfg, run, 1) != rollout_fingerprint(load_dict(JOB | {"max_model_len": 512}), run, 1)
+
+
+@pytest.mark.parametrize(
+    ("state", "healthy", "expected"),
+    [
+        pytest.param("ready", True, "READY", id="ready"),
+        pytest.param("starting", True, "STARTING", id="starting"),
+        pytest.param("ready", False, "FAILED", id="unhealthy"),
+    ],
+)
+def test_instance_view_carries_spec_placement_and_routing(state: str, healthy: bool, expected: str) -> None:
+    from libra.controller.pools import instance_view
+    from libra.rollout.spec import InstanceInfo
+
+    info = InstanceInfo(id="rollout-3", host="127.0.0.1", port=8000, pid=42, gpu_ids=("0", "1"), weight_version=5,
+                        state=state, healthy=healthy, tp_size=2, fingerprint="is-abc", serving=True)
+    view = instance_view(info)
+    assert (view.key, view.state.value, view.tp, view.gpu_ids, view.fingerprint, view.serving, view.weight_version) == (
+        "rollout-3", expected, 2, ("0", "1"), "is-abc", True, 5)

@@ -6,10 +6,10 @@ import pytest
 
 from libra.controller.members import Member, MemberState, StateTimeouts
 from libra.controller.reconcile import (
-    AddRolloutInstance,
     CreateRolloutPool,
     CreateTrainingPool,
     MarkFailed,
+    StartRolloutInstance,
     StopRolloutInstance,
     reconcile,
 )
@@ -25,8 +25,10 @@ def desired(instances: int = 2, train_gpus: int = 2, drain: bool = True) -> Desi
 
 
 def rollout(*states: MemberState, since: float = NOW - 10, busy: bool = False) -> tuple[Member, ...]:
+    """Serving members on weights v0 (ready ones serve), TP 1."""
     return tuple(
-        Member(id=f"rollout-{i}", pool="rollout", state=s, since=since + i, key=f"k{i}", busy=busy)
+        Member(id=f"rollout-{i}", pool="rollout", state=s, since=since + i, key=f"k{i}", busy=busy, tp=1,
+               weight_version=0, serving=s == S.READY)
         for i, s in enumerate(states)
     )
 
@@ -45,7 +47,7 @@ def summary(actions: list) -> list[tuple]:
             out.append(("create_rollout", a.num_instances))
         elif isinstance(a, CreateTrainingPool):
             out.append(("create_train", a.gpus))
-        elif isinstance(a, AddRolloutInstance):
+        elif isinstance(a, StartRolloutInstance):
             out.append(("add", a.member_id))
         elif isinstance(a, StopRolloutInstance):
             out.append(("stop", a.member_id, a.drain))

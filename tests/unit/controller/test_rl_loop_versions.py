@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 
 from libra.config import load_dict
+from libra.controller.desired_store import DesiredStore
 from libra.controller.events import EventLog
 from libra.controller.reporting import Reporter
 from libra.controller.rl_loop import RLLoop, report_fields
+from libra.controller.services import JobSession
 from libra.controller.signals import StopRequest
 from libra.controller.state import DesiredState, TrainLayout
 from libra.observability.console import NullConsole
@@ -59,39 +61,14 @@ class FakeTrainingPool:
         return "sha256t1:fake"
 
 
-class FakeHost:
-    def __init__(self, served: list[int]) -> None:
-        self.rollout = FakeRolloutPool(max(served, default=0))
-        self.train = FakeTrainingPool()
-        self.served = served
-        self.desired = DesiredState(rollout_instances=1, rollout_tp=1, train_gpus=1, train_layout=TrainLayout())
-
-    def train_pool(self) -> Any:
-        return self.train
-
-    def rollout_pool(self) -> Any:
-        return self.rollout
-
-    def desired_state(self) -> DesiredState:
-        return self.desired
-
-    def set_desired(self, desired: DesiredState) -> None:
-        self.desired = desired
-
-    def served_versions(self) -> list[int]:
-        return self.served
-
-    def pool_status(self) -> dict[str, Any]:
-        return {}
-
-    def pool_text(self) -> dict[str, str]:
-        return {}
-
-    def wake_reconciler(self) -> None:
-        pass
-
-    def tick_errors(self) -> int:
-        return 0
+def fake_session(served: list[int]) -> tuple[JobSession, FakeRolloutPool]:
+    """The RL loop's session on fake pools; the rollout servers hold the `served` weight versions."""
+    rollout = FakeRolloutPool(max(served, default=0))
+    store = DesiredStore(None, DesiredState(rollout_instances=1, rollout_tp=1, train_gpus=1, train_layout=TrainLayout()))
+    session = JobSession(training=FakeTrainingPool(), generation=rollout, desired=store,  # type: ignore[arg-type]
+                         publish_weights=rollout.publish_weights, served_versions=lambda: served,
+                         wake_reconciler=lambda: None, pool_status=dict, pool_text=dict, tick_errors=lambda: 0)
+    return session, rollout
 
 
 class FakeTask:
@@ -119,15 +96,15 @@ def test_align_rollout_weights(tmp_path: Path, served: list[int], step: int, pub
                      "build_tiny_model": {"enabled": True, "num_heads": 2, "num_kv_heads": 1}})
     run = RunDir.at(tmp_path / "run").create()
     events = EventLog(run.events_jsonl)
-    host = FakeHost(served)
-    loop = RLLoop(cfg, run, host, events, Reporter(run, "t", 10, NullConsole(), events, None), FakeTask(), None,
+    session, rollout = fake_session(served)
+    loop = RLLoop(cfg, run, session, events, Reporter(run, "t", 10, NullConsole(), events, None), FakeTask(), None,
                   StopRequest(), 10)
     loop.state.step = step
     loop._make_producer()
     loop._align_rollout_weights(step)
-    assert host.rollout.published == published
-    assert host.desired.rollout_version_offset == offset
-    assert loop.rollout_version == step and host.desired.weight_version == step
+    assert rollout.published == published
+    assert session.desired.get().rollout_version_offset == offset
+    assert loop.rollout_version == step and session.desired.get().weight_version == step
     completions = asyncio.run(loop._generate([1], n=1))
     assert completions[0].weight_version == step  # mapped back to the policy version
 

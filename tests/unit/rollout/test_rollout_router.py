@@ -1,14 +1,16 @@
-"""Routing decisions: least-outstanding choice, waiting for instances that may come back, giving up."""
+"""Routing decisions: least-outstanding choice among the serving set, waiting for instances that may come back,
+giving up, serving-set flips, and aborting the requests of one stopped instance."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
 from libra.rollout.client import ServerClient
 from libra.rollout.router import FAILED, READY, RELOADING, InstanceSlot, Router, pick_least_outstanding
-from libra.rollout.spec import NoHealthyInstanceError
+from libra.rollout.spec import GenerationAborted, InstanceStoppedError, NoHealthyInstanceError
 
 
 def slot(iid: str, state: str = READY, outstanding: int = 0, dispatched: int = 0) -> InstanceSlot:
@@ -48,6 +50,7 @@ def test_requests_wait_for_a_reloading_instance_and_fail_when_none_can_recover()
         router = Router(max_concurrent=4, request_timeout_s=5, wait_for_instance_s=5)
         reloading = slot("a", state=RELOADING)
         router.slots = {"a": reloading, "b": slot("b", state=FAILED)}
+        await router.set_serving(["a", "b"])
         waiter = asyncio.create_task(router._wait_for_slot(set(), []))
         await asyncio.sleep(0.05)
         assert not waiter.done(), "a reloading instance may come back: wait for it"
@@ -80,3 +83,100 @@ def test_drain_wait_returns_when_outstanding_reaches_zero() -> None:
         return timed_out, await router.wait_drained(busy, 2)
 
     assert asyncio.run(scenario()) == (False, True)
+
+
+def router_with(*slots: InstanceSlot, serving: tuple[str, ...] = ()) -> Router:
+    router = Router(max_concurrent=8, request_timeout_s=5, wait_for_instance_s=0.2)
+    router.slots = {s.id: s for s in slots}
+    router.serving = frozenset(serving)
+    return router
+
+
+@pytest.mark.parametrize(
+    ("slots", "serving", "chosen"),
+    [
+        ([slot("a"), slot("b", outstanding=3)], ("b",), "b"),
+        ([slot("a", outstanding=3), slot("b")], ("a",), "a"),
+        ([slot("a"), slot("b")], ("a", "b"), "a"),
+        ([slot("a"), slot("b", state=FAILED)], ("b",), None),
+    ],
+    ids=["only-serving-even-if-busier", "other-side", "both-serving", "serving-one-failed"],
+)
+def test_only_the_serving_set_receives_requests(
+    slots: list[InstanceSlot], serving: tuple[str, ...], chosen: str | None
+) -> None:
+    async def scenario() -> str | None:
+        router = router_with(*slots, serving=serving)
+        try:
+            return (await router._wait_for_slot(set(), [])).id
+        except NoHealthyInstanceError:
+            return None
+
+    assert asyncio.run(scenario()) == chosen
+
+
+def test_a_serving_flip_is_one_step_and_wakes_waiting_requests() -> None:
+    async def scenario() -> tuple[str, str]:
+        router = router_with(slot("blue"), slot("green"), serving=("blue",))
+        before = (await router._wait_for_slot(set(), [])).id
+        await router.set_serving([])  # between two sets: requests wait for the next one
+        waiter = asyncio.create_task(router._wait_for_slot(set(), []))
+        await asyncio.sleep(0.05)
+        assert not waiter.done(), "an empty serving set waits for the next one"
+        await router.set_serving(["green"])
+        return before, (await asyncio.wait_for(waiter, 1)).id
+
+    assert asyncio.run(scenario()) == ("blue", "green")
+
+
+class _HangingClient:
+    """A server that answers only when released (or never): requests stay in flight."""
+
+    def __init__(self, instance_id: str) -> None:
+        self.instance_id = instance_id
+        self.release = asyncio.Event()
+
+    async def complete(self, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        await self.release.wait()
+        return {"choices": [], "from": self.instance_id}
+
+
+def test_abort_of_one_instance_raises_the_requeue_error_only_for_its_requests() -> None:
+    async def scenario() -> tuple[list[object], int, int]:
+        doomed, kept = slot("doomed"), slot("kept")
+        doomed.client, kept.client = _HangingClient("doomed"), _HangingClient("kept")  # type: ignore[assignment]
+        router = router_with(doomed, kept, serving=("doomed", "kept"))
+        requests = [asyncio.create_task(router.send({"i": i})) for i in range(4)]
+        await asyncio.sleep(0.05)
+        assert (doomed.outstanding, kept.outstanding) == (2, 2)
+        await router.set_serving(["kept"])
+        aborted = router.abort_requests_of(doomed, "stop_instance(drain=False)")
+        kept.client.release.set()  # type: ignore[attr-defined]
+        results: list[object] = list(await asyncio.gather(*requests, return_exceptions=True))
+        return results, aborted, router.aborted
+
+    results, aborted, counted = asyncio.run(scenario())
+    stopped = [r for r in results if isinstance(r, BaseException)]
+    answered = [r for r in results if not isinstance(r, BaseException)]
+    assert aborted == counted == 2
+    assert len(stopped) == 2 and all(isinstance(e, InstanceStoppedError) for e in stopped)
+    assert all(isinstance(e, GenerationAborted) and "requeue" in str(e) for e in stopped)
+    assert [r[1].id for r in answered] == ["kept", "kept"]  # type: ignore[index]
+
+
+def test_cancelling_the_caller_is_not_an_instance_stop() -> None:
+    async def scenario() -> BaseException | None:
+        only = slot("only")
+        only.client = _HangingClient("only")  # type: ignore[assignment]
+        router = router_with(only, serving=("only",))
+        request = asyncio.create_task(router.send({}))
+        await asyncio.sleep(0.02)
+        only.stopped_reason = "stop_instance(drain=False)"  # even while a stop is under way
+        request.cancel()
+        try:
+            await request
+        except BaseException as exc:
+            return exc
+        return None
+
+    assert isinstance(asyncio.run(scenario()), asyncio.CancelledError)

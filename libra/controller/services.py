@@ -1,0 +1,55 @@
+"""What the RL loop is given to run a job (`JobSession`), as typed protocols instead of the controller
+itself: the training service (one optimizer step, weight export, checkpoints), the generation service
+(sampling from the rollout pool), the desired-state store, the weight publish through the executor's gate,
+and the few read-outs the step report shows. The real training and generation services are
+`libra.training.TrainingPool` and `libra.rollout.RolloutPool`, reached through the controller's edges; the
+unit tests pass fakes. Membership changes are not here: they belong to the reconciler and its executor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from libra.controller.desired_store import DesiredStore
+
+
+class GeneratedText(Protocol):
+    """One sampled continuation and the weight version that produced it."""
+
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def logprobs(self) -> list[float]: ...
+    @property
+    def finish_reason(self) -> str: ...
+    @property
+    def weight_version(self) -> int: ...
+
+
+class GenerationService(Protocol):
+    async def generate(self, prompt_ids: list[int], n: int, max_new_tokens: int, temperature: float = 1.0,
+                       top_p: float = 1.0, seed: int | None = None) -> Sequence[GeneratedText]: ...
+
+
+class TrainingService(Protocol):
+    def train_step(self, samples: list[Any], step: int) -> dict[str, float]: ...
+    def export_hf(self, out_dir: str) -> str: ...
+    def save_checkpoint(self, ckpt_dir: str, step: int) -> str: ...
+    def load_checkpoint(self, ckpt_dir: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class JobSession:
+    """Everything the RL loop needs, built by the controller once the pools are ready."""
+
+    training: TrainingService
+    generation: GenerationService
+    desired: DesiredStore
+    publish_weights: Callable[[int, str, str], Any]  # (publish version, HF dir, checksum) -> the pool's report
+    served_versions: Callable[[], list[int]]  # the weight versions live rollout members ACKed
+    wake_reconciler: Callable[[], None]
+    pool_status: Callable[[], dict[str, Any]]
+    pool_text: Callable[[], dict[str, str]]
+    tick_errors: Callable[[], int]
