@@ -417,6 +417,9 @@ class Controller:
             if not self.executor.wait_idle(900):
                 log.warning("pool actions still running after 900s; stopping anyway")
             self.executor.shutdown(wait=False)
+        if self.tracker is not None and self.store is not None:
+            # a change finished since the last tick (a short resumed run) is recorded before the pools stop
+            self._on_observed(self.tracker.snapshot(time.time(), take_errors=False), self.store.get())
 
     def _final_checkpoint(self) -> None:
         if self.rl is not None and self.train_edge is not None and self.train_edge.pool is not None:

@@ -287,7 +287,9 @@ class Executor:
         t = self.tracker
         t.set_busy(action.member_id, True)
         member = t.member(action.member_id)
-        if action.drain and member.state in (S.STARTING, S.LOADING, S.READY):
+        # Draining or aborting, a member being stopped no longer counts as live: otherwise the next tick sees
+        # one member too many while an abort is in flight and stops another.
+        if member.state in (S.STARTING, S.LOADING, S.READY):
             t.move(action.member_id, S.DRAINING, now, action.reason)
 
     def _run_stop(self, action: StopRolloutInstance) -> None:

@@ -192,8 +192,11 @@ def _switch_plan(p: RolloutPicture, name: str, hold_flip: bool, no_room: Callabl
     # done flipping: exactly the target serves; drain everything else
     if len(blue) == p.target and len(target_ready) == p.target:
         return [p.stop(m, f"{name}: drain after the switch") for m in p.live if not m.serving and not m.busy]
-    # a pure shrink: serve a subset of what already serves (no new instance needed)
-    if not hold_flip and len(target_ready) > p.target and not p.outdated:
+    # a pure shrink: serve a subset of what already serves (no new instance needed, so prewarm starts none:
+    # its flip to the subset waits for the trigger)
+    if len(target_ready) > p.target and not p.outdated:
+        if hold_flip:
+            return []
         keep = sorted(target_ready, key=_surplus_order, reverse=True)[: p.target]
         return [SetServing(f"{name}: serve {p.target} of {len(target_ready)}", tuple(sorted(m.id for m in keep)))]
     green = [m for m in p.current if not m.serving]

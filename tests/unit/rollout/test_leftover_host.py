@@ -1,0 +1,96 @@
+"""A new instance's host frees what an earlier controller left under its name: a controller killed while an
+instance was starting leaves a detached host actor and placement group that never reached the registry;
+the next start of that id must remove them (a Ray name is taken until then), or say clearly that it cannot."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import libra.cluster
+from libra.config.mapping import config_with, rollout_pool_spec
+from libra.rollout import lifecycle
+from libra.rollout.lifecycle import InstanceManager
+from libra.rollout.spec import ServerStartError
+
+
+class FakeRayHosts:
+    """The rollout_hosts module over an in-memory set of named actors and placement groups."""
+
+    def __init__(self, actors: set[str], groups: set[str], killable: bool = True) -> None:
+        self.actors, self.groups, self.killable = actors, groups, killable
+        self.calls: list[str] = []
+
+    def find_host(self, name: str, namespace: str) -> Any:
+        if name not in self.actors:
+            return None
+
+        def kill() -> None:
+            self.calls.append(f"kill {name}")
+            if self.killable:
+                self.actors.discard(name)
+                self.groups.discard(name)
+
+        return SimpleNamespace(kill=kill)
+
+    def find_group(self, name: str) -> Any:
+        return object() if name in self.groups else None
+
+    def remove_group(self, name: str) -> None:
+        self.calls.append(f"remove_group {name}")
+        self.groups.discard(name)
+
+    def spawn_host(self, host_cls: type, *args: Any, name: str, namespace: str, tp_size: int,
+                   detached: bool) -> Any:
+        if name in self.actors or name in self.groups:
+            raise RuntimeError(f"name {name!r} already exists")
+        self.calls.append(f"spawn {name}")
+        self.actors.add(name)
+        self.groups.add(name)
+        return SimpleNamespace(name=name)
+
+
+@pytest.mark.parametrize(
+    ("actors", "groups", "expected"),
+    [
+        ((), (), ["spawn"]),
+        (("rollout-1",), ("rollout-1",), ["kill", "spawn"]),
+        ((), ("rollout-1",), ["remove_group", "spawn"]),
+        (("rollout-0",), ("rollout-0",), ["spawn"]),  # another instance's host is left alone
+    ],
+    ids=["nothing-left", "actor-and-group-left", "group-left", "other-instance"],
+)
+def test_a_start_frees_its_name_first(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, actors: tuple[str, ...],
+                                       groups: tuple[str, ...], expected: list[str]) -> None:
+    manager = manager_with(monkeypatch, tmp_path)
+    fake = install(monkeypatch, {manager.actor_name(a) for a in actors}, {manager.actor_name(g) for g in groups})
+    handle = asyncio.run(manager._new_host("rollout-1", 1))
+    assert handle.name == manager.actor_name("rollout-1")
+    assert [c.split()[0] for c in fake.calls] == expected
+    assert manager.actor_name("rollout-0") in fake.actors or "rollout-0" not in actors
+
+
+def test_a_leftover_that_does_not_go_away_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    manager = manager_with(monkeypatch, tmp_path)
+    name = manager.actor_name("rollout-1")
+    install(monkeypatch, {name}, {name}, killable=False)
+    monkeypatch.setattr(lifecycle, "LEFTOVER_RELEASE_S", 0.2)
+    with pytest.raises(ServerStartError, match=f"{name}: the host left by an earlier controller did not go away"):
+        asyncio.run(manager._new_host("rollout-1", 1))
+
+
+def manager_with(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> InstanceManager:
+    spec = rollout_pool_spec(config_with("/m"), num_instances=1, kv_cache_bytes=64 * 2**20)
+    return InstanceManager(spec, SimpleNamespace(namespace="ns"), str(tmp_path), session=None)  # type: ignore[arg-type]
+
+
+def install(monkeypatch: pytest.MonkeyPatch, actors: set[str], groups: set[str], killable: bool = True) -> FakeRayHosts:
+    fake = FakeRayHosts(actors, groups, killable)
+    monkeypatch.setitem(sys.modules, "libra.cluster.rollout_hosts", fake)
+    monkeypatch.setattr(libra.cluster, "rollout_hosts", fake, raising=False)
+    return fake
