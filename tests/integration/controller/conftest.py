@@ -4,6 +4,7 @@ to find every process it left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -212,18 +213,16 @@ def controller_workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
         stop_everything(ws["run_dir"], launches)
 
 
-@pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Ray cluster with 2 logical GPUs that outlives the controllers joining it; its address."""
-    tmp = tmp_path_factory.mktemp("ray-holder")
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    holder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ray_holder.py")), "2", str(tmp)],
+@contextlib.contextmanager
+def ray_holder(gpus: int, tmp: Path, env: dict[str, str]) -> Iterator[str]:
+    """A Ray cluster of `gpus` logical GPUs kept by `ray_holder.py` in its own process session (so it outlives
+    the controllers joining it); its address. Stopped, by force if need be, when the block ends."""
+    holder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ray_holder.py")), str(gpus), str(tmp)],
                               cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               start_new_session=True, text=True)
     try:
         assert holder.stdout is not None
-        line = holder.stdout.readline()
-        yield json.loads(line)["address"]
+        yield json.loads(holder.stdout.readline())["address"]
     finally:
         if holder.stdin is not None:
             holder.stdin.close()
@@ -236,6 +235,13 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except (ProcessLookupError, PermissionError):
             pass
         holder.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Ray cluster with 2 logical GPUs that outlives the controllers joining it; its address."""
+    with ray_holder(2, tmp_path_factory.mktemp("ray-holder"), dict(os.environ, RAY_AUTH_MODE="disabled")) as address:
+        yield address
 
 
 @pytest.fixture(scope="session")

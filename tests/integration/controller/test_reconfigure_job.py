@@ -66,6 +66,7 @@ from .conftest import (
     job_config,
     live,
     metric_rows,
+    ray_holder,
     server_pids,
     stop_everything,
     wait_for,
@@ -83,25 +84,8 @@ HARNESS = Path(__file__).with_name("reconfigure_harness.py")
 def ray4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A 1-node Ray cluster of 4 logical GPUs in its own temp dir (its own RAY_TMPDIR); its address."""
     tmp = tmp_path_factory.mktemp("ray4")
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(tmp))
-    holder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ray_holder.py")), str(GPUS), str(tmp)],
-                              cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              start_new_session=True, text=True)
-    try:
-        assert holder.stdout is not None
-        yield json.loads(holder.stdout.readline())["address"]
-    finally:
-        if holder.stdin is not None:
-            holder.stdin.close()
-        try:
-            holder.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(holder.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        holder.wait(timeout=30)
+    with ray_holder(GPUS, tmp, dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(tmp))) as address:
+        yield address
 
 
 def vllm_servers(root: Path) -> list[int]:
