@@ -328,10 +328,12 @@ def job(tmp_path: Path, ray4: str, request: pytest.FixtureRequest) -> Iterator[d
     finally:
         stop_everything(ws["run_dir"], started)
         for pid in vllm_servers(ws["root"]):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            # a server orphaned by a killed controller need not lead a process group: kill it by pid too
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
 
 def run_harness(ws: dict[str, Any], *extra: str) -> Harness:
