@@ -4,14 +4,21 @@ servers and real Ray (logical GPUs), with a steady request stream running throug
 
     python benchmarks/reconfigure.py --out benchmarks/results/reconfigure.json
 
-The job is the rollout side of a running job as tests/integration/controller/test_reconfigure_pool.py
-drives it (its `Rig`: desired-state store, member tracker, executor, control loop; no training pool, so
-every GPU beside the rollout instances is spare). Weights v1 are published through the executor's weight
+The job is the rollout side of a running job as the controller integration tests drive it (the `Rig` of
+tests/integration/controller/reconfigure_rig.py: desired-state store, member tracker, executor, control
+loop; no training pool, so every GPU beside the rollout instances is spare). Weights v1 are published through the executor's weight
 gate first, so every new instance must be given them before it serves. The strategies run one after the
 other on the same pool: diff, restart_all, blue_green, prewarm (its switch is triggered once the standby
 set is loaded and on current weights), then cluster_swap. `runtime_drain_before_reconfigure` is on; then
 restart_all runs the same change again with it off (serving instances are stopped by aborting their
-requests, which the stream requeues), in `abort_instead_of_drain`.
+requests, which the stream requeues), in `abort_instead_of_drain`. Last, the rollout TP changes on the same
+2 instances: TP 1 -> 2 by blue_green, then TP 2 -> 1 by diff, in `tp_change` (a key of its own, so
+`strategies` keeps the shape the count change is compared by).
+
+`--trace-dir DIR` keeps the run's phase trace there: the controller's and each instance's files, the
+executor's actions on the pool as `reconfigure.*` spans, the stream's `rollout.generate` spans, and one
+`reconfigure.change` span per change (attrs strategy, change, drain; prewarm's trigger time). The pictures of
+cluster_manual/elastic_runtime.md are drawn from it by scripts/draw_reconfigure_timelines.py.
 
 During each change a sampler records the pool's instance table every 0.1 s and a stream keeps
 `--concurrency` requests in flight (one prompt each, n=2, 8 new tokens); a request aborted by a non-drained
@@ -34,13 +41,14 @@ every prompt is kept. The change's figures (benchmarks/reconfigure_accounting.py
 Shape written:
   {"strategies": {NAME: {"grow_2_to_3": {figures}, "shrink_3_to_2": {figures}}},
    "abort_instead_of_drain": {"restart_all": {"grow_2_to_3": {figures}, "shrink_3_to_2": {figures}}},
+   "tp_change": {"blue_green": {"tp_1_to_2": {figures}}, "diff": {"tp_2_to_1": {figures}}},
    "targets": {...}, "targets_met": {NAME: {"grow_2_to_3": {target: bool}, ...}}, "all_targets_met": bool,
    "setup": {...}, "not_covered": [...]}
-cluster_swap is not measured: with spare GPUs it plans exactly as blue_green, and without them its first
-action (shrink the training pool) is not implemented. The benchmark asks for it on the same pool with the
-GPUs beyond the running instances withheld, and records {"refused": true, "error": <the action's error>}
-for the grow (the request is then withdrawn; no instance is touched); the shrink is then not asked, and
-its entry says so.
+cluster_swap is not measured: with spare GPUs it plans exactly as blue_green, and without them it shrinks
+the training pool, which this rollout-only job has not. The benchmark asks for it on the same pool with the
+GPUs beyond the running instances withheld, and records {"refused": true, "error": ..., "stage": "request"
+or "execution"} for the grow (a request accepted is then withdrawn; no instance is touched); the shrink is
+then not asked, and its entry says so.
 """
 
 from __future__ import annotations
@@ -56,8 +64,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,23 +82,12 @@ from reconfigure_accounting import (  # noqa: E402
 )
 
 from libra.cluster.ray_runtime import RayRuntime  # noqa: E402
-from libra.config.mapping import config_with, tiny_model_spec  # noqa: E402
-from libra.config.sections import TinyModelConfig  # noqa: E402
-from libra.controller.control_loop import ControlLoop  # noqa: E402
-from libra.controller.desired_store import DesiredStore  # noqa: E402
-from libra.controller.events import EventLog  # noqa: E402
-from libra.controller.executor import Executor  # noqa: E402
-from libra.controller.gate import WeightsRef  # noqa: E402
 from libra.controller.members import MemberState  # noqa: E402
-from libra.controller.pools import RolloutPoolEdge, rollout_fingerprint  # noqa: E402
-from libra.controller.reconfigure import ReconfigureLimits, finish_if_converged, trigger_switch  # noqa: E402
-from libra.controller.state import ROLLOUT, DesiredState, ObservedState, TrainLayout  # noqa: E402
-from libra.models.tiny import build_tiny_model  # noqa: E402
+from libra.controller.reconfigure import trigger_switch  # noqa: E402
+from libra.controller.state import ROLLOUT  # noqa: E402
+from libra.observability.phase_trace import get_tracer, now_ns  # noqa: E402
 from libra.rollout.pool import RolloutPool, is_requeueable  # noqa: E402
-from libra.rollout.weights_checksum import checksum_hf_weights  # noqa: E402
-from libra.run_dir import RunDir  # noqa: E402
-from planner.model_spec import load_model_spec  # noqa: E402
-from tests.integration.controller.test_reconfigure_pool import NoTraining, Rig  # noqa: E402
+from tests.integration.controller.reconfigure_rig import Rig, RigShape, build_rig, running  # noqa: E402
 
 LOGICAL_GPUS = 8  # blue_green's green set (3) beside the blue one (2) fits
 KV_CACHE_BYTES = 64 * 2**20  # sized explicitly: vLLM-CPU's default takes gigabytes per server
@@ -99,6 +95,9 @@ CHANGE_TIMEOUT_S = 600.0
 SAMPLE_S = 0.1
 STRATEGIES = ("diff", "restart_all", "blue_green", "prewarm", "cluster_swap")
 CHANGES = (("grow_2_to_3", 3), ("shrink_3_to_2", 2))
+# the TP change after the count changes, on the same 2 instances: TP 1 -> 2 by one strategy, then back
+TP_CHANGES = (("blue_green", "tp_1_to_2", 2), ("diff", "tp_2_to_1", 1))
+DIFF_TOUCHES = {"grow_2_to_3": (1, 0, 2), "shrink_3_to_2": (0, 1, 2)}  # started, stopped, unchanged
 TARGETS = {
     "blue_green": "rollout_unavailable_s == 0 and requests_failed == 0",
     "prewarm": "rollout_unavailable_s == 0 and requests_failed == 0",
@@ -111,61 +110,12 @@ NOT_COVERED = [
     "cores, so a server start takes tens of seconds and more instances give no speed-up; switch_s is dominated "
     "by server starts and says nothing about a GPU cluster's start times, only about the order of strategies",
     "gpu_idle_s counts logical GPUs (Ray resources), not accelerator time",
-    "cluster_swap is not measured: the training side of a swap (shrinking the training pool) is not implemented "
-    "yet; its entry records the refusal and the error text",
+    "cluster_swap is not measured: it also changes the training pool, which this rollout-only job has not; its "
+    "entry records the refusal and the error text",
     "the rollout pool alone (no training pool, no learning curve): the figures are the rollout side of a switch",
-    "one change size (2 <-> 3 instances of TP 1) and no TP change; the abort path (drain before stop off) is "
-    "measured for restart_all only",
+    "one change size (2 <-> 3 instances of TP 1) and one TP change (2 instances, TP 1 -> 2 by blue_green, back "
+    "by diff); the abort path (drain before stop off) is measured for restart_all only",
 ]
-
-
-def build_rig(runtime: RayRuntime, root: Path) -> Rig:
-    """The rollout side of a job with 2 instances of TP 1 on `LOGICAL_GPUS` logical GPUs, as the
-    integration test builds it (KV cache sized for the benchmark)."""
-    run = RunDir.at(root / "run").create()
-    # head_dim 32: vLLM-CPU's attention has no kernel for head_dim 16
-    model_dir = build_tiny_model(str(root / "model"), tiny_model_spec(TinyModelConfig(
-        arch="llama", hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128,
-        max_position_embeddings=256, init_std=0.02, seed=0)))
-    cfg = config_with(model_dir, max_model_len=256, rollout_port_base=0, rollout_enforce_eager=True,
-                      rollout_kv_cache_bytes=KV_CACHE_BYTES, rollout_weight_reload_method="inplace", seed=0,
-                      cluster={"num_nodes": 1, "gpus_per_node": LOGICAL_GPUS, "gpu_type": "cpu-logical",
-                               "logical_gpus": True},
-                      global_resource_planner={"runtime_dynamic_reconfiguration_enabled": True})
-    events = EventLog(run.events_jsonl)
-    from libra.controller.tracker import MemberTracker
-
-    tracker = MemberTracker(events)
-    edge = RolloutPoolEdge(cfg, run, runtime)
-    executor = Executor(tracker, edge, NoTraining(), events)
-    store = DesiredStore(run.desired_state_json, DesiredState(
-        rollout_instances=2, rollout_tp=1, train_gpus=0, train_layout=TrainLayout(), generation=1,
-        rollout_fingerprint=rollout_fingerprint(cfg, run, 1), cluster_gpus=LOGICAL_GPUS))
-
-    def on_observed(observed: ObservedState, desired: DesiredState) -> None:
-        done = finish_if_converged(observed, desired)
-        if done is not None and store.replace_if(desired, done):
-            events.emit("reconfigure_done", desired.reconfiguring)
-
-    loop = ControlLoop(tracker, executor, edge, NoTraining(), store.get, events, interval_s=0.2,
-                       on_observed=on_observed)
-    limits = ReconfigureLimits(enabled=True, cluster_swap_enabled=True, gpus_per_node=LOGICAL_GPUS,
-                               model=load_model_spec(model_dir), drain_before_stop=True,
-                               fingerprint_for=lambda tp: rollout_fingerprint(cfg, run, tp))
-    return Rig(edge, tracker, executor, loop, store, events, limits)
-
-
-@contextmanager
-def running(rig: Rig) -> Iterator[Rig]:
-    rig.loop.start()
-    try:
-        yield rig
-    finally:
-        rig.loop.stop()
-        rig.executor.wait_idle(300)
-        rig.executor.shutdown()
-        if rig.edge.pool is not None:
-            rig.edge.pool.shutdown()
 
 
 class Sampler:
@@ -232,17 +182,23 @@ class PromptStream:
 
     async def _worker(self) -> None:
         while (prompt := self._take()) is not None:
+            started = now_ns()
             try:
                 await self.pool.generate([5 + prompt % 50, 6, 7, 8], n=2, max_new_tokens=8, temperature=1.0,
                                          seed=prompt)
                 self.outcomes[prompt].append(COMPLETED)
+                outcome = COMPLETED
             except Exception as exc:  # every outcome is counted, none escapes
                 if is_requeueable(exc):
                     self.outcomes[prompt].append(REQUEUED)
                     self._requeued.append(prompt)
+                    outcome = REQUEUED
                 else:
                     self.outcomes[prompt].append(FAILED)
                     self.errors.append(f"prompt {prompt}: {type(exc).__name__}: {exc}")
+                    outcome = FAILED
+            # the request as the picture shows it (the pool traces batches, not single requests)
+            get_tracer().record("rollout.generate", started, now_ns(), prompt=prompt, outcome=outcome)
 
     async def _run(self) -> None:
         await asyncio.gather(*(self._worker() for _ in range(self.concurrency)))
@@ -280,22 +236,28 @@ def standby_ready(rig: Rig) -> bool:
         m.weight_version == desired.publish_version and not m.busy for m in standby)
 
 
-def measure_change(rig: Rig, strategy: str, instances: int, concurrency: int) -> dict[str, Any]:
+def measure_change(rig: Rig, strategy: str, change: str, instances: int | None, concurrency: int,
+                   tp: int | None = None) -> dict[str, Any]:
+    """Figures of one change with the stream running through it; in the phase trace, one
+    `reconfigure.change` span from the request to done (attrs: strategy, change, and prewarm's trigger)."""
     pool = rig.edge.pool
     assert pool is not None
     with Sampler(rig) as sampler, PromptStream(pool, concurrency) as stream:
         time.sleep(2.0)  # the stream runs before the switch
-        requested = time.monotonic()
-        rig.request(instances, strategy)
+        requested, requested_ns = time.monotonic(), now_ns()
+        rig.request(instances, strategy, tp=tp)
         switch_from = requested
         prewarm_s = None
+        trace_attrs: dict[str, Any] = {"strategy": strategy, "change": change, "drain": rig.limits.drain_before_stop}
         if strategy == "prewarm":
             wait_for("prewarmed standby set", lambda: standby_ready(rig), rig)
             switch_from = time.monotonic()
             prewarm_s = switch_from - requested
+            trace_attrs["trigger_ns"] = now_ns()
             rig.store.change(trigger_switch)
         rig.wait_done(CHANGE_TIMEOUT_S)
         done = time.monotonic()
+        get_tracer().record("reconfigure.change", requested_ns, now_ns(), **trace_attrs)
         sampler.sample()
         time.sleep(1.0)  # and after it
     pool_figures = pool_accounting(sampler.samples, requested, done)
@@ -358,8 +320,8 @@ def check_targets(name: str, change: str, f: dict[str, Any]) -> dict[str, bool]:
     if name in ("blue_green", "prewarm"):
         met["rollout_unavailable_s == 0"] = f["rollout_unavailable_s"] == 0
         met["requests_failed == 0"] = f["requests_failed"] == 0
-    if name == "diff":
-        want = (1, 0, 2) if change == "grow_2_to_3" else (0, 1, 2)
+    if name == "diff" and change in DIFF_TOUCHES:
+        want = DIFF_TOUCHES[change]
         met["only changed instances"] = (
             f["instances_started"], f["instances_stopped"], f["instances_unchanged"]) == want
     return met
@@ -372,6 +334,11 @@ def main() -> None:
     parser.add_argument("--no-abort-pass", dest="abort_pass", action="store_false",
                         help="skip restart_all once more with runtime_drain_before_reconfigure off")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset, in order")
+    parser.add_argument("--no-tp-change", dest="tp_change", action="store_false",
+                        help="skip the TP changes (2 instances TP 1 -> 2 by blue_green, then TP 2 -> 1 by diff)")
+    parser.add_argument("--trace-dir", type=Path, default=None,
+                        help="keep the run's phase trace in this directory (one reconfigure.change span per "
+                             "change; draw it with scripts/draw_reconfigure_timelines.py)")
     args = parser.parse_args()
     names = [s for s in args.strategies.split(",") if s]
     unknown = sorted(set(names) - set(STRATEGIES))
@@ -382,16 +349,14 @@ def main() -> None:
                                namespace="libra-bench-reconfigure")
     results: dict[str, Any] = {}
     aborted: dict[str, Any] = {}
+    tp_changes: dict[str, Any] = {}
     started = time.monotonic()
+    shape = RigShape(gpus_per_node=LOGICAL_GPUS, instances=2, kv_cache_bytes=KV_CACHE_BYTES,
+                     cluster_swap_enabled=True, tick_s=0.2)
     try:
-        with running(build_rig(runtime, tmp)) as rig:
-            wait_for("2 READY serving instances", lambda: sum(
-                1 for m in rig.tracker.members(ROLLOUT) if m.state == MemberState.READY and m.serving) == 2, rig)
-            pool = rig.edge.pool
-            assert pool is not None
-            weights = WeightsRef(1, str(Path(pool.spec.model_path)), checksum_hf_weights(pool.spec.model_path))
-            rig.executor.publish_weights(weights)
-            rig.store.update(weight_version=1)
+        with running(build_rig(runtime, tmp, shape, trace_dir=args.trace_dir)) as rig:
+            wait_for("2 READY serving instances", lambda: rig.ready_serving() == 2, rig)
+            rig.publish(1)
             for name in names:
                 results[name] = {}
                 rig.limits = dataclasses.replace(rig.limits, drain_before_stop=True)
@@ -404,7 +369,8 @@ def main() -> None:
                     elif name == "cluster_swap":
                         results[name][change] = cluster_swap_refusal(rig, instances)
                     else:
-                        results[name][change] = measure_change(rig, name, instances, args.concurrency)
+                        results[name][change] = measure_change(rig, name, change, instances,
+                                                               args.concurrency)
                     print(f"    {results[name][change]}", flush=True)
             if args.abort_pass:
                 # the same change once more with serving instances stopped by abort: their requests requeue
@@ -412,8 +378,15 @@ def main() -> None:
                 aborted["restart_all"] = {}
                 for change, instances in CHANGES:
                     print(f"[{time.monotonic() - started:6.0f} s] restart_all (abort) {change}", flush=True)
-                    aborted["restart_all"][change] = measure_change(rig, "restart_all", instances, args.concurrency)
+                    aborted["restart_all"][change] = measure_change(rig, "restart_all", change, instances,
+                                                                    args.concurrency)
                     print(f"    {aborted['restart_all'][change]}", flush=True)
+            if args.tp_change:
+                rig.limits = dataclasses.replace(rig.limits, drain_before_stop=True)
+                for name, change, tp in TP_CHANGES:
+                    print(f"[{time.monotonic() - started:6.0f} s] {name} {change}", flush=True)
+                    tp_changes[name] = {change: measure_change(rig, name, change, None, args.concurrency, tp=tp)}
+                    print(f"    {tp_changes[name][change]}", flush=True)
     finally:
         runtime.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -422,13 +395,18 @@ def main() -> None:
     targets_met.update({f"{name} (abort)": {change: check_targets(name, change, figures)
                                              for change, figures in changes.items()}
                         for name, changes in aborted.items()})
+    targets_met.update({f"{name} (tp)": {change: check_targets(name, change, figures)
+                                          for change, figures in changes.items()}
+                        for name, changes in tp_changes.items()})
     out = {
         "strategies": results,
         "abort_instead_of_drain": aborted,
+        "tp_change": tp_changes,
         "targets": TARGETS,
         "targets_met": targets_met,
         "all_targets_met": all(all(m.values()) for changes in targets_met.values() for m in changes.values()),
         "setup": {"logical_gpus": LOGICAL_GPUS, "rollout_tp": 1, "kv_cache_bytes": KV_CACHE_BYTES,
+                  "tp_change": [f"{change} by {name}" for name, change, _ in TP_CHANGES] if args.tp_change else [],
                   "drain_before_stop": True, "request_concurrency": args.concurrency,
                   "request": "1 prompt of 4 tokens, n=2, 8 new tokens", "sample_interval_s": SAMPLE_S,
                   "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",

@@ -52,6 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from libra.cluster.ray_runtime import RayRuntime  # noqa: E402
+from libra.metering.spec import OFF as METERING_OFF  # noqa: E402
 from libra.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
 from libra.rollout.pool import RolloutPool, stop_registered_servers  # noqa: E402
 from libra.rollout.reload import ReloadReport  # noqa: E402
@@ -184,7 +185,7 @@ def run_case(runtime: Any, work: str, case: Case, args: argparse.Namespace) -> d
         model_path=models[0][0], num_instances=1, tp_size=1, max_model_len=512, kv_cache_bytes=KV_CACHE_BYTES,
         port_base=0, enforce_eager=True, manage_processes=True, endpoints=(), reload_method="inplace",
         reload_strategy="parallel", max_concurrent_requests=64, seed=0, gpu_memory_utilization=0.5,
-        run_dir=run_dir,
+        metering=METERING_OFF, run_dir=run_dir,
     )  # fmt: skip
     pool = RolloutPool(runtime, spec)
     reports: dict[str, list[ReloadReport]] = {"inplace-parallel": [], "restart-parallel": []}

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -229,3 +230,17 @@ def truncate_jsonl_after_step(path: Path, step: int) -> int:
             fh.write(json.dumps(row, sort_keys=True, default=str) + "\n")
     os.replace(tmp, path)
     return len(rows) - len(kept)
+
+
+def process_alive_here(pid: object, host: object) -> bool | None:
+    """Whether process `pid` (as a run directory records it, with the `host` it ran on) still runs; None when
+    it ran on another host or no pid is recorded (only a connection can tell then)."""
+    if not isinstance(pid, int) or host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -2,7 +2,7 @@
 
 Loads and validates the configuration (errors: exit 2), then runs the controller until the job is done,
 interrupted (Ctrl-C / SIGTERM: the current step finishes, a checkpoint is saved, every server and worker
-is stopped; exit 130) or failed (exit 1). Launching on a run directory that already holds a run resumes it
+is stopped; exit 130), drained (`libra drain`: the same after the step in flight, exit 0) or failed (exit 1). Launching on a run directory that already holds a run resumes it
 from its newest checkpoint.
 """
 
@@ -78,4 +78,4 @@ def run(args: argparse.Namespace) -> int:
     if result.outcome == "interrupted":
         print(f"libra: resume with: libra launch {args.config} --run-dir {run_dir.root}", flush=True)
         return EXIT_INTERRUPTED
-    return EXIT_OK if result.outcome == "finished" else EXIT_FAILED
+    return EXIT_OK if result.outcome in ("finished", "drained") else EXIT_FAILED

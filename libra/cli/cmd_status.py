@@ -1,7 +1,10 @@
-"""`libra status RUN_DIR [--events N] [--json]`: where a run stands, read from its run directory.
+"""`libra status RUN_DIR [--events N] [--json]`: where a run stands.
 
 Works while the job runs and after it ended (or died): state, step, reward, pools, checkpoints and the last
-controller events, from `status.json`, `metrics.jsonl`, `events.jsonl` and `checkpoints/`.
+controller events, from `status.json`, `metrics.jsonl`, `events.jsonl` and `checkpoints/`. While the job runs,
+state, step, the pools (`rollout_gpus`, `rollout_instances`, `rollout_tp_size`, `train_gpus`, `train_layout`)
+and `last_reconfiguration` come from its operator API (`live: true`); otherwise from `desired_state.json` and
+the event log.
 """
 
 from __future__ import annotations
@@ -9,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from typing import Any
@@ -31,19 +33,13 @@ def register(subparsers: Any) -> None:
 
 def _process_alive(status: dict[str, Any]) -> bool | None:
     """Whether the controller process still runs (None when it ran on another host)."""
-    pid = status.get("pid")
-    if not isinstance(pid, int) or status.get("host") != socket.gethostname():
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    from libra.run_dir import process_alive_here
+
+    return process_alive_here(status.get("pid"), status.get("host"))
 
 
 def collect(run_dir: str, events: int) -> dict[str, Any]:
+    from libra.api.status import run_dir_fields
     from libra.run_dir import RunDir
 
     run = RunDir.at(run_dir)
@@ -70,7 +66,22 @@ def collect(run_dir: str, events: int) -> dict[str, Any]:
         "checkpoints": checkpoints,
         "error": status.get("error", ""),
         "events": run.tail_events(events),
+        "live": False,
+        **run_dir_fields(run),
     }
+
+
+def live_fields(run_dir: str) -> dict[str, Any] | None:
+    """State, step, pools and last reconfiguration from the running job's operator API (None: not running)."""
+    from libra.api.auth import TokenUnreadable
+    from libra.api.client import JobNotRunning, OperatorClient
+
+    try:
+        with OperatorClient.for_run_dir(run_dir, timeout_s=10) as client:
+            reply = client.status()
+    except (JobNotRunning, TokenUnreadable):
+        return None
+    return {**json.loads(reply.status_json), "live": True}
 
 
 def _format(info: dict[str, Any]) -> list[str]:
@@ -81,7 +92,8 @@ def _format(info: dict[str, Any]) -> list[str]:
     if isinstance(info.get("updated_at"), int | float):
         age = f", updated {time.time() - info['updated_at']:.0f}s ago"
     pid = f", pid {info['pid']}" if info.get("pid") else ""
-    lines.append(f"run {info['name']} ({info['run_dir']}): {info['state']}{pid}{age}")
+    source = " (live)" if info.get("live") else ""
+    lines.append(f"run {info['name']} ({info['run_dir']}): {info['state']}{source}{pid}{age}")
     if info.get("error"):
         lines.append(f"error: {info['error']}")
     row = info.get("last_row") or {}
@@ -91,6 +103,16 @@ def _format(info: dict[str, Any]) -> list[str]:
         lines.append(f"step {info['step']}/{info.get('total_steps') or '?'} (no training step finished yet)")
     if info.get("best_reward") is not None:
         lines.append(f"best batch reward {info['best_reward']:.3f}")
+    if info.get("rollout_gpus") is not None:
+        lines.append(f"split: rollout {info['rollout_instances']} x TP{info['rollout_tp_size']} "
+                     f"({info['rollout_gpus']} GPUs), train {info['train_gpus']} GPUs {info['train_layout']}"
+                     + (f"; reconfiguring: {info['reconfiguring']}" if info.get("reconfiguring") else ""))
+    last = info.get("last_reconfiguration")
+    if last:
+        seconds = (last.get("timings") or {}).get("seconds")
+        took = f" in {seconds:.1f}s" if isinstance(seconds, int | float) else ""
+        request = " ".join(last["request"]) if isinstance(last.get("request"), list) else last.get("request")
+        lines.append(f"last reconfiguration: {request} by {last.get('strategy') or '?'}: {last.get('state')}{took}")
     for name, pool in (info.get("pools") or {}).items():
         members = ", ".join(f"{k} {v}" for k, v in sorted((pool.get("members") or {}).items()))
         extra = pool.get("layout") or f"{pool.get('desired_instances', '?')} instances wanted"
@@ -117,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
               "directory a `libra launch` wrote, e.g. runs/dev", file=sys.stderr)
         return EXIT_INVALID
     info = collect(args.run_dir, args.events)
+    live = live_fields(args.run_dir)
+    if live is not None:
+        info.update(live)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:

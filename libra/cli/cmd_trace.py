@@ -1,4 +1,5 @@
-"""`libra trace convert|summary|diff|plot`: phase traces to Perfetto JSON, tables, comparisons, pictures.
+"""`libra trace convert|summary|diff|plot|timeline`: phase traces to Perfetto JSON, tables, comparisons,
+pictures (the pools' Gantt, the rollout instances through reconfigurations).
 
 Exit codes: 0 success; 1 only for `diff --fail-on-regression` when a phase regressed; 2 bad input (missing
 trace, no trace files, bad option value).
@@ -15,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from libra.observability import trace_analysis, trace_convert
+from libra.observability import trace_analysis, trace_convert, trace_timeline
 from libra.observability.trace_analysis import PhaseDiff, TraceSummary
 
 EXIT_OK, EXIT_REGRESSION, EXIT_USAGE = 0, 1, 2
@@ -49,6 +50,18 @@ def register(subparsers: Any) -> None:
     plot.add_argument("-o", "--output", required=True, help="output image file, e.g. timeline.png")
     plot.add_argument("--title", default=None)
     plot.set_defaults(func=_guard(_plot))
+
+    timeline = sub.add_parser("timeline", help="draw the rollout instances' lifecycles through reconfigurations",
+                              description="One row per rollout instance (starting, up, serving, draining, loading "
+                                          "weights) and the requests in flight, one column per reconfigure.change "
+                                          "span that every --match selects (the whole trace without such spans).")
+    timeline.add_argument("trace", help="trace directory (or run directory with traces/)")
+    timeline.add_argument("-o", "--out", required=True, help="output image file, e.g. blue_green.png")
+    timeline.add_argument("--match", action="append", default=[], metavar="KEY=VALUE",
+                          help="keep the changes whose attribute KEY is VALUE, e.g. strategy=blue_green (repeatable)")
+    timeline.add_argument("--margin", type=float, default=5.0, help="seconds drawn before and after each change")
+    timeline.add_argument("--title", default=None)
+    timeline.set_defaults(func=_guard(_timeline))
 
 
 def _guard(func: Any) -> Any:
@@ -150,6 +163,19 @@ def _print_diff(rows: list[PhaseDiff], threshold: float, per_step: bool) -> None
     console.print(table)
     regressed = [r.name for r in rows if r.regressed]
     console.print(f"{len(regressed)} regression(s)" + (f": {', '.join(regressed)}" if regressed else ""))
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    match = {}
+    for item in args.match:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--match {item!r}: write KEY=VALUE, e.g. strategy=blue_green")
+        match[key] = value
+    info = trace_timeline.render_timeline(args.trace, args.out, match=match, margin_s=args.margin, title=args.title)
+    print(f"wrote {info['output']}: {len(info['rows'])} instances, columns {', '.join(info['columns'])}, "
+          f"{info['failed_requests']} failed request(s)")
+    return EXIT_OK
 
 
 def _plot(args: argparse.Namespace) -> int:

@@ -12,7 +12,8 @@ import importlib
 import sys
 import traceback
 
-COMMANDS = ("launch", "plan", "validate", "trace", "status", "reconfigure")
+COMMANDS = ("launch", "plan", "validate", "trace", "status", "reconfigure", "pause", "resume", "drain", "events",
+            "simulate")
 
 EXIT_OK = 0
 EXIT_ERROR = 1

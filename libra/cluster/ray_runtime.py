@@ -32,6 +32,7 @@ class RayRuntime:
     namespace: str
     tmp_dir: str = ""
     _placement_groups: list[PlacementGroup] = field(default_factory=list)
+    _local_nodes: Any = None  # the `ray.cluster_utils.Cluster` of `start_nodes`, stopped by `shutdown`
 
     @classmethod
     def start(
@@ -66,6 +67,64 @@ class RayRuntime:
         )
         log.info("started local Ray with %d logical GPUs at %s", num_gpus, ctx.address_info["gcs_address"])
         return cls(address=ctx.address_info["gcs_address"], owned=True, namespace=namespace, tmp_dir=tmp)
+
+    @classmethod
+    def start_nodes(
+        cls,
+        *,
+        num_nodes: int,
+        gpus_per_node: int,
+        cpus_per_node: int | None = None,
+        namespace: str = "libra",
+        tmp_dir: str | None = None,
+        object_store_bytes: int = 128 * 1024**2,
+    ) -> RayRuntime:
+        """Start a local cluster of `num_nodes` Ray nodes (a head and workers, each its own raylet) with
+        `gpus_per_node` logical GPUs each, and join it: on one machine, placement groups and actors spread
+        over nodes as on a real multi-node cluster. Stopped by `shutdown`."""
+        if num_nodes < 1 or gpus_per_node < 0:
+            raise ValueError(f"num_nodes={num_nodes}, gpus_per_node={gpus_per_node}: need at least one node "
+                             "and a non-negative GPU count")
+        if ray.is_initialized():
+            raise RuntimeError("this process is already connected to Ray; call shutdown() on that runtime first")
+        from ray.cluster_utils import Cluster
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        tmp = tmp_dir or tempfile.mkdtemp(prefix="libra-ray-")
+        os.makedirs(tmp, exist_ok=True)
+        os.environ["RAY_TMPDIR"] = tmp
+        cpus = cpus_per_node if cpus_per_node is not None else max(2 * gpus_per_node, 4)
+        node_args: dict[str, Any] = {"num_gpus": gpus_per_node, "num_cpus": cpus,
+                                     "object_store_memory": object_store_bytes}
+        # the cluster's files go where Ray looks for them under RAY_TMPDIR (its address file among them)
+        session_root = os.path.join(tmp, "ray")
+        os.makedirs(session_root, exist_ok=True)
+        nodes = Cluster(initialize_head=True, head_node_args={**node_args, "temp_dir": session_root,
+                                                              "include_dashboard": False})
+        try:
+            for _ in range(num_nodes - 1):
+                nodes.add_node(**node_args)
+            nodes.wait_for_nodes()
+            ray.init(address=nodes.address, namespace=namespace, log_to_driver=False)
+        except BaseException:
+            nodes.shutdown()
+            raise
+        log.info("started a local Ray cluster of %d nodes x %d logical GPUs at %s", num_nodes, gpus_per_node,
+                 nodes.address)
+        return cls(address=nodes.address, owned=True, namespace=namespace, tmp_dir=tmp, _local_nodes=nodes)
+
+    @staticmethod
+    def node_gpus() -> dict[str, tuple[int, int]]:
+        """Per alive node (by node id): (logical GPUs, GPUs in use)."""
+        totals = {n["NodeID"]: int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"]}
+        used = dict.fromkeys(totals, 0.0)
+        for pg in ray.util.placement_group_table().values():
+            if pg.get("state") != "CREATED":
+                continue
+            for index, node in (pg.get("bundles_to_node_id") or {}).items():
+                if node in used:
+                    used[node] += float(pg["bundles"][index].get("GPU", 0))
+        return {node: (total, int(used[node])) for node, total in totals.items()}
 
     def placement_group(
         self, bundles: Sequence[dict[str, float]], strategy: str = "PACK", name: str = ""
@@ -131,13 +190,17 @@ class RayRuntime:
     def cluster_gpus() -> int:
         return int(ray.cluster_resources().get("GPU", 0))
 
-    def shutdown(self) -> None:
-        """Release placement groups; stop Ray only when Libra started it."""
+    def shutdown(self, *, disconnect: bool = False) -> None:
+        """Release placement groups; stop Ray only when Libra started it. `disconnect`: also leave a cluster
+        Libra joined (it keeps running), so that this process can join another one."""
         for pg in list(self._placement_groups):
             try:
                 remove_placement_group(pg)
             except Exception as exc:
                 log.debug("remove placement group: %s", exc)
         self._placement_groups.clear()
-        if self.owned and ray.is_initialized():
+        if (self.owned or disconnect) and ray.is_initialized():
             ray.shutdown()
+        if self._local_nodes is not None:
+            self._local_nodes.shutdown()
+            self._local_nodes = None

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 from libra.config.context import Finding, RuleContext
 from libra.config.errors import MISSING_VALUE
+from libra.data.drift_task import DRIFT_PARAMS
 from libra.data.preflight import PromptDemand, check_tokenizer_dir, preflight_task
 from libra.data.prompt import UNSET, TaskError
 from libra.data.registry import TaskSpec
@@ -30,6 +31,16 @@ def task_builds(c: RuleContext) -> Iterator[Finding]:
     err = preflight_task(TaskSpec.from_config(task), PromptDemand(c.cfg.batch_size, task.eval_interval))
     if err is not None:
         yield _finding(err, "task")
+
+
+def drift_budget_fits(c: RuleContext) -> Iterator[Finding]:
+    """The drifting task's largest response budget is one the job allows (it would be cut silently)."""
+    task = c.cfg.task
+    end = task.params.get("end_tokens", DRIFT_PARAMS["end_tokens"])
+    if task.name == "drift" and isinstance(end, int) and end > c.cfg.max_new_tokens:
+        yield Finding("task.params.end_tokens", f"asks for responses of up to {end} tokens, but max_new_tokens is "
+                      f"{c.cfg.max_new_tokens}", f"set max_new_tokens to at least {end}, or lower end_tokens",
+                      value=end)
 
 
 def tokenizer_readable(c: RuleContext) -> Iterator[Finding]:

@@ -30,20 +30,14 @@ class Unwired:
 # `global_resource_planner` options that have no effect until the elastic runtime wires them. Each is refused
 # as Not implemented when set to anything but its default (its rule id is `unwired.<option>`); the change that
 # wires an option removes its entry here and its rule. runtime_manage_rollout_processes,
-# runtime_batch_collection_timeout_s / _max_retries and runtime_drain_before_reconfigure act today and are not
-# listed.
+# runtime_batch_collection_timeout_s / _max_retries, runtime_drain_before_reconfigure,
+# runtime_dynamic_reconfiguration_enabled and runtime_rollout_reconfigure_strategy (a running job is
+# reconfigured through the operator API, `libra reconfigure`), runtime_reconfigure_training,
+# runtime_training_pool_plan_only (training targets of such a request) and runtime_cluster_swap_enabled
+# (strategy cluster_swap) act today and are not listed.
 UNWIRED: tuple[Unwired, ...] = (
-    Unwired("runtime_dynamic_reconfiguration_enabled", "resize the pools while the job runs",
-            "set it to false (the split and layout chosen at launch are kept for the whole job)"),
     Unwired("runtime_online_replanning", "re-plan from the observed rollout and training throughput",
             "set it to false (the launch plan is kept)"),
-    Unwired("runtime_rollout_reconfigure_strategy", "resize the rollout pool by a strategy other than diff",
-            "remove it (diff: the rollout pool only replaces failed instances)"),
-    Unwired("runtime_cluster_swap_enabled", "exchange GPUs between the rollout and the training pool",
-            "set it to false"),
-    Unwired("runtime_reconfigure_training", "change the training pool while the job runs", "set it to false"),
-    Unwired("runtime_training_pool_plan_only", "record training-pool changes in the event log",
-            "set it to false"),
     Unwired("decouple_communication_domains", "keep elastic gradient traffic off the core training DP group",
             "set it to false"),
     Unwired("elastic_hybrid_replica_size_gpus", "size the replicas of elastic hybrid parallelism",
@@ -136,7 +130,8 @@ def spare_gpus_for_strategy(c: RuleContext) -> Iterator[Finding]:
     if spare < cfg.rollout_tp_size:
         yield Finding(f"{GRP}.runtime_rollout_reconfigure_strategy",
                       f"{strategy} starts new rollout instances on spare GPUs first, but the pinned split leaves "
-                      f"{spare} spare GPU(s) (an instance needs rollout_tp_size = {cfg.rollout_tp_size})",
+                      f"{spare} spare GPU(s) (an instance needs rollout_tp_size = {cfg.rollout_tp_size}), so every "
+                      f"reconfiguration falls back to diff (event strategy_fallback)",
                       "leave at least one instance's GPUs free, or use diff or cluster_swap")
 
 

@@ -28,6 +28,7 @@ ROLLOUT = "RolloutPoolSpec"
 RL_LOOP = "reads libra.controller.rl_loop:RLLoop"
 CONTROLLER = "reads libra.controller.controller:Controller"
 START_RAY = "reads libra.controller.bootstrap:start_ray"
+OPERATOR_API = "reads libra.api.server:start_operator_api"
 GRP = "global_resource_planner."
 
 CONSUMERS: dict[str, tuple[str, ...]] = {
@@ -91,6 +92,8 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     "cluster.logical_gpus": ("PlannerInputs.train.attention_backend~",),
     "cluster.ray_address": (START_RAY,),
     "cluster.cpus_per_gpu": (START_RAY,),
+    "cluster.metered_cpu_per_gpu": (f"{TRAIN}.metering.cores_per_gpu", f"{ROLLOUT}.metering.cores_per_gpu"),
+    "cluster.metered_cgroup_root": (f"{TRAIN}.metering.cgroup_root", f"{ROLLOUT}.metering.cgroup_root"),
     **{f"cluster.gpu_spec.{name}": ("PlannerInputs.cluster.gpu~",) for name in (
         "name", "memory_gb", "bf16_dense_tflops", "hbm_tb_per_s", "intra_node_gb_per_s", "inter_node_gb_per_s")},
     # global_resource_planner
@@ -114,6 +117,11 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     f"{GRP}runtime_batch_collection_timeout_s": (RL_LOOP,),
     f"{GRP}runtime_batch_collection_max_retries": (RL_LOOP,),
     f"{GRP}runtime_drain_before_reconfigure": ("DesiredState.drain_before_stop",),
+    f"{GRP}runtime_dynamic_reconfiguration_enabled": (CONTROLLER,),
+    f"{GRP}runtime_rollout_reconfigure_strategy": ("DesiredState.reconfigure_strategy",),
+    f"{GRP}runtime_reconfigure_training": (CONTROLLER,),  # Controller.reconfigure_limits
+    f"{GRP}runtime_training_pool_plan_only": (CONTROLLER,),
+    f"{GRP}runtime_cluster_swap_enabled": ("DesiredState.cluster_swap_enabled", CONTROLLER),
     f"{GRP}elastic_hybrid_max_workers": ("rule options.deprecated",),
     **{f"{GRP}{u.option}": (f"rule unwired.{u.option}",) for u in UNWIRED},
     # algorithm
@@ -148,6 +156,10 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     "tracking.backends": (CONTROLLER,),
     "tracking.prometheus_port": (CONTROLLER,),
     "tracking.console": (CONTROLLER,),
+    "tracking.prometheus_bind_address": (CONTROLLER,),
+    # operator API
+    **{f"operator_api.{name}": (OPERATOR_API,) for name in (
+        "enabled", "bind_address", "port", "tls_cert_path", "tls_key_path")},
     # tiny model
     "build_tiny_model.enabled": ("reads libra.controller.bootstrap:ensure_tiny_model",),
     **{f"build_tiny_model.{name}": (f"TinyModelSpec.{name}",) for name in (

@@ -2,8 +2,8 @@
 
 Each function below builds one runtime spec or planner input and names every field it fills: the training
 pool (`TrainingPoolSpec` with `AlgorithmSpec`, `OptimizerSpec`, `MegatronOptions`, `CheckpointRetention`),
-the rollout pool (`RolloutPoolSpec`), the tiny development model (`TinyModelSpec`) and the planner's
-`Workload`, `TrainOptions`, `RolloutOptions` and `MemoryBudget`. The runtime specs have no defaults of their
+the rollout pool (`RolloutPoolSpec`), the CPU slices of both (`CpuMetering`), the tiny development model
+(`TinyModelSpec`) and the planner's `Workload`, `TrainOptions`, `RolloutOptions` and `MemoryBudget`. The runtime specs have no defaults of their
 own for what a user can set, so an option cannot be dropped on the way without a type error; which option
 reaches which field is declared in `libra.config.consumers` and tested field by field.
 
@@ -14,10 +14,13 @@ for scripts and tests that build one pool directly.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 from typing import Any
 
 from libra.algo.spec import AlgorithmSpec, ISCorrectionSpec, RefKLSpec
 from libra.config.schema import AlgorithmConfig, CheckpointConfig, Config, OptimizerConfig, TinyModelConfig
+from libra.metering.spec import CpuMetering
 from libra.models.tiny import TinyModelSpec
 from libra.observability.phase_trace import TraceSettings
 from libra.rollout.spec import RolloutPoolSpec
@@ -113,6 +116,7 @@ def training_pool_spec(cfg: Config, num_gpus: int, layout: TrainLayout | None = 
         run_dir=run_dir,
         params_dtype=cfg.megatron_params_dtype,
         retention=checkpoint_retention(cfg.checkpoint),
+        metering=cpu_metering(cfg),
         trace=trace,
     )
 
@@ -139,8 +143,18 @@ def rollout_pool_spec(cfg: Config, num_instances: int, kv_cache_bytes: int, run_
         run_dir=run_dir,
         seed=cfg.seed,
         gpu_memory_utilization=cfg.rollout_gpu_memory_utilization,
+        metering=cpu_metering(cfg),
         trace=trace,
     )
+
+
+# ------------------------------------------------------------------------------------------ CPU metering
+def cpu_metering(cfg: Config) -> CpuMetering:
+    """`cluster.metered_cpu_per_gpu` / `metered_cgroup_root` -> the CPU slices of both pools' GPU holders,
+    named after the job and its run directory (two runs of one job name never touch each other's slices)."""
+    run = hashlib.sha1(os.path.abspath(cfg.run_dir or os.path.join("runs", cfg.name)).encode()).hexdigest()[:8]
+    return CpuMetering(cores_per_gpu=cfg.cluster.metered_cpu_per_gpu, job=f"{cfg.name}-{run}",
+                       cgroup_root=cfg.cluster.metered_cgroup_root)
 
 
 # ------------------------------------------------------------------------------------------ tiny model

@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from libra.config import checks_api as api
 from libra.config import checks_data as data
 from libra.config import checks_layout as lay
+from libra.config import checks_metering as meter
 from libra.config import checks_platform as plat
 from libra.config import checks_runtime as run
 from libra.config import checks_training as trn
@@ -181,9 +183,9 @@ RULES: tuple[Rule, ...] = (
     _r("runtime.plan_only_needs_training", INVALID, f"{P}runtime_training_pool_plan_only, "
        f"{P}runtime_reconfigure_training", "runtime_training_pool_plan_only needs runtime_reconfigure_training",
        run.plan_only_needs_training),
-    _r("runtime.spare_gpus", INVALID, f"{P}runtime_rollout_reconfigure_strategy, train_gpus, rollout_gpus, "
+    _r("runtime.spare_gpus", WARNING, f"{P}runtime_rollout_reconfigure_strategy, train_gpus, rollout_gpus, "
        "rollout_tp_size, cluster.num_nodes, cluster.gpus_per_node", "blue_green and prewarm with a pinned split "
-       "leave at least one rollout instance's GPUs free", run.spare_gpus_for_strategy),
+       "that leaves no rollout instance's GPUs free fall back to diff", run.spare_gpus_for_strategy),
     _r("runtime.strategy_ignored", WARNING, f"{P}runtime_rollout_reconfigure_strategy", "a rollout reconfigure "
        "strategy set while runtime reconfiguration is off is ignored", run.strategy_ignored),
     _r("runtime.replan_ignored", WARNING, f"{P}replan_interval_steps, {P}replan_min_gain", "re-planning options "
@@ -248,6 +250,15 @@ RULES: tuple[Rule, ...] = (
        plat.cpu_attention_head_dim),
     _r("cpu.memory_utilization_ignored", WARNING, "rollout_gpu_memory_utilization, cluster.logical_gpus",
        "rollout_gpu_memory_utilization is ignored on logical GPUs", plat.cpu_memory_utilization_ignored),
+    _r("cpu.metered_logical", INVALID, "cluster.metered_cpu_per_gpu, cluster.logical_gpus", "cluster."
+       "metered_cpu_per_gpu is 0 (off) or at least 0.01 core, and set only on logical GPUs",
+       meter.metered_needs_logical),
+    _r("cpu.metered_root_ignored", WARNING, "cluster.metered_cgroup_root, cluster.metered_cpu_per_gpu",
+       "cluster.metered_cgroup_root is ignored while metered_cpu_per_gpu is 0", meter.metered_root_ignored),
+    _r("cpu.metering_controller", NOT_VALIDATED, "cluster.metered_cpu_per_gpu, cluster.metered_cgroup_root, "
+       "cluster.logical_gpus", "with cluster.metered_cpu_per_gpu set, this machine has a CPU controller the job "
+       "can write (cgroup v2 cpu.max or v1 cpu.cfs_quota_us, probed at validation), so that metering is never "
+       "silently off", meter.metering_controller),
     # task, data, checkpoint, tracking, tiny model
     _r("task.builds", INVALID, "task.name, task.dataset_path, task.eval_dataset_path, task.input_key, "
        "task.label_key, task.reward, task.params, task.eval_interval, batch_size", "the task builds from its files "
@@ -256,6 +267,8 @@ RULES: tuple[Rule, ...] = (
        "and task.label_key; evaluation prompts leave training prompts, at least batch_size of them for a dataset; "
        "task.reward is registered; task.params are known to the task and reward; evaluation "
        "(task.eval_interval > 0) has prompts; `libra plan` only warns", data.task_builds, launch_only=True),
+    _r("task.drift_budget", INVALID, "task.name, task.params, max_new_tokens", "the drift task's end_tokens <= "
+       "max_new_tokens (its response budget never exceeds the job's)", data.drift_budget_fits),
     _r("task.builtin_ignores_dataset", WARNING, "task.name, task.dataset_path", "a built-in task ignores "
        "task.dataset_path", plat.builtin_ignores_dataset),
     _r("model.tokenizer", INVALID, "tokenizer_path, model_path, build_tiny_model.enabled", "a tokenizer_path "
@@ -270,6 +283,15 @@ RULES: tuple[Rule, ...] = (
        "without the prometheus backend is ignored", plat.prometheus_port_unused),
     _r("tracking.unique", INVALID, "tracking.backends", "tracking.backends lists each backend once",
        plat.tracking_unique),
+    _r("tracking.bind_address", INVALID, "tracking.prometheus_bind_address", "tracking.prometheus_bind_address is "
+       "an IP address", api.prometheus_address),
+    _r("api.bind_address", INVALID, "operator_api.bind_address", "operator_api.bind_address is an IP address",
+       api.api_address),
+    _r("api.tls", INVALID, "operator_api.enabled, operator_api.bind_address, operator_api.tls_cert_path, "
+       "operator_api.tls_key_path", "the operator API binds off loopback only with TLS (certificate and key "
+       "files); a certificate needs its key", api.api_tls),
+    _r("api.port", INVALID, "operator_api.enabled, operator_api.port, tracking.prometheus_port", "the operator API "
+       "port differs from tracking.prometheus_port", api.api_port),
     _r("tiny.shape", INVALID, "build_tiny_model", "build_tiny_model: num_heads divides hidden_size and "
        "num_kv_heads divides num_heads", plat.tiny_model_shape),
     _r("tiny.target_dir", INVALID, "build_tiny_model.enabled, model_path", "build_tiny_model never writes into "

@@ -21,6 +21,7 @@ from libra.config.sections import (
     CheckpointConfig,
     ClusterConfig,
     ISCorrectionConfig,
+    OperatorApiConfig,
     OptimizerConfig,
     PlannerConfig,
     RefKLConfig,
@@ -164,6 +165,7 @@ class Config(DataClassJsonMixin):
     task: TaskConfig = opt(factory=TaskConfig, doc="Task, data and reward.")
     checkpoint: CheckpointConfig = opt(factory=CheckpointConfig, doc="Checkpointing.")
     tracking: TrackingConfig = opt(factory=TrackingConfig, doc="Metrics.")
+    operator_api: OperatorApiConfig = opt(factory=OperatorApiConfig, doc="Operator API of the running job.")
     build_tiny_model: TinyModelConfig = opt(factory=TinyModelConfig, doc="Tiny local model for development.")
 
     warnings: list[str] = internal(list, "Non-fatal findings of validation (deprecated or ignored options).")

@@ -18,8 +18,8 @@ GiB = 1024**3
 
 ConsoleMode = Literal["rich", "plain", "off"]
 TrackingBackend = Literal["jsonl", "prometheus"]
-TaskName = Literal["mod_add", "copy_first", "max_of", "dataset"]
-BUILTIN_TASKS: tuple[str, ...] = ("mod_add", "copy_first", "max_of")
+TaskName = Literal["mod_add", "copy_first", "max_of", "drift", "dataset"]
+BUILTIN_TASKS: tuple[str, ...] = ("mod_add", "copy_first", "max_of", "drift")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +79,20 @@ class ClusterConfig(DataClassJsonMixin):
     )
     ray_address: str = opt("", "Address of an existing Ray cluster; empty starts a local Ray instance.")
     cpus_per_gpu: float = opt(1.0, "CPU cores reserved per GPU worker (Ray num_cpus of each actor).", gt=0)
+    metered_cpu_per_gpu: float = opt(
+        0.0,
+        "Logical GPUs only: CPU cores per logical GPU, enforced by the kernel's CPU controller (cgroup v2 cpu.max "
+        "or v1 cpu.cfs_quota_us). Each rollout instance and training worker runs in a slice of GPUs held x this "
+        "many cores, so a pool's capacity follows its GPU count as on a real cluster; the controller and Ray "
+        "keep the other cores. 0 = off (every logical GPU shares all cores). See cluster_manual/metering.md.",
+        ge=0,
+    )
+    metered_cgroup_root: str = opt(
+        "",
+        "With metered_cpu_per_gpu: the cgroup directory under which the job's CPU slices are made (a cgroup v1 "
+        "cpu hierarchy directory, or a cgroup v2 directory with the cpu controller delegated); empty = the cgroup "
+        "this process runs in on the mounted CPU controller.",
+    )
 
     def gpu(self) -> GPUSpec:
         """The GPU the planner plans for: the catalog entry of gpu_type, corrected or described by gpu_spec.
@@ -290,7 +304,8 @@ class TaskConfig(DataClassJsonMixin):
     """Prompts and rewards: a built-in task or a prompt dataset."""
 
     name: TaskName = opt(
-        "mod_add", "Built-in task (mod_add: modular addition with a verifiable answer) or dataset."
+        "mod_add", "Built-in task (mod_add: modular addition with a verifiable answer; drift: copy_first with "
+        "responses that grow over training, see cluster_manual/tasks.md) or dataset."
     )
     dataset_path: str = opt(
         "", "Prompt dataset (.jsonl or .parquet); required when name is dataset.", path=True
@@ -326,7 +341,26 @@ class TrackingConfig(DataClassJsonMixin):
         ("jsonl",), "Metric sinks: jsonl (run_dir/metrics.jsonl) and/or prometheus."
     )
     prometheus_port: int = opt(0, "Port of the Prometheus exporter; 0 = off.", ge=0, le=65535)
+    prometheus_bind_address: str = opt(
+        "127.0.0.1", "IP address the Prometheus exporter listens on: loopback by default; 0.0.0.0 (or a node "
+        "address) lets a cluster's Prometheus scrape it."
+    )
     console: ConsoleMode = opt("rich", "Console progress output: rich, plain or off.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperatorApiConfig(DataClassJsonMixin):
+    """The operator API (gRPC) a running job serves; `libra reconfigure / pause / resume / drain / events /
+    status` reach the job through it. Every call carries the token the job writes to run_dir/api_token
+    (readable by its owner only); the address is written to run_dir/api_address.json."""
+
+    enabled: bool = opt(True, "Serve the operator API while the job runs.")
+    bind_address: str = opt(
+        "127.0.0.1", "IP address the API listens on; anything but loopback needs tls_cert_path and tls_key_path."
+    )
+    port: int = opt(0, "Port of the API; 0 = any free port (the address file says which).", ge=0, le=65535)
+    tls_cert_path: str = opt("", "PEM certificate (chain) the API presents; required off loopback.", path=True)
+    tls_key_path: str = opt("", "PEM private key of tls_cert_path; required off loopback.", path=True)
 
 
 @dataclass(frozen=True, kw_only=True)

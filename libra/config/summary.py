@@ -27,6 +27,28 @@ def _model_line(cfg: Config) -> str:
             f"{origin} at {cfg.model_dir()}")
 
 
+def strategy_fallback(cfg: Config) -> str:
+    """Why the configured rollout reconfigure strategy will run as `diff` ("" when it will not): blue_green and
+    prewarm start the target set beside the serving one on spare GPUs, and fall back to diff without them."""
+    p = cfg.global_resource_planner
+    name = p.runtime_rollout_reconfigure_strategy
+    if not p.runtime_dynamic_reconfiguration_enabled or name not in ("blue_green", "prewarm"):
+        return ""
+    tp = cfg.rollout_tp_size
+    if not (cfg.train_gpus and cfg.rollout_gpus):
+        return (f"{name} falls back to diff if the planner's split leaves fewer spare GPUs than its target set "
+                f"needs (it starts beside the serving set)")
+    spare = cfg.total_gpus - cfg.train_gpus - cfg.rollout_gpus
+    split = f"train {cfg.train_gpus} + rollout {cfg.rollout_gpus} of {cfg.total_gpus} GPUs"
+    if spare < tp:
+        return (f"{name} falls back to diff: {split} leaves {spare} spare, and {name} starts the target set "
+                f"beside the serving one on spare GPUs")
+    if spare < cfg.rollout_gpus:
+        return (f"{name} falls back to diff for a target of more than {spare // tp} instance(s) of TP{tp}: "
+                f"{split} leaves {spare} spare GPUs for the target set")
+    return ""
+
+
 def summarize(cfg: Config) -> list[str]:
     """Lines describing the resolved configuration."""
     p = cfg.global_resource_planner
@@ -49,13 +71,22 @@ def summarize(cfg: Config) -> list[str]:
                   f"{per_dp // cfg.train_micro_batch_size} micro batches")
     if cfg.recompute_logprobs:
         batch += f"; recompute micro batch {cfg.recompute_micro_batch_size}"
-    # What runs, never what is merely requested: no option of the elastic runtime is wired yet (the
-    # `unwired.*` rules refuse them), so the pools keep the launch split for the whole job.
+    # What runs, never what is merely requested: options of the elastic runtime not wired yet are named as such
+    # (the `unwired.*` rules refuse them).
     rollout_servers = ("started and replaced by Libra" if p.runtime_manage_rollout_processes
                        else f"external ({len(cfg.rollout_endpoints)} endpoint(s), never started or stopped)")
-    runtime = (f"off (the launch split is kept; failed rollout instances are replaced); rollout servers "
+    if p.runtime_dynamic_reconfiguration_enabled:
+        stop = "drained" if p.runtime_drain_before_reconfigure else "aborted, prompts requeued"
+        reconfiguration = (f"on (the rollout pool is changed on request by {p.runtime_rollout_reconfigure_strategy}; "
+                           f"a serving instance it stops is {stop})")
+    else:
+        reconfiguration = "off (the launch split is kept; failed rollout instances are replaced)"
+    runtime = (f"{reconfiguration}; rollout servers "
                f"{rollout_servers}; batch collection {p.runtime_batch_collection_timeout_s:g} s x "
                f"{p.runtime_batch_collection_max_retries + 1} attempt(s)")
+    fallback = strategy_fallback(cfg)
+    if fallback:
+        runtime += f"; {fallback}"
     requested = unwired_requested(cfg)
     if requested:
         runtime += f"; requested but not implemented: {', '.join(requested)}"

@@ -54,8 +54,9 @@ _Loader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
 
 def parse_yaml(text: str, where: str) -> tuple[Any, list[ConfigIssue]]:
     """Parse YAML text; syntax errors and duplicate keys come back as issues (data is None on syntax error)."""
-    loader = _Loader(text)
+    loader: _Loader | None = None
     try:
+        loader = _Loader(text)  # the reader rejects control characters here already
         data = loader.get_single_data()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -65,7 +66,8 @@ def parse_yaml(text: str, where: str) -> tuple[Any, list[ConfigIssue]]:
                             "correct the YAML syntax at that position", INVALID, "yaml.syntax")
         return None, [issue]
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     issues = [
         ConfigIssue(f"{where}:{line}", key, f"key '{key}' appears more than once in the same mapping",
                     "keep exactly one entry for the key", INVALID, "yaml.duplicate_key")

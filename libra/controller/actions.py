@@ -81,6 +81,17 @@ class ShrinkTrainingPool(Action):
 
 
 @dataclass(frozen=True)
+class ResizeTrainingPool(Action):
+    """Move the training pool to `gpus` GPUs under `layout` at a step boundary (save -> stop -> start ->
+    load, resharded); its ranks become the members `member_ids` and the old ones stop."""
+
+    gpus: int
+    layout: TrainLayout
+    member_ids: tuple[str, ...]
+    generation: int = 0
+
+
+@dataclass(frozen=True)
 class MarkFailed(Action):
     member_id: str
 

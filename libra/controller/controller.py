@@ -32,11 +32,17 @@ from libra.controller.allocation import initial_allocation
 from libra.controller.batching import CollectionCancelled
 from libra.controller.control_loop import ControlLoop
 from libra.controller.desired_store import DesiredStore
-from libra.controller.events import EventLog
+from libra.controller.events import EventLog, started_generations
 from libra.controller.executor import Executor, PublishOutcome
 from libra.controller.gate import WeightGate, WeightsRef
 from libra.controller.members import MemberState, StateTimeouts
-from libra.controller.pools import RolloutPoolEdge, TrainingPoolEdge, check_pool_specs, rollout_fingerprint
+from libra.controller.pools import (
+    RolloutPoolEdge,
+    TrainingPoolEdge,
+    check_pool_specs,
+    rollout_fingerprint,
+    training_target_problems,
+)
 from libra.controller.reconfigure import (
     ReconfigureLimits,
     ReconfigureTarget,
@@ -49,10 +55,12 @@ from libra.controller.rl_loop import RLLoop
 from libra.controller.services import GenerationService, JobSession, TrainingService
 from libra.controller.signals import StopRequest
 from libra.controller.state import ROLLOUT, TRAIN, DesiredState, ObservedState
+from libra.controller.step_gate import StepGate
 from libra.controller.tracker import MemberTracker
+from libra.controller.train_actions import record_plan_only
 from libra.observability.console import make_console
 from libra.observability.metrics import LibraMetrics
-from libra.observability.phase_trace import ENV_DIR, ENV_ENABLE, PhaseTracer, set_tracer
+from libra.observability.phase_trace import ENV_DIR, ENV_ENABLE, PhaseTracer, get_tracer, now_ns, set_tracer
 from libra.run_dir import RunDir, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -105,6 +113,8 @@ class Controller:
         self.metrics: LibraMetrics | None = None
         self.reporter: Reporter | None = None
         self.gate = WeightGate()
+        self.step_gate = StepGate()  # operator pause / resume / drain at step boundaries
+        self.api: Any = None  # the operator API server (libra.api.server)
         self.task: Any = None
         self.tokenizer: Any = None
         self._tracer: PhaseTracer | None = None
@@ -118,15 +128,18 @@ class Controller:
             self.stop.install()
         try:
             self._prepare()
+            self._start_operator_api()
             self._bootstrap()
             self._start_pools()
             self._memory_dry_run()
             assert self.reporter is not None
             self.rl = RLLoop(self.cfg, self.run, self.session(), self.events, self.reporter, self.task,
-                             self.tokenizer, self.stop, self.end_step)
+                             self.tokenizer, self.stop, self.end_step, gate=self.step_gate)
             self.rl.restore()
             self.rl.run_steps()
             outcome = "interrupted" if self.stop.requested and self.step < self.end_step else "finished"
+            if outcome == "finished" and self.step_gate.drain_requested and self.step < self.end_step:
+                outcome = "drained"
         except (StopRequested, CollectionCancelled, KeyboardInterrupt):
             outcome = "interrupted"
         except Exception as exc:
@@ -165,9 +178,11 @@ class Controller:
         set_tracer(self._tracer)
         if "prometheus" in cfg.tracking.backends or cfg.tracking.prometheus_port > 0:
             self.metrics = LibraMetrics()
+            self.events.subscribe(self.metrics.record_event)  # actions, reconfigurations, operator calls
             if cfg.tracking.prometheus_port > 0:
-                port = self.metrics.serve(cfg.tracking.prometheus_port)
-                self.events.emit("prometheus", f"metrics on http://127.0.0.1:{port}/metrics", port=port)
+                host = cfg.tracking.prometheus_bind_address
+                port = self.metrics.serve(cfg.tracking.prometheus_port, host)
+                self.events.emit("prometheus", f"metrics on http://{host}:{port}/metrics", port=port)
         console = make_console(self.options.console or cfg.tracking.console)
         self.reporter = Reporter(run, cfg.name or "libra", self.end_step, console, self.events, self.metrics,
                                  write_jsonl="jsonl" in cfg.tracking.backends,
@@ -219,7 +234,7 @@ class Controller:
     def _start_pools(self) -> None:
         cfg, run = self.cfg, self.run
         assert self.reporter is not None and self.desired is not None
-        self.tracker = MemberTracker(self.events)
+        self.tracker = MemberTracker(self.events, started_for=started_generations(run.events_jsonl, ROLLOUT))
         # the pools' processes trace into the controller's directory (ranks 1000+ and 2000+)
         trace = self._tracer.settings() if self._tracer is not None else None
         self.rollout_edge = RolloutPoolEdge(cfg, run, self.runtime, trace=trace)
@@ -282,7 +297,7 @@ class Controller:
                       "strategy": d.reconfigure_strategy, "reconfiguring": d.reconfiguring,
                       "generation": d.generation},
             TRAIN: {"gpus": d.train_gpus, "layout": d.train_layout.describe(d.train_gpus),
-                    "members": self.tracker.counts(TRAIN)},
+                    "members": self.tracker.counts(TRAIN), "planned": d.planned_training},
         }
 
     def pool_text(self) -> dict[str, str]:
@@ -332,20 +347,31 @@ class Controller:
         return outcome.details.get("report", outcome.details)
 
     # ---- reconfiguration ------------------------------------------------------------------------------
-    def request_reconfigure(self, target: ReconfigureTarget, strategy: str | None = None) -> DesiredState:
-        """Reconfigure the rollout pool to `target` by `strategy` (default: the configured
-        runtime_rollout_reconfigure_strategy). Checked at once (ReconfigureRefused names the problem); carried
-        out by the control loop over the next ticks; `reconfigure_done` in the event log says when."""
-        assert self.tracker is not None
+    def reconfigure_limits(self) -> ReconfigureLimits:
+        """What a reconfiguration request is checked against: the job's switches, the cluster, the model."""
         gpr = self.cfg.global_resource_planner
-        limits = ReconfigureLimits(
+        return ReconfigureLimits(
             enabled=gpr.runtime_dynamic_reconfiguration_enabled,
             cluster_swap_enabled=gpr.runtime_cluster_swap_enabled,
             gpus_per_node=self.cfg.cluster.gpus_per_node,
             model=self.cfg.model_spec(),
             drain_before_stop=gpr.runtime_drain_before_reconfigure,
             fingerprint_for=lambda tp: rollout_fingerprint(self.cfg, self.run, tp),
+            reconfigure_training=gpr.runtime_reconfigure_training,
+            training_plan_only=gpr.runtime_training_pool_plan_only,
+            train_problems=training_target_problems(self.cfg, self.run),
         )
+
+    def observed_state(self) -> ObservedState | None:
+        """The pools as the tracker sees them now (None before the pools start)."""
+        return self.tracker.snapshot(time.time(), take_errors=False) if self.tracker is not None else None
+
+    def request_reconfigure(self, target: ReconfigureTarget, strategy: str | None = None) -> DesiredState:
+        """Reconfigure the rollout pool to `target` by `strategy` (default: the configured
+        runtime_rollout_reconfigure_strategy). Checked at once (ReconfigureRefused names the problem); carried
+        out by the control loop over the next ticks; `reconfigure_done` in the event log says when."""
+        assert self.tracker is not None
+        limits = self.reconfigure_limits()
         assert self.store is not None
         observed = self.tracker.snapshot(time.time(), take_errors=False)
         try:
@@ -353,6 +379,9 @@ class Controller:
         except ValueError as exc:
             self.events.emit("reconfigure_refused", str(exc), target=target.describe(), strategy=strategy or "")
             raise
+        if not desired.reconfiguring and desired.reason.startswith("plan only:"):
+            record_plan_only(self.events, desired, target)  # runtime_training_pool_plan_only: nothing changes
+            return desired
         self.events.emit("reconfigure_requested", desired.reconfiguring, generation=desired.generation,
                          strategy=desired.reconfigure_strategy, drain=desired.drain_before_stop)
         self.wake_reconciler()
@@ -371,7 +400,11 @@ class Controller:
         # a change made since this tick read the desired state is left for the next tick to judge
         if done is not None and self.store is not None and self.store.replace_if(desired, done):
             self.events.emit("reconfigure_done", desired.reconfiguring, generation=desired.generation,
-                             seconds=round(time.time() - desired.updated_at, 3))
+                             strategy=desired.reconfigure_strategy, seconds=round(time.time() - desired.updated_at, 3))
+            # the whole change, request to done, as the container of its reconfigure.* spans
+            get_tracer().record("reconfigure.change", int(desired.updated_at * 1e9), now_ns(),
+                                strategy=desired.reconfigure_strategy, change=desired.reconfiguring,
+                                drain=desired.drain_before_stop)
 
     def wake_reconciler(self) -> None:
         if self.loop is not None:
@@ -389,8 +422,10 @@ class Controller:
             ("stop the rollout pool", self._stop_rollout),
             ("stop the training pool", self._stop_training),
             ("stop Ray", self._stop_ray),
+            ("remove the CPU slices of the metered GPUs", self._remove_cpu_slices),
             ("close the tracer", self._close_tracer),
             ("close the metrics exporter", self._close_metrics),
+            ("stop the operator API", self._stop_operator_api),
         ]
         if self.reporter is not None:
             self.reporter.set_state("stopping", message=outcome)
@@ -439,6 +474,25 @@ class Controller:
         if self.runtime is not None:
             bootstrap.stop_ray(self.runtime)
             self.runtime = None
+
+    def _remove_cpu_slices(self) -> None:
+        """Metered logical GPUs: the slices of holders that were killed (clean ones removed their own); the
+        slices of servers kept running for the next launch stay with them."""
+        if not self.options.keep_servers:
+            from libra.config.mapping import cpu_metering
+            from libra.metering.holder import end_job
+
+            end_job(cpu_metering(self.cfg))
+
+    def _start_operator_api(self) -> None:
+        from libra.api.server import start_operator_api
+
+        self.api = start_operator_api(self)
+
+    def _stop_operator_api(self) -> None:
+        if self.api is not None:
+            self.api.stop()
+            self.api = None
 
     def _close_metrics(self) -> None:
         if self.metrics is not None:

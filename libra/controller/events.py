@@ -12,10 +12,11 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from libra.run_dir import append_jsonl
+from libra.run_dir import append_jsonl, read_jsonl
 
 log = logging.getLogger("libra.events")
 
@@ -28,6 +29,19 @@ class EventLog:
         self.write_errors = 0
         self._recent: deque[dict[str, Any]] = deque(maxlen=keep)
         self._lock = threading.Lock()
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+
+    def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+        """Call `listener` with every event from now on (it must not block); returns the unsubscribe."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
 
     def emit(self, kind: str, message: str = "", **fields: Any) -> dict[str, Any]:
         event: dict[str, Any] = {"ts": round(time.time(), 3), "kind": kind}
@@ -44,9 +58,27 @@ class EventLog:
                 except OSError as exc:
                     self.write_errors += 1
                     log.error("cannot write event log %s: %s", self.path, exc)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(event)
+            except Exception:  # a listener (metrics, an API stream) never stops the event log
+                log.debug("event listener failed", exc_info=True)
         return event
 
     def recent(self, count: int = 10) -> list[dict[str, Any]]:
         with self._lock:
             items = list(self._recent)
         return items[-count:]
+
+
+def started_generations(path: Path, pool: str) -> dict[str, int]:
+    """The desired-state generation each member of `pool` was started for, by member id, as earlier
+    controllers of this run recorded it (`member_added`; the latest event of an id wins). A restarted
+    controller gives these back to the instances it adopts, so `restart_all` knows which of them already
+    belong to the change in progress."""
+    generations: dict[str, int] = {}
+    for event in read_jsonl(path):
+        if event.get("kind") == "member_added" and event.get("pool") == pool and "member" in event:
+            generations[str(event["member"])] = int(event.get("generation") or 0)
+    return generations

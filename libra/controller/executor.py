@@ -28,6 +28,7 @@ from libra.controller.actions import (
     CreateTrainingPool,
     MarkFailed,
     PublishWeights,
+    ResizeTrainingPool,
     SetServing,
     ShrinkTrainingPool,
     StartRolloutInstance,
@@ -39,6 +40,7 @@ from libra.controller.gate import WeightGate, WeightsRef
 from libra.controller.members import MemberState
 from libra.controller.state import ROLLOUT, TRAIN, RolloutSpec, TrainLayout
 from libra.controller.tracker import MemberTracker, MemberView
+from libra.controller.train_actions import TrainingResizer
 
 log = logging.getLogger(__name__)
 S = MemberState
@@ -104,6 +106,7 @@ class Executor:
         self._inflight: set[Future[None]] = set()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+        self.training = TrainingResizer(tracker, train, events, self.gate, clock)
         self.handlers: dict[type[Action], Handler] = {
             MarkFailed: Handler("", self._nothing, self._begin_mark_failed, inline=True),
             StrategyFallback: Handler("", self._nothing, self._begin_fallback, inline=True),
@@ -116,7 +119,8 @@ class Executor:
             StopRolloutInstance: Handler(ROLLOUT, self._run_stop, self._begin_stop),
             PublishWeights: Handler(ROLLOUT, self._run_publish, self._begin_busy_members),
             SetServing: Handler(ROLLOUT, self._run_set_serving, self._begin_set_serving),
-            ShrinkTrainingPool: Handler(TRAIN, self._run_shrink_training),
+            ShrinkTrainingPool: Handler(TRAIN, self.training.run_shrink, self.training.begin_shrink),
+            ResizeTrainingPool: Handler(TRAIN, self.training.run_resize, self.training.begin_resize),
         }
 
     # ---- public ---------------------------------------------------------------------------------------
@@ -322,12 +326,6 @@ class Executor:
             self.tracker.set_serving(action.member_ids)
         self.tracker.set_pool(ROLLOUT, busy=False)
 
-    def _run_shrink_training(self, action: ShrinkTrainingPool) -> None:
-        raise NotImplementedError(
-            f"shrinking the training pool by {action.gpus} GPUs for cluster_swap is not implemented: the training "
-            "side of a swap belongs to elastic training; use blue_green with spare GPUs, or diff"
-        )
-
     # ---- helpers --------------------------------------------------------------------------------------
     def _keys(self, member_ids: Sequence[str]) -> list[str]:
         keys = []
@@ -357,6 +355,6 @@ def _fields(action: Action) -> dict[str, Any]:
             out[name] = list(value) if isinstance(value, tuple) else value
     if isinstance(action, StartRolloutInstance):
         out["tp"], out["fingerprint"] = action.spec.tp, action.spec.fingerprint
-    if isinstance(action, CreateTrainingPool):
+    if isinstance(action, CreateTrainingPool | ResizeTrainingPool):
         out["layout"] = action.layout.describe(action.gpus)
     return out

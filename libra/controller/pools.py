@@ -9,7 +9,7 @@ reconciler drives: instance ids are member ids, and a publish reports the ACKed 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,8 +20,9 @@ from libra.controller.gate import WeightsRef
 from libra.controller.members import MemberState
 from libra.controller.state import RolloutSpec, TrainLayout
 from libra.controller.tracker import MemberView
+from libra.controller.train_plan import layout_fingerprint
 from libra.device import cuda_available
-from libra.observability.phase_trace import TraceSettings
+from libra.observability.phase_trace import TraceSettings, get_tracer, now_ns
 from libra.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,32 @@ def check_pool_specs(cfg: Config, run: RunDir, desired: Any) -> None:
                cuda_available())
 
 
+def training_target_problems(cfg: Config, run: RunDir) -> Callable[[int, TrainLayout], list[str]]:
+    """What refuses a training pool of (GPUs, layout) beyond the planner's layout rules: the training spec's
+    checks (settings this platform cannot run) and, when `memory_budget_check_enabled`, the planner's memory
+    model (peak bytes of the worst rank against the GPU's memory less the safety margin)."""
+
+    def problems(gpus: int, layout: TrainLayout) -> list[str]:
+        from libra.planning import planner_inputs
+        from libra.training.hf_arch import read_training_model
+        from libra.training.spec import InvalidTrainingSpecError, NotValidatedOnCPUError, check_spec
+        from planner.memory import train_memory
+
+        try:
+            check_spec(training_spec(cfg, run, gpus, layout), read_training_model(cfg.model_dir()), cuda_available())
+        except (InvalidTrainingSpecError, NotValidatedOnCPUError) as exc:
+            return [line.strip().removeprefix("- ") for line in str(exc).splitlines()[1:] if line.strip()]
+        inputs = planner_inputs(cfg)
+        if inputs.budget.check_enabled:
+            estimate = train_memory(inputs, layout, layout.dp(gpus))
+            if not estimate.fits:
+                return [f"the planner's memory model puts {estimate.where} at {estimate.peak_bytes / 2**30:.2f} GiB, "
+                        f"over the {estimate.capacity_bytes / 2**30:.2f} GiB of a GPU (memory_budget_check_enabled)"]
+        return []
+
+    return problems
+
+
 class _PoolEdge:
     """What both pool edges hold: the job's configuration, run directory, Ray runtime, trace settings and,
     once created, the pool."""
@@ -88,10 +115,25 @@ class RolloutPoolEdge(_PoolEdge):
     def create(self, member_ids: Sequence[str], spec: RolloutSpec) -> list[MemberView]:
         """Open the pool, adopt the live servers an earlier controller left (those whose launch settings
         still hold; the others are stopped), start the missing `member_ids` and serve every instance on the
-        pool's current weights. Surplus adopted servers are reported and trimmed by the reconciler."""
+        pool's current weights. Surplus adopted servers are reported and trimmed by the reconciler.
+
+        Every change of the rollout pool is a `reconfigure.*` span of the controller's phase trace (start,
+        drain or stop of an instance, swap of the serving set), from which `libra trace timeline` draws it."""
+        started = now_ns()
+        views = self._create(member_ids, spec)
+        ended = now_ns()
+        for view in views:
+            if view.key in member_ids and view.state is not S.FAILED:
+                get_tracer().record("reconfigure.start", started, ended, member_id=view.key, tp=spec.tp)
+        get_tracer().record("reconfigure.swap", ended, ended,
+                            serving=[v.key for v in views if v.serving is not False and v.state is not S.FAILED])
+        return views
+
+    def _create(self, member_ids: Sequence[str], spec: RolloutSpec) -> list[MemberView]:
         from libra.rollout.pool import RolloutPool
 
         pool = RolloutPool(self.runtime, rollout_spec(self.cfg, self.run, len(member_ids), self.trace))
+        failures: dict[str, Exception] = {}
         try:
             if not pool.spec.manage_processes:
                 pool.start()  # configured endpoints: they all serve
@@ -99,7 +141,9 @@ class RolloutPoolEdge(_PoolEdge):
                 pool.open()
                 adopted = self._adopt_live(pool)
                 missing = [m for m in member_ids if m not in adopted][: max(0, len(member_ids) - len(adopted))]
-                self._start_all(pool, missing, spec)
+                failures = self._start_all(pool, missing, spec)
+                if failures and not pool.instances():
+                    raise next(iter(failures.values()))
                 current = [i.id for i in pool.instances() if i.weight_version == pool.weight_version]
                 if current:
                     pool.set_serving(current)
@@ -110,7 +154,11 @@ class RolloutPoolEdge(_PoolEdge):
                 log.debug("shutdown after a failed start", exc_info=True)
             raise
         self.pool = pool
-        return self.views()
+        # One failed start does not discard the instances that run (an adopted one above all): its member
+        # is reported failed and the reconciler replaces it like any other failed member.
+        failed = [MemberView(key=m, state=S.FAILED, error=f"start failed: {type(e).__name__}: {e}")
+                  for m, e in failures.items()]
+        return self.views() + failed
 
     @staticmethod
     def _adopt_live(pool: Any) -> list[str]:
@@ -128,13 +176,21 @@ class RolloutPoolEdge(_PoolEdge):
         return adopted
 
     @staticmethod
-    def _start_all(pool: Any, member_ids: Sequence[str], spec: RolloutSpec) -> None:
+    def _start_all(pool: Any, member_ids: Sequence[str], spec: RolloutSpec) -> dict[str, Exception]:
+        """Start `member_ids` in parallel; the starts that failed, by member id (each already cleaned up)."""
         if not member_ids:
-            return
+            return {}
         launch = pool.spec.instance_spec(spec.tp)
+        failures: dict[str, Exception] = {}
         with ThreadPoolExecutor(max_workers=len(member_ids), thread_name_prefix="libra-rollout-start") as threads:
-            for future in [threads.submit(pool.start_instance, m, launch) for m in member_ids]:
-                future.result()
+            futures = {m: threads.submit(pool.start_instance, m, launch) for m in member_ids}
+            for member_id, future in futures.items():
+                try:
+                    future.result()
+                except Exception as exc:
+                    log.warning("rollout instance %s did not start: %s", member_id, exc)
+                    failures[member_id] = exc
+        return failures
 
     def start(self, member_id: str, spec: RolloutSpec) -> MemberView:
         pool = self._pool()
@@ -142,10 +198,12 @@ class RolloutPoolEdge(_PoolEdge):
         if spec.fingerprint and launch.fingerprint() != spec.fingerprint:
             raise ValueError(f"instance {member_id}: the desired launch fingerprint {spec.fingerprint} is not this "
                              f"pool's ({launch.fingerprint()}); the configuration changed under a running job")
-        return instance_view(pool.start_instance(member_id, launch))
+        with get_tracer().span("reconfigure.start", member_id=member_id, tp=spec.tp):
+            return instance_view(pool.start_instance(member_id, launch))
 
     def stop(self, key: str, drain: bool) -> None:
-        self._pool().stop_instance(key, drain=drain)
+        with get_tracer().span("reconfigure.drain" if drain else "reconfigure.stop", member_id=key):
+            self._pool().stop_instance(key, drain=drain)
 
     def publish(self, weights: WeightsRef, keys: Sequence[str] | None) -> PublishOutcome:
         pool = self._pool()
@@ -156,7 +214,8 @@ class RolloutPoolEdge(_PoolEdge):
         return PublishOutcome(acks, {"report": report})
 
     def set_serving(self, keys: Sequence[str]) -> None:
-        self._pool().set_serving(list(keys))
+        with get_tracer().span("reconfigure.swap", serving=list(keys)):
+            self._pool().set_serving(list(keys))
 
     def views(self) -> list[MemberView]:
         pool = self.pool
@@ -204,12 +263,15 @@ def rollout_fingerprint(cfg: Config, run: RunDir, tp: int) -> str:
 
 
 class TrainingPoolEdge(_PoolEdge):
-    """Creates the `TrainingPool` (actors, process groups, HF -> Megatron load); reports one member per rank."""
+    """Creates the `TrainingPool` (actors, process groups, HF -> Megatron load) and resizes it at a step
+    boundary (`resize`); reports one member per rank, keyed by rank and resize epoch, with the layout it runs
+    as the member's fingerprint."""
 
     def __init__(self, cfg: Config, run: RunDir, runtime: Any, trace: TraceSettings | None = None) -> None:
         super().__init__(cfg, run, runtime, trace)
         self.gpus = 0
         self.layout = TrainLayout()
+        self.epoch = 0  # resizes so far: a resize replaces every rank, so its members get new keys
 
     def create(self, gpus: int, layout: TrainLayout) -> list[MemberView]:
         from libra.training.pool import TrainingPool
@@ -226,7 +288,58 @@ class TrainingPoolEdge(_PoolEdge):
         self.pool, self.gpus, self.layout = pool, gpus, layout
         return self.views()
 
-    def views(self) -> list[MemberView]:
+    @property
+    def resize_root(self) -> str:
+        """Where resize checkpoints go (beside the job's own checkpoints, with the same retention)."""
+        return str(self.run.training / "resize")
+
+    def resize(self, gpus: int, layout: TrainLayout,
+               on_measured: Callable[[dict[str, Any]], None] | None = None) -> tuple[list[MemberView], dict[str, Any]]:
+        """Move the running pool to `gpus` GPUs under `layout` (`TrainingPool.relayout`: it waits for a step
+        in progress). A resize that fails after its checkpoint was written is retried once at once from that
+        checkpoint, so the RL loop does not find the pool down; the phases go into the controller's trace."""
+        pool = self._pool()
+        phases: list[tuple[str, int]] = []
+
+        def measured(cost: Any) -> None:
+            if on_measured is not None:
+                on_measured(cost.to_dict())
+
+        pool.on_resize_measured = measured
+        try:
+            cost = pool.relayout(gpus, layout, self.resize_root, on_phase=lambda p: phases.append((p, now_ns())))
+        except Exception as exc:  # libra.training.resize.TrainingResizeError names the phase that failed
+            if getattr(exc, "phase", "save") in ("save", "resume"):
+                raise
+            log.warning("training resize failed (%s); resuming from its checkpoint", exc)
+            phases.clear()
+            cost = pool.relayout(gpus, layout, self.resize_root, on_phase=lambda p: phases.append((p, now_ns())))
+        _trace_phases(phases, now_ns(), cost.step, gpus)
+        self.gpus, self.layout = gpus, layout
+        self.epoch += 1
+        return self.views(), cost.to_dict()
+
+    def _pool(self) -> Any:
         if self.pool is None:
+            raise RuntimeError("the training pool has not been created")
+        return self.pool
+
+    def views(self) -> list[MemberView]:
+        if self.pool is None or not self.pool.running:  # down after a failed resize: no rank runs
             return []
-        return [MemberView(key=f"rank-{rank}", state=S.READY, info={"rank": rank}) for rank in range(self.gpus)]
+        suffix = f"@{self.epoch}" if self.epoch else ""
+        return [MemberView(key=f"rank-{rank}{suffix}", state=S.READY, info={"rank": rank},
+                           fingerprint=layout_fingerprint(self.layout)) for rank in range(self.gpus)]
+
+
+_PHASE_TRACE_NAMES = {"save": "checkpoint.save", "stop": "reconfigure.stop", "start": "reconfigure.start",
+                      "load": "checkpoint.load", "resume": "checkpoint.load"}
+
+
+def _trace_phases(phases: list[tuple[str, int]], end_ns: int, step: int, gpus: int) -> None:
+    """The phases of a training resize as spans of the controller's trace (pool `train`)."""
+    tracer = get_tracer()
+    bounds = [*phases[1:], ("", end_ns)]
+    for (phase, start), (_, stop) in zip(phases, bounds, strict=True):
+        tracer.record(_PHASE_TRACE_NAMES.get(phase, "reconfigure.swap"), start, stop, step=step, pool="train",
+                      phase=f"train_resize.{phase}", gpus=gpus)

@@ -21,6 +21,7 @@ from typing import Any
 
 from libra.controller.batching import Group, SampleBuffer
 from libra.controller.events import EventLog
+from libra.data.prompt import response_budget
 from libra.observability.phase_trace import get_tracer
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ class RolloutProducer:
                 completions = await self.generate(
                     list(prompt.token_ids),
                     n=s.n_samples,
-                    max_new_tokens=s.max_new_tokens,
+                    max_new_tokens=response_budget(prompt, s.max_new_tokens),  # a task may ask for fewer
                     temperature=s.temperature,
                     top_p=s.top_p,
                     seed=s.seed + index,

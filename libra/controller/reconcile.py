@@ -26,6 +26,7 @@ from libra.controller.actions import (
 from libra.controller.members import Member, MemberState, StateTimeouts, next_member_ids
 from libra.controller.state import ROLLOUT, TRAIN, DesiredState, ObservedState
 from libra.controller.strategies import STRATEGIES, Strategy, StrategyRefused, converged, diff_strategy
+from libra.controller.train_plan import training_actions
 
 S = MemberState
 
@@ -91,4 +92,4 @@ def reconcile(
     if not observed.train.created and not train_waits and desired.train_gpus > 0:
         ids = next_member_ids({m.id for m in observed.members}, TRAIN, desired.train_gpus)
         actions.append(CreateTrainingPool("training pool not created", desired.train_gpus, desired.train_layout, ids))
-    return actions
+    return training_actions(observed, desired, actions)

@@ -33,6 +33,7 @@ from libra.controller.reporting import Reporter
 from libra.controller.rl_step import build_samples, rollout_metrics
 from libra.controller.services import JobSession
 from libra.controller.signals import StopRequest
+from libra.controller.step_gate import StepGate
 from libra.observability.phase_trace import get_tracer
 from libra.run_dir import RunDir, truncate_jsonl_after_step
 
@@ -41,8 +42,9 @@ PHASES = ("rollout", "train", "sync", "eval", "checkpoint")
 
 class RLLoop:
     def __init__(self, cfg: Config, run: RunDir, session: JobSession, events: EventLog, reporter: Reporter,
-                 task: Any, tokenizer: Any, stop: StopRequest, end_step: int) -> None:
+                 task: Any, tokenizer: Any, stop: StopRequest, end_step: int, gate: StepGate | None = None) -> None:
         self.cfg = cfg
+        self.gate = gate  # operator pause / drain, asked at each step boundary
         self.run = run
         self.session = session
         self.events = events
@@ -155,6 +157,8 @@ class RLLoop:
         last_tokens, last_time = self.producer.response_tokens, time.monotonic()
         try:
             while self.state.step < self.end_step and not self.stop.requested:
+                if self.gate is not None and not self.gate.proceed(self.stop.event, self._on_hold):
+                    break
                 row = self._one_step()
                 now = time.monotonic()
                 row["rollout_tokens_per_s"] = (self.producer.response_tokens - last_tokens) / max(1e-9, now - last_time)
@@ -170,6 +174,15 @@ class RLLoop:
             self.timings["loop"] = time.monotonic() - loop_started
             self.state.train_seconds += self.timings["loop"]
             self._loop_started = None
+
+    def _on_hold(self, holding: bool) -> None:
+        reason = self.gate.reason if self.gate is not None else ""
+        if holding:
+            self.reporter.set_state("paused", step=self.state.step, message=reason or "paused by the operator")
+            self.events.emit("paused", f"holding before step {self.state.step + 1}", step=self.state.step)
+        else:
+            self.reporter.set_state("running", step=self.state.step)
+            self.events.emit("resumed_loop", f"continuing with step {self.state.step + 1}", step=self.state.step)
 
     def _one_step(self) -> dict[str, Any]:
         from libra.training.spec import TrainSample

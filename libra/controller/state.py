@@ -61,6 +61,8 @@ class DesiredState:
     # prewarm: the target instances are started and kept on current weights; serving flips once this is set
     switch_now: bool = True
     reconfiguring: str = ""  # the reconfiguration in progress ("" = none), as the event log names it
+    # the last training-pool change decided but not carried out (runtime_training_pool_plan_only; "" = none)
+    planned_training: str = ""
     generation: int = 0
     reason: str = ""
     updated_at: float = 0.0
@@ -117,6 +119,8 @@ class PoolObservation:
     error: str = ""
     size: int = 0  # GPUs (train) or instances (rollout) it was created with
     retry_at: float = 0.0  # after failed actions on this pool, no new action before this time
+    # after members failed soon after becoming READY (a crash loop), no new member starts before this time
+    start_after: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from libra.controller.actions import (
 )
 from libra.controller.members import Member, MemberState, next_member_ids
 from libra.controller.state import ROLLOUT, DesiredState, ObservedState
+from libra.controller.train_plan import training_gpus_held
 
 S = MemberState
 
@@ -58,6 +59,7 @@ class RolloutPicture:
     outdated: list[Member]  # live with another spec
     spare_gpus: int | None  # None: the cluster size is unknown
     repairs: list[Action] = field(default_factory=list)
+    starts_wait: bool = False  # the pool backs off new starts after members failed soon after becoming READY
 
     @property
     def target(self) -> int:
@@ -70,13 +72,18 @@ class RolloutPicture:
         return max(0, min(count, self.spare_gpus // max(1, self.desired.rollout_tp)))
 
     def start(self, count: int, why: str) -> list[Action]:
+        if self.starts_wait:
+            return []
         ids = next_member_ids(self.used_ids, ROLLOUT, count)
         self.used_ids.update(ids)
         return [StartRolloutInstance(why, member_id, self.desired.rollout_spec, self.desired.generation)
                 for member_id in ids]
 
     def stop(self, member: Member, why: str) -> StopRolloutInstance:
-        return StopRolloutInstance(why, member.id, self.desired.drain_before_stop and member.state == S.READY)
+        """Drain (when the job asks for it) every member that can hold requests: a READY one, and a LOADING one,
+        whose requests wait for its reload and then finish on the new weights."""
+        return StopRolloutInstance(why, member.id,
+                                   self.desired.drain_before_stop and member.state in (S.READY, S.LOADING))
 
 
 def outdated_by(member: Member, desired: DesiredState) -> list[str]:
@@ -98,10 +105,11 @@ def picture(observed: ObservedState, desired: DesiredState, failing: set[str]) -
     spare: int | None = None
     if desired.cluster_gpus > 0:
         in_use = sum(m.gpus(desired.rollout_tp) for m in members if m.state != S.STOPPED)
-        spare = max(0, desired.cluster_gpus - desired.train_gpus - in_use)
+        spare = max(0, desired.cluster_gpus - training_gpus_held(observed, desired) - in_use)
     # new ids avoid every member id and every instance id a pool reports (an adopted server keeps its own)
     used = {m.id for m in observed.members} | {m.key for m in observed.members if m.key}
-    return RolloutPicture(desired, members, used, live, current, outdated, spare, repairs)
+    return RolloutPicture(desired, members, used, live, current, outdated, spare, repairs,
+                          starts_wait=observed.now < observed.rollout.start_after)
 
 
 _STOP_ORDER = {S.PENDING: 0, S.STARTING: 1, S.LOADING: 2, S.READY: 3}

@@ -22,6 +22,11 @@ from libra.controller.state import ROLLOUT, TRAIN, ObservedState, PoolObservatio
 
 S = MemberState
 
+EARLY_FAILURE_S = 120.0  # a member failing this soon after becoming READY counts towards the start back-off
+EARLY_FAILURE_BACKOFF_S = 5.0
+EARLY_FAILURE_MAX_BACKOFF_S = 300.0
+EARLY_FAILURE_FORGET_S = 1800.0  # an early failure this long after the previous one starts a new count
+
 
 @dataclass(frozen=True)
 class MemberView:
@@ -46,11 +51,17 @@ class _Pool:
     size: int = 0
     retry_at: float = 0.0
     failures: int = 0
+    early_failures: int = 0  # members that failed soon after becoming READY, in a row
+    last_early_failure: float = 0.0
+    start_after: float = 0.0
 
 
 class MemberTracker:
-    def __init__(self, events: EventLog) -> None:
+    def __init__(self, events: EventLog, started_for: dict[str, int] | None = None) -> None:
+        """`started_for`: the generation each instance left by an earlier controller was started for, by
+        instance key (see `events.started_generations`); an adopted member takes it over."""
         self.events = events
+        self._started_for = dict(started_for or {})
         self._members: dict[str, Member] = {}
         self._pools = {ROLLOUT: _Pool(), TRAIN: _Pool()}
         self._errors: list[str] = []
@@ -75,7 +86,8 @@ class MemberTracker:
 
     def _pool_observation(self, pool: str) -> PoolObservation:
         p = self._pools[pool]
-        return PoolObservation(created=p.created, busy=p.busy, error=p.error, size=p.size, retry_at=p.retry_at)
+        return PoolObservation(created=p.created, busy=p.busy, error=p.error, size=p.size, retry_at=p.retry_at,
+                               start_after=p.start_after)
 
     def members(self, pool: str | None = None) -> list[Member]:
         with self._lock:
@@ -148,7 +160,31 @@ class MemberTracker:
                     target=t.target.value,
                     reason=reason,
                 )
+                if t.target == S.FAILED:
+                    self._count_failure_after_ready(member, now)
             return transitions
+
+    def _count_failure_after_ready(self, member: Member, now: float) -> None:
+        """Back off new starts in a pool whose members keep failing soon after becoming READY (e.g. a server
+        that crashes on its first request): without it the reconciler would replace such a member every tick.
+        The wait doubles with each early failure in a row; a member that served for a while resets it."""
+        ready_at = [t.at for t in member.history if t.target == S.READY]
+        if not ready_at:
+            return  # failed while starting: the failed action already backs off the pool
+        p = self._pools[member.pool]
+        served_s = now - ready_at[-1]
+        if served_s >= EARLY_FAILURE_S or now - p.last_early_failure >= EARLY_FAILURE_FORGET_S:
+            p.early_failures = 0
+        if served_s >= EARLY_FAILURE_S:
+            return
+        p.early_failures += 1
+        p.last_early_failure = now
+        wait = min(EARLY_FAILURE_MAX_BACKOFF_S, EARLY_FAILURE_BACKOFF_S * 2 ** (p.early_failures - 1))
+        p.start_after = max(p.start_after, now + wait)
+        self.events.emit("start_backoff", f"{member.id} failed {served_s:.0f}s after becoming ready "
+                         f"({p.early_failures} such failure(s) in a row); no new {member.pool} member starts for "
+                         f"{wait:.0f}s", member=member.id, pool=member.pool, failures=p.early_failures,
+                         wait_s=round(wait, 1))
 
     def set_busy(self, member_id: str, busy: bool) -> None:
         with self._lock:
@@ -168,6 +204,8 @@ class MemberTracker:
             self.bind(member_id, view.key, view.info)
             member = self._members[member_id]
             _apply_view(member, view)
+            if view.info.get("adopted"):
+                member.generation = self._started_for.get(view.key, 0)
             if view.weight_version is not None:
                 member.weight_version = view.weight_version
 
@@ -241,6 +279,7 @@ class MemberTracker:
         member_id = view.key if own_id else next_member_ids(self._members, pool, 1)[0]
         member = Member.new(member_id, pool, now, reason="adopted a running member", key=view.key)
         member.weight_version = view.weight_version
+        member.generation = self._started_for.get(view.key, 0)
         self._members[member_id] = member
         self._adopted += 1
         self.events.emit("member_adopted", member=member_id, pool=pool, key=view.key, info=view.info)

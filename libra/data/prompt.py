@@ -89,3 +89,15 @@ def first_word(text: str) -> str:
 def starts_with_ids(response_token_ids: Sequence[int], expected: Sequence[int]) -> bool:
     """Whether the response begins with exactly the `expected` token ids (never true for an empty label)."""
     return bool(expected) and list(response_token_ids[: len(expected)]) == list(expected)
+
+
+# The key of `Prompt.metadata` by which a task asks for a smaller response budget than the job's
+# `max_new_tokens` for one prompt (a workload whose response length drifts over training).
+RESPONSE_BUDGET_KEY = "max_new_tokens"
+
+
+def response_budget(prompt: Any, max_new_tokens: int) -> int:
+    """The tokens the rollout may generate for `prompt`: the job's `max_new_tokens`, or less where the task's
+    prompt asks for less (`metadata[RESPONSE_BUDGET_KEY]`); never more, never below 1."""
+    asked = getattr(prompt, "metadata", {}).get(RESPONSE_BUDGET_KEY)
+    return max_new_tokens if asked is None else max(1, min(max_new_tokens, int(asked)))

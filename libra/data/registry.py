@@ -22,7 +22,7 @@ from libra.data.prompt import Encode, ParamValue, Prompt, TaskError, as_encode
 
 RewardFn = Callable[[Prompt, Sequence[int], str], float]
 
-_BUILTIN_MODULES = ("libra.data.rewards", "libra.data.builtin_tasks", "libra.data.datasets")
+_BUILTIN_MODULES = ("libra.data.rewards", "libra.data.builtin_tasks", "libra.data.drift_task", "libra.data.datasets")
 TASK_MODULES_ENV = "LIBRA_TASK_MODULES"  # comma-separated modules that register tasks / rewards of a job
 
 

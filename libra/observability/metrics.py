@@ -2,7 +2,8 @@
 
 Names follow Prometheus conventions (`libra_` prefix, base units, `_total` for counters). The controller
 updates them once per training step and on pool changes; `serve(port)` exposes them on
-`http://127.0.0.1:<port>/metrics` (loopback only, when `tracking.prometheus_port > 0`).
+`http://<tracking.prometheus_bind_address>:<port>/metrics` (loopback by default) when
+`tracking.prometheus_port > 0`.
 Each `LibraMetrics` has its own registry, so several controllers (e.g. in tests) never collide.
 """
 
@@ -50,15 +51,28 @@ DISCARDED_SAMPLES = MetricName(
 ROLLOUT_FAILURES = MetricName("libra_rollout_failures_total", "Failed group generations (retried with new prompts).")
 ACTIONS = MetricName("libra_actions_total", "Reconciler actions by kind and result.", ("action", "result"))
 TICK_ERRORS = MetricName("libra_tick_errors_total", "Control ticks that ended in an error (the loop continued).")
+RECONFIGURATIONS = MetricName(
+    "libra_reconfigurations_total", "Rollout reconfigurations by strategy and outcome (requested, done, refused).",
+    ("strategy", "outcome"),
+)
+RECONFIGURATION_SECONDS = MetricName(
+    "libra_reconfiguration_seconds", "Request to convergence of each finished reconfiguration.", ("strategy",)
+)
+OPERATOR_REQUESTS = MetricName(
+    "libra_operator_requests_total", "Operator API actions by call and outcome (unauthenticated included).",
+    ("call", "outcome"),
+)
 
 ALL: tuple[MetricName, ...] = (
     STEP, TOTAL_STEPS, REWARD_MEAN, EVAL_ACCURACY, TOKENS_PER_SECOND, POOL_GPUS, POOL_MEMBERS, QUEUE_DEPTH,
     POLICY_LAG, POLICY_VERSION, STEP_PHASE_SECONDS, WEIGHT_RELOAD_SECONDS, WEIGHT_RELOAD_SLOWEST_SECONDS,
-    DISCARDED_SAMPLES, ROLLOUT_FAILURES, ACTIONS, TICK_ERRORS,
+    DISCARDED_SAMPLES, ROLLOUT_FAILURES, ACTIONS, TICK_ERRORS, RECONFIGURATIONS, RECONFIGURATION_SECONDS,
+    OPERATOR_REQUESTS,
 )
 
-_HISTOGRAMS = {STEP_PHASE_SECONDS.name, WEIGHT_RELOAD_SECONDS.name}
-_COUNTERS = {DISCARDED_SAMPLES.name, ROLLOUT_FAILURES.name, ACTIONS.name, TICK_ERRORS.name}
+_HISTOGRAMS = {STEP_PHASE_SECONDS.name, WEIGHT_RELOAD_SECONDS.name, RECONFIGURATION_SECONDS.name}
+_COUNTERS = {DISCARDED_SAMPLES.name, ROLLOUT_FAILURES.name, ACTIONS.name, TICK_ERRORS.name, RECONFIGURATIONS.name,
+             OPERATOR_REQUESTS.name}
 _BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -85,9 +99,9 @@ class LibraMetrics:
         m = self._m[metric.name]
         return m.labels(**labels) if labels else m
 
-    def serve(self, port: int) -> int:
-        """Start the HTTP exporter on 127.0.0.1:`port`; returns the port."""
-        server, _thread = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+    def serve(self, port: int, address: str = "127.0.0.1") -> int:
+        """Start the HTTP exporter on `address`:`port` (tracking.prometheus_bind_address); returns the port."""
+        server, _thread = start_http_server(port, addr=address, registry=self.registry)
         self._server = server
         self.port = int(server.server_port)
         return self.port
@@ -134,6 +148,20 @@ class LibraMetrics:
 
     def count_action(self, action: str, ok: bool) -> None:
         self.get(ACTIONS, action=action, result="ok" if ok else "error").inc()
+
+    def record_event(self, event: Mapping[str, Any]) -> None:
+        """Count what the controller's event log reports: finished and failed actions, reconfigurations
+        (requested, done with their duration, refused) and operator API actions."""
+        kind = event.get("kind")
+        if kind in ("action_done", "action_error"):
+            self.count_action(str(event.get("action", "?")), kind == "action_done")
+        elif kind in ("reconfigure_requested", "reconfigure_done", "reconfigure_refused"):
+            strategy = str(event.get("strategy") or "?")
+            self.get(RECONFIGURATIONS, strategy=strategy, outcome=kind.removeprefix("reconfigure_")).inc()
+            if kind == "reconfigure_done" and isinstance(event.get("seconds"), int | float):
+                self.get(RECONFIGURATION_SECONDS, strategy=strategy).observe(event["seconds"])
+        elif kind == "operator":
+            self.get(OPERATOR_REQUESTS, call=str(event.get("call", "?")), outcome=str(event.get("outcome", "?"))).inc()
 
     def raise_counter(self, metric: MetricName, total: float) -> None:
         """Bring a counter up to `total` (the controller keeps its own running totals)."""

@@ -77,6 +77,7 @@ PHASES: dict[str, PhaseInfo] = {
         PhaseInfo("reconfigure.stop", "stopping pool members"),
         PhaseInfo("reconfigure.start", "starting pool members"),
         PhaseInfo("reconfigure.swap", "switching traffic or roles to the new members"),
+        PhaseInfo("reconfigure.change", "one whole reconfiguration, from its request to done", container=True),
         PhaseInfo("checkpoint.save", "saving a checkpoint"),
         PhaseInfo("checkpoint.load", "loading a checkpoint"),
         PhaseInfo("eval", "an evaluation pass"),

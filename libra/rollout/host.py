@@ -16,11 +16,26 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from libra.metering.holder import GpuHolderSlice
+from libra.metering.spec import CpuMetering
 from libra.rollout.server import ServerLaunch, ServerProcess, pick_free_port, port_is_free
 from libra.rollout.spec import ServerStartError
 
 NODE_IP = "node-ip"
 PORT_ATTEMPTS = 3
+# A fixed port can still be held by the server of this instance that an earlier controller's leftover host
+# ran: killing that host stops its server, but the process takes a few seconds to exit and free the port.
+PORT_RELEASE_WAIT_S = 30.0
+
+
+def _wait_for_port(host: str, port: int, timeout_s: float, poll_s: float = 0.25) -> bool:
+    """True once `port` is free on `host` (checked at once, then every `poll_s` until `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while not port_is_free(host, port):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def _resolve_bind_host(bind_host: str) -> str:
@@ -34,14 +49,17 @@ def _resolve_bind_host(bind_host: str) -> str:
 class ServerHost:
     """Starts, restarts, adopts and stops the vLLM server of one instance; thread-safe."""
 
-    def __init__(self, instance_id: str, bind_host: str = "127.0.0.1", tie_to_host: bool = False) -> None:
+    def __init__(self, instance_id: str, bind_host: str = "127.0.0.1", tie_to_host: bool = False,
+                 metering: CpuMetering | None = None) -> None:
         """`tie_to_host`: the server stops when this host's process dies (a Ray host actor holds the GPUs;
-        without Ray the server must outlive the controller for adoption)."""
+        without Ray the server must outlive the controller for adoption). `metering`: the server runs in a CPU
+        slice of this host's logical GPUs (`libra.metering`)."""
         self.instance_id = instance_id
         self.host = _resolve_bind_host(bind_host)
         self._owner_pid = os.getpid() if tie_to_host else 0
         self._server: ServerProcess | None = None
         self._lock = threading.Lock()
+        self._cpu = GpuHolderSlice(metering, instance_id)
 
     def identity(self) -> dict[str, Any]:
         """Where this host runs: address, hostname and the GPU ids Ray gave it."""
@@ -62,9 +80,10 @@ class ServerHost:
                 )
             launch = replace(launch, host=self.host)
             pick_port = launch.port == 0
-            if not pick_port and not port_is_free(self.host, launch.port):
+            if not pick_port and not _wait_for_port(self.host, launch.port, PORT_RELEASE_WAIT_S):
                 raise RuntimeError(
-                    f"port {launch.port} on {self.host} is in use; choose another port_base or free the port"
+                    f"port {launch.port} on {self.host} is still in use after {PORT_RELEASE_WAIT_S:.0f}s; "
+                    "choose another port_base or free the port"
                 )
             start = time.monotonic()
             for attempt in range(PORT_ATTEMPTS if pick_port else 1):
@@ -73,6 +92,7 @@ class ServerHost:
                 self._server = ServerProcess.start(
                     launch, self.identity()["gpu_ids"], owner_pid=self._owner_pid
                 )
+                self._cpu.hold(self._server.pid)
                 try:
                     self._server.wait_healthy(timeout_s)
                     break
@@ -103,11 +123,10 @@ class ServerHost:
                 raise RuntimeError(f"instance {self.instance_id} has no server to restart")
             launch = self._server.launch.with_model(model_path)
             process_stop_s = self._server.stop(stop_timeout_s)
-            deadline = time.monotonic() + 10.0
-            while not port_is_free(self.host, launch.port) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            _wait_for_port(self.host, launch.port, 10.0, poll_s=0.1)
             start = time.monotonic()
             self._server = ServerProcess.start(launch, self.identity()["gpu_ids"], owner_pid=self._owner_pid)
+            self._cpu.hold(self._server.pid)
             self._server.wait_healthy(timeout_s)
             return self._describe(process_stop_s=process_stop_s, startup_s=time.monotonic() - start)
 
@@ -116,6 +135,7 @@ class ServerHost:
             if self._server is None:
                 return 0.0
             elapsed = self._server.stop(timeout_s)
+            self._cpu.release()
             self._server = None
             return elapsed
 

@@ -190,6 +190,7 @@ class InstanceManager:
             instance_id,
             self.spec.bind_host,
             True,  # tie the server to the actor that holds its GPUs
+            self.spec.metering,  # the server runs in a CPU slice of those GPUs (metered logical GPUs)
             name=name,
             namespace=self.runtime.namespace,
             tp_size=tp_size,

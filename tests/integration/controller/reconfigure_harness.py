@@ -2,6 +2,9 @@
 `libra launch` does (same Controller, same run directory) and, once the job has trained `--at-step` steps,
 asks for one reconfiguration through the public `Controller.request_reconfigure`.
 
+With `--then-instances N` it asks for N instances by diff right after the first request is accepted (while the
+first runs) and says whether that was refused ({"second_refused": <error>}) or accepted.
+
 Prints one JSON line per milestone on stdout ({"requested": ...}, {"done": ...}, {"result": ...}), so a
 test can follow it, kill it mid-switch (SIGKILL) or stop it (SIGINT, as a terminal does). Exit status as
 `libra launch`: 0 finished, 130 interrupted, 1 failed.
@@ -38,6 +41,14 @@ def request_when_ready(controller: Controller, args: argparse.Namespace) -> None
         say(refused=str(exc), step=controller.step)
         return
     say(requested=desired.reconfiguring, step=controller.step, generation=desired.generation)
+    if args.then_instances is not None:
+        # a second request while the first runs: the controller must refuse it and say why
+        try:
+            second = controller.request_reconfigure(ReconfigureTarget(args.then_instances, None), "diff")
+        except ValueError as exc:
+            say(second_refused=str(exc), step=controller.step)
+        else:
+            say(second_accepted=second.reconfiguring, step=controller.step)
     while controller.store is not None and controller.store.get().reconfiguring:
         if controller.stop.requested:
             return
@@ -54,6 +65,8 @@ def main() -> int:
     parser.add_argument("--instances", type=int, default=None)
     parser.add_argument("--tp", type=int, default=None)
     parser.add_argument("--strategy", default=None)
+    parser.add_argument("--then-instances", type=int, default=None,
+                        help="right after the request is accepted, ask for this many instances by diff")
     args = parser.parse_args()
 
     cfg = load(args.config, [f"run_dir={args.run_dir}"])

@@ -142,11 +142,20 @@ BAD: list[tuple[str, str, dict[str, Any], str, str, str]] = [
     ("plan-only-no-training", "dense", {f"{GRP}.runtime_dynamic_reconfiguration_enabled": True,
                                       f"{GRP}.runtime_training_pool_plan_only": True},
      f"{GRP}.runtime_training_pool_plan_only", IC, "runtime.plan_only_needs_training"),
-    ("blue-green-no-spare", "dense", {f"{GRP}.runtime_dynamic_reconfiguration_enabled": True,
-                                    f"{GRP}.runtime_rollout_reconfigure_strategy": "blue_green"},
-     f"{GRP}.runtime_rollout_reconfigure_strategy", IC, "runtime.spare_gpus"),
     ("replica-size", "dense", {f"{GRP}.elastic_hybrid_replica_size_gpus": 3}, f"{GRP}.elastic_hybrid_replica_size_gpus",
      IC, "elastic.replica_size"),
+    # operator API and metrics addresses
+    ("api-off-loopback-no-tls", "dense", {"operator_api.bind_address": "0.0.0.0"}, "operator_api.bind_address", IC,
+     "api.tls"),
+    ("api-cert-without-key", "dense", {"operator_api.tls_cert_path": "{tmp}/train.jsonl"}, "operator_api.tls_key_path",
+     IC, "api.tls"),
+    ("api-bind-not-ip", "dense", {"operator_api.bind_address": "my-host"}, "operator_api.bind_address", IC,
+     "api.bind_address"),
+    ("api-port-is-prometheus", "dense", {"operator_api.port": 9400, "tracking.prometheus_port": 9400,
+                                         "tracking.backends": ["jsonl", "prometheus"]}, "operator_api.port", IC,
+     "api.port"),
+    ("prometheus-bind-not-ip", "dense", {"tracking.prometheus_bind_address": "nowhere"},
+     "tracking.prometheus_bind_address", IC, "tracking.bind_address"),
     ("elastic-min-rollout", "dense", {f"{GRP}.elastic_hybrid_min_rollout_gpus": 10},
      f"{GRP}.elastic_hybrid_min_rollout_gpus", IC, "elastic.min_rollout"),
     # algorithm, optimizer, Megatron-Core
@@ -178,6 +187,14 @@ BAD: list[tuple[str, str, dict[str, Any], str, str, str]] = [
     ("cpu-head-dim", "cpu", {"build_tiny_model.hidden_size": 64}, "build_tiny_model.num_heads", NV,
      "cpu.attention_head_dim"),
     ("cpu-kv-cache", "cpu", {"rollout_kv_cache_bytes": 0}, "rollout_kv_cache_bytes", IC, "cpu.kv_cache_bytes"),
+    ("drift-budget-above-max-new-tokens", "cpu", {"task.name": "drift"}, "task.params.end_tokens", IC,
+     "task.drift_budget"),
+    ("metered-real-gpus", "dense", {"cluster.metered_cpu_per_gpu": 0.5}, "cluster.metered_cpu_per_gpu", IC,
+     "cpu.metered_logical"),
+    ("metered-below-kernel-minimum", "cpu", {"cluster.metered_cpu_per_gpu": 0.001}, "cluster.metered_cpu_per_gpu",
+     IC, "cpu.metered_logical"),
+    ("metered-no-cpu-controller", "cpu", {"cluster.metered_cpu_per_gpu": 0.25, "cluster.metered_cgroup_root": "{tmp}"},
+     "cluster.metered_cpu_per_gpu", NV, "cpu.metering_controller"),
     # task, files, checkpoint, tracking, tiny model
     ("dataset-without-path", "dense", {"task.name": "dataset"}, "task.dataset_path", IC, "task.builds"),
     ("dataset-missing-file", "dense", {"task.name": "dataset", "task.dataset_path": "/nonexistent/train.jsonl"},
@@ -252,6 +269,10 @@ WARN: list[tuple[str, str, dict[str, Any], str]] = [
     ("cpu-memory-utilization", "cpu", {"rollout_gpu_memory_utilization": 0.5}, "cpu.memory_utilization_ignored"),
     ("builtin-task-dataset", "dense", {"task.dataset_path": "{tmp}/train.jsonl"}, "task.builtin_ignores_dataset"),
     ("port-without-backend", "dense", {"tracking.prometheus_port": 9400}, "tracking.port_unused"),
+    ("blue-green-no-spare", "dense", {f"{GRP}.runtime_dynamic_reconfiguration_enabled": True,
+                                    f"{GRP}.runtime_rollout_reconfigure_strategy": "blue_green"},
+     "runtime.spare_gpus"),
+    ("metered-root-unused", "cpu", {"cluster.metered_cgroup_root": "/sys/fs/cgroup/cpu"}, "cpu.metered_root_ignored"),
 ]
 
 
@@ -264,22 +285,14 @@ def test_bases_are_valid(base: str, tmp_path: Path) -> None:
 # Cases whose rule sits behind a refusal: the option it reads is refused first (Not implemented), so the rule
 # only runs once that refusal is lifted. case id -> the refusing rule; the change that wires the option removes
 # its rule and these entries.
-MASTER = "unwired.runtime_dynamic_reconfiguration_enabled"
 BEHIND: dict[str, tuple[str, ...]] = {
     "online-replanning-no-master": ("unwired.runtime_online_replanning",),
-    "train-reconfig-no-master": ("unwired.runtime_reconfigure_training",),
-    "cluster-swap-strategy": (MASTER, "unwired.runtime_rollout_reconfigure_strategy"),
-    "cluster-swap-no-training": (MASTER, "unwired.runtime_cluster_swap_enabled"),
-    "plan-only-no-training": (MASTER, "unwired.runtime_training_pool_plan_only"),
-    "blue-green-no-spare": (MASTER, "unwired.runtime_rollout_reconfigure_strategy"),
     "replica-size": ("unwired.elastic_hybrid_replica_size_gpus",),
     "elastic-min-rollout": ("unwired.elastic_hybrid_min_rollout_gpus",),
     "cp-sequence": ("train.context_parallel",),
     "cpu-context-parallel": ("train.context_parallel",),
     "cpu-allowed-cp": ("train.context_parallel",),
-    "strategy-without-master": ("unwired.runtime_rollout_reconfigure_strategy",),
     "replan-without-online": ("unwired.replan_interval_steps",),
-    "unmanaged-resize": (MASTER,),
     "decouple-without-training": ("unwired.decouple_communication_domains",),
 }
 ACTIVE_BAD = [c for c in BAD if c[0] not in BEHIND]

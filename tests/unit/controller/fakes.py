@@ -128,18 +128,48 @@ class FakeRolloutEdge:
 
 
 class FakeTrainingEdge:
+    """Ranks `rank-<i>@<epoch>` that report their layout; `resize` replaces them all (like the checkpoint
+    path), records each call in `resizes`, fails once when `fail_resize` is set (the pool is then down) and
+    blocks while `gate` is set and not released."""
+
     def __init__(self) -> None:
         self.workers: list[str] = []
         self.layouts: list[tuple[int, TrainLayout]] = []
+        self.layout = TrainLayout()
         self.fail_next = False
+        self.fail_resize = False
+        self.resizes: list[tuple[int, TrainLayout]] = []
+        self.gate: threading.Event | None = None
+        self.epoch = 0
 
     def create(self, gpus: int, layout: TrainLayout) -> list[MemberView]:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("fake training start failure")
         self.layouts.append((gpus, layout))
+        self.layout = layout
         self.workers = [f"rank-{i}" for i in range(gpus)]
         return self.views()
 
+    def resize(self, gpus: int, layout: TrainLayout, on_measured=None):  # type: ignore[no-untyped-def]
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.fail_resize:
+            self.fail_resize = False
+            self.workers = []
+            raise RuntimeError("fake training resize failure")
+        self.resizes.append((gpus, layout))
+        self.epoch += 1
+        before = (len(self.workers), self.layout.dims(len(self.workers)))
+        self.layouts.append((gpus, layout))
+        self.layout = layout
+        self.workers = [f"rank-{i}@{self.epoch}" for i in range(gpus)]
+        cost = {"from_gpus": before[0], "from_layout": before[1], "to_gpus": gpus, "to_layout": layout.dims(gpus),
+                "step": 0, "save_s": 0.1, "stop_s": 0.1, "start_s": 0.2, "load_s": 0.1, "switch_s": 0.5,
+                "first_step_s": None, "label": f"{before[0]} -> {gpus}"}
+        if on_measured is not None:
+            on_measured({**cost, "first_step_s": 0.3})
+        return self.views(), cost
+
     def views(self) -> list[MemberView]:
-        return [MemberView(w, MemberState.READY) for w in self.workers]
+        return [MemberView(w, MemberState.READY, fingerprint=self.layout.label()) for w in self.workers]

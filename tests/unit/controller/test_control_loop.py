@@ -13,7 +13,7 @@ from libra.controller.events import EventLog
 from libra.controller.executor import Executor
 from libra.controller.members import MemberState
 from libra.controller.state import ROLLOUT, TRAIN, DesiredState, TrainLayout
-from libra.controller.tracker import MemberTracker
+from libra.controller.tracker import EARLY_FAILURE_BACKOFF_S, EARLY_FAILURE_S, MemberTracker
 
 from .fakes import FakeRolloutEdge, FakeTrainingEdge
 
@@ -70,6 +70,7 @@ def test_fresh_job_reaches_ready(harness: Harness) -> None:
 
 def test_vanished_instance_is_failed_and_replaced(harness: Harness) -> None:
     harness.settle()
+    harness.clock.t += EARLY_FAILURE_S  # it served a while: replaced at once
     harness.rollout.instances.pop("rollout-0")
     harness.settle()
     states = harness.states()
@@ -78,6 +79,16 @@ def test_vanished_instance_is_failed_and_replaced(harness: Harness) -> None:
     history = [t.target.value for t in harness.tracker.member("rollout-0").history]
     assert history[-2:] == ["FAILED", "STOPPED"]
     assert "member_failed" in harness.event_kinds()
+
+
+def test_an_instance_lost_right_after_it_became_ready_is_replaced_after_a_back_off(harness: Harness) -> None:
+    harness.settle()
+    harness.rollout.instances.pop("rollout-0")
+    harness.settle()
+    assert "rollout-2" not in harness.states() and "start_backoff" in harness.event_kinds()
+    harness.clock.t += EARLY_FAILURE_BACKOFF_S
+    harness.settle()
+    assert harness.states()["rollout-2"] == "READY"
 
 
 def test_failed_create_backs_off_then_retries(harness: Harness) -> None:

@@ -120,8 +120,9 @@ def test_inline_actions(executor: Executor) -> None:
     assert "strategy_fallback" in kinds(executor)
 
 
-def test_training_shrink_is_not_implemented(executor: Executor) -> None:
+def test_training_shrink_never_lends_the_last_gpu(executor: Executor) -> None:
+    """(Lending GPUs of a running training pool: tests/unit/controller/test_train_resize_executor.py.)"""
     run(executor, ShrinkTrainingPool("swap", 2))
     errors = [json.loads(line) for line in (executor.events.path or Path()).read_text().splitlines()
               if json.loads(line)["kind"] == "action_error"]
-    assert "NotImplementedError" in errors[-1]["message"] and "elastic training" in errors[-1]["message"]
+    assert "cannot lend 2 GPU(s): the training pool runs 0 and keeps at least one" in errors[-1]["message"]

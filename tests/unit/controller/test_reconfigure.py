@@ -36,9 +36,11 @@ MODEL = model_spec_from_dict({"hidden_size": 64, "num_attention_heads": 4, "num_
                               "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100})
 
 
-def limits(enabled: bool = True, swap: bool = False, drain: bool = True, gpus_per_node: int = 4) -> ReconfigureLimits:
+def limits(enabled: bool = True, swap: bool = False, drain: bool = True, gpus_per_node: int = 4,
+           training: bool = False) -> ReconfigureLimits:
     return ReconfigureLimits(enabled=enabled, cluster_swap_enabled=swap, gpus_per_node=gpus_per_node, model=MODEL,
-                             drain_before_stop=drain, fingerprint_for=lambda tp: f"fp-tp{tp}")
+                             drain_before_stop=drain, fingerprint_for=lambda tp: f"fp-tp{tp}",
+                             reconfigure_training=training)
 
 
 class Clock:
@@ -195,14 +197,20 @@ def test_drain_setting_decides_drain_or_abort(job) -> None:
     assert [drain for _, drain in j.rollout.removed] == [False, False]
 
 
-def test_cluster_swap_asks_training_to_shrink_and_says_it_is_not_implemented(job) -> None:
+def test_cluster_swap_borrows_training_gpus_for_the_green_set(job) -> None:
+    """(More swaps: tests/unit/controller/test_train_resize_swap.py.)"""
     j = job(cluster=6, train=3)
-    j.request(instances=3, strategy="cluster_swap", swap=True)
-    j.settle(3)
-    errors = [json.loads(line) for line in (j.events.path or Path()).read_text().splitlines()]
-    shrink = [e for e in errors if e["kind"] == "action_error" and e["action"] == "ShrinkTrainingPool"]
-    assert shrink and "not implemented" in shrink[0]["message"]
-    assert sorted(j.rollout.instances) == ["rollout-0", "rollout-1"]  # nothing else changed
+    j.rollout.gpus = 0  # the fake rollout pool has no budget of its own: both pools are counted below
+    j.request(instances=3, strategy="cluster_swap", swap=True, training=True)
+    held = []
+    for _ in range(25):
+        j.settle(1)
+        held.append(len(j.rollout.instances) + len(j.train.workers))
+    assert max(held) <= 6, held
+    assert j.train.resizes == [(1, TrainLayout()), (3, TrainLayout())]  # lent 2 GPUs, then took them back
+    assert sorted(j.rollout.serving()) == ["rollout-2", "rollout-3", "rollout-4"]
+    assert all(serving for serving in j.serving_history)
+    assert not j.want.reconfiguring
 
 
 def test_restarted_controller_finishes_the_change(tmp_path: Path, job) -> None:

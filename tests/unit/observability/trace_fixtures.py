@@ -87,3 +87,52 @@ BAD_LINES = [
     b"[1, 2, 3]\n",
     b'\xff\xfe{"schema": 1}\n',  # not UTF-8
 ]
+
+
+S = 1_000_000_000
+
+
+def build_reconfiguration(directory: Path) -> SyntheticTrace:
+    """Two rollout reconfigurations as the executor's spans record them (times in seconds from T0):
+    2 instances created at 0-1 s; blue_green 2 -> 3 requested at 10 s (green rollout-2..4 start 11-30 s, load
+    weights 30-31 s, take over serving at 32.1 s, blue drains until 35 s, done at 40 s); restart_all 3 -> 2
+    with drain off requested at 50 s (rollout-2..4 stopped 50-52 s, rollout-5/6 start 52-65 s, serve from
+    66 s, done at 70 s). A request starts every second until 75 s and lasts 0.8 s; the one at 50 s is requeued, those at 53 and
+    54 s fail."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def t(seconds: float) -> int:
+        return T0 + int(seconds * S)
+
+    def span(name: str, a: float, b: float, **attrs: Any) -> dict[str, Any]:
+        return _rec(name, "controller", 0, None, t(a), t(b), attrs=attrs)
+
+    controller = [span("reconfigure.start", 0, 1, member_id=m, tp=1) for m in ("rollout-0", "rollout-1")]
+    controller += [
+        span("reconfigure.swap", 1, 1, serving=["rollout-0", "rollout-1"]),
+        span("reconfigure.change", 10, 40, strategy="blue_green", change="grow_2_to_3", drain=True),
+        *[span("reconfigure.start", 11, 30, member_id=f"rollout-{i}", tp=1) for i in (2, 3, 4)],
+        span("reconfigure.swap", 32, 32.1, serving=["rollout-2", "rollout-3", "rollout-4"]),
+        *[span("reconfigure.drain", 32.1, 35, member_id=f"rollout-{i}") for i in (0, 1)],
+        span("reconfigure.change", 50, 70, strategy="restart_all", change="shrink_3_to_2", drain=False),
+        *[span("reconfigure.stop", 50, 52, member_id=f"rollout-{i}") for i in (2, 3, 4)],
+        *[span("reconfigure.start", 52, 65, member_id=f"rollout-{i}", tp=1) for i in (5, 6)],
+        span("reconfigure.swap", 66, 66, serving=["rollout-5", "rollout-6"]),
+    ]
+    for second in range(76):
+        attrs: dict[str, Any] = {"groups": 1, "n": 2}
+        if second in (53, 54):
+            attrs["error"] = "NoServingInstance"
+        if second == 50:
+            attrs["outcome"] = "requeued"  # aborted by the stop, sent again
+        controller.append(span("rollout.generate", second, second + 0.8, **attrs))
+    files = {"phase_trace_rank0.jsonl": controller}
+    for i in (2, 3, 4):
+        files[f"phase_trace_rank{2000 + i}.jsonl"] = [
+            _rec("weight_sync.reload", "rollout", 2000 + i, 1, t(30), t(31),
+                 attrs={"flow_id": 1, "instance_id": f"rollout-{i}"})]
+    trace = SyntheticTrace(directory)
+    for name, recs in files.items():
+        (directory / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+        trace.records.extend(recs)
+    return trace

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,16 @@ sys.exit(int(sys.argv[2]))
 """
 
 GUARD = [sys.executable, "-m", "libra.rollout.server_guard", "--poll-s", "0.1"]
+
+# A server that marks when it runs, so a test never signals an interpreter that is still starting up.
+SLEEPER = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).touch(); time.sleep(60)"
+
+
+def wait_file(path: Path, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"the server did not start within {timeout_s}s"
+        time.sleep(0.05)
 
 
 def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
@@ -68,8 +79,9 @@ def test_owner_death_stops_the_server() -> None:
     try:
         assert owner.stdout is not None
         guard_pid = int(owner.stdout.readline())
-        time.sleep(0.5)
-        members = group_members(guard_pid)
+        deadline = time.monotonic() + 30
+        while len(members := group_members(guard_pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert guard_pid in members and len(members) == 2, "guard + server"
         owner.kill()  # the host actor dies: its GPUs are released, the server must go
         owner.wait()
@@ -87,16 +99,32 @@ def test_a_command_is_required() -> None:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signals_to_the_guard_reach_the_server(signum: int) -> None:
-    guard = subprocess.Popen(
-        [*GUARD, "--", sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
-    )
+def test_signals_to_the_guard_reach_the_server(signum: int, tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    guard = subprocess.Popen([*GUARD, "--", sys.executable, "-c", SLEEPER, str(started)], start_new_session=True)
     try:
-        time.sleep(0.5)
+        wait_file(started)
         guard.send_signal(signum)
         code = guard.wait(timeout=20)
         assert code == 128 + signum or code == -signum or code == 128 - (-signum)
         assert group_members(guard.pid) == []
     finally:
         if guard.poll() is None:
+            os.killpg(guard.pid, signal.SIGKILL)
+
+
+def test_a_killed_guard_takes_its_server_with_it(tmp_path: Path) -> None:
+    """Ray kills the children of a killed host actor, the guard among them: the server, whose parent the guard
+    is, must not run on without it (it would hold the GPUs and port of an instance nobody tracks)."""
+    started = tmp_path / "started"
+    guard = subprocess.Popen([*GUARD, "--", sys.executable, "-c", SLEEPER, str(started)], start_new_session=True)
+    try:
+        wait_file(started)
+        server = [pid for pid in group_members(guard.pid) if pid != guard.pid]
+        assert len(server) == 1
+        guard.kill()
+        guard.wait(timeout=10)
+        assert wait_gone(server[0]), "the server outlived its killed guard"
+    finally:
+        if group_members(guard.pid):
             os.killpg(guard.pid, signal.SIGKILL)

@@ -1,0 +1,31 @@
+"""`CpuMetering`: how GPU holders meter their CPU time, as the pool specs carry it (built from
+`cluster.metered_cpu_per_gpu` and `cluster.metered_cgroup_root` by `libra.config.mapping.cpu_metering`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# cgroup v1 refuses a CFS quota under 1 ms per period; with the 100 ms period used here that is 0.01 core
+MIN_CORES = 0.01
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuMetering:
+    """`cores_per_gpu` (0 = off): a holder of g logical GPUs gets at most g x cores_per_gpu cores. `job` names
+    the job's slices (name and run directory), so that a job removes its own; `cgroup_root` is the cgroup
+    under which slices are made ("" = the CPU controller's cgroup this process runs in)."""
+
+    cores_per_gpu: float
+    job: str
+    cgroup_root: str
+
+    @property
+    def enabled(self) -> bool:
+        return self.cores_per_gpu > 0
+
+    def cores_for(self, gpus: int) -> float:
+        """The CPU quota, in cores, of a holder of `gpus` GPUs."""
+        return max(MIN_CORES, gpus * self.cores_per_gpu)
+
+
+OFF = CpuMetering(cores_per_gpu=0.0, job="", cgroup_root="")

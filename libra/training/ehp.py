@@ -1,0 +1,305 @@
+"""Elastic hybrid parallelism (EHP): while the rollout pool is idle, the training step runs on borrowed rollout
+GPUs as extra data-parallel replicas, and gives them back before the next rollout phase.
+
+`EhpSession` is the entry point a controller calls at step boundaries: `plan(instances)` (which rollout GPUs
+may be lent, `planner.ehp.plan_borrow`), `attach(gpus)`, `train_step(samples, step)` (the pool's step, with
+the borrowed replicas when attached) and `detach()`.
+
+Design. Megatron's parallel state is fixed per torch.distributed world, so borrowed replicas do not join the
+core pool's world: they are extra `TrainingWorker`s (same model, TP / PP / CP as the core pool, no
+distributed optimizer, no trace) on the lent GPUs (`libra.cluster.ehp_workers`), forming worlds of their own:
+
+- with `decouple_communication_domains`, one world of all borrowed replicas: they sum their gradients in
+  their own DP group and one summed gradient per shard enters the core pool (its DP x CP rank 0);
+- without it, one world per replica: each replica's gradient enters the core pool on its own (replica i on
+  core DP rank i mod DP), so the core DP reduction carries the borrowed replicas' traffic, as if they were
+  core DP ranks.
+
+A step: the core ranks of DP x CP rank 0 export their parameters, which borrowed ranks of the same (TP, PP)
+shard copy (object references, never through the driver); the global batch is split in DP blocks over core
+and borrowed DP ranks (`split_shares`); both pools run forward/backward at once with gradient finalization
+deferred; the borrowed gradients, units and metric sums are added on the core side and the core finalizes and
+steps (`libra.training.ehp_steps` explains why that gradient equals the fixed pool's: the loss is a sum of
+per-token numerators over a global unit count). A borrowed rank that fails costs the step its speed-up, not
+its correctness: the session detaches and the core pool reruns the step alone.
+
+Not covered: expert parallelism (EP > 1: expert gradients reduce over expert-DP groups that a borrowed
+world would have to mirror rank by rank) is refused at `attach`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from libra.cluster import ehp_workers
+from libra.cluster.ehp_workers import BorrowedWorkerGroup, LentGpu
+from libra.cluster.training_workers import CollectiveCallError
+from libra.device import cuda_available
+from libra.metering.spec import OFF as METERING_OFF
+from libra.training.pool import TrainingPool
+from libra.training.spec import TrainingPoolSpec, TrainSample, check_spec
+from libra.training.worker import TrainingWorker
+from planner.ehp import BorrowPlan, RolloutInstanceGpus, plan_borrow, replica_size_gpus
+from planner.layout import TrainLayout
+
+log = logging.getLogger(__name__)
+
+
+class EhpError(RuntimeError):
+    """Elastic hybrid parallelism cannot do what was asked (the message says why and what to do)."""
+
+
+@dataclass(frozen=True)
+class EhpSettings:
+    """The `global_resource_planner` options of elastic hybrid parallelism."""
+
+    replica_size_gpus: int = 0  # elastic_hybrid_replica_size_gpus (0 = derived from the training layout)
+    min_rollout_gpus: int = 0  # elastic_hybrid_min_rollout_gpus
+    decouple_communication_domains: bool = False
+
+    @classmethod
+    def from_planner_options(cls, options: Any) -> EhpSettings:
+        """From the `global_resource_planner` config section."""
+        return cls(
+            replica_size_gpus=int(options.elastic_hybrid_replica_size_gpus),
+            min_rollout_gpus=int(options.elastic_hybrid_min_rollout_gpus),
+            decouple_communication_domains=bool(options.decouple_communication_domains),
+        )
+
+
+def split_shares(num_samples: int, core_dp: int, world_dps: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, stop) of the samples of the core pool (first) and of each borrowed world: the global batch in
+    blocks of ceil(n / DP) over every DP rank, core ranks first (`batching.dp_block` over the joint DP size).
+    A world whose share is empty sits the step out."""
+    if core_dp < 1 or any(d < 1 for d in world_dps):
+        raise ValueError(f"DP sizes must be >= 1: core {core_dp}, borrowed {list(world_dps)}")
+    if num_samples < 1:
+        raise ValueError("a step needs at least one sample")
+    per = math.ceil(num_samples / (core_dp + sum(world_dps)))
+    bounds = [0, core_dp]
+    for dp in world_dps:
+        bounds.append(bounds[-1] + dp)
+    return [(min(num_samples, a * per), min(num_samples, b * per)) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+@dataclass
+class BorrowedWorld:
+    """One torch.distributed world of borrowed replicas."""
+
+    group: BorrowedWorkerGroup
+    spec: TrainingPoolSpec
+    keys: list[tuple[int, int, int]] = field(default_factory=list)  # per rank: (TP, PP, DP x CP) rank
+
+    @property
+    def dp(self) -> int:
+        return len({k[2] for k in self.keys})
+
+
+class EhpSession:
+    """Borrowed data-parallel replicas of `pool` (see the module docstring)."""
+
+    def __init__(self, pool: TrainingPool, settings: EhpSettings, name: str = "") -> None:
+        self.pool = pool
+        self.settings = settings
+        self.name = name or f"{pool.name}-ehp"
+        self.worlds: list[BorrowedWorld] = []
+        self.gpus: list[LentGpu] = []
+        self._layout: TrainLayout | None = None
+        self._core_gpus = 0
+        self._core_keys: list[tuple[int, int, int]] = []
+
+    # ---- planning ----------------------------------------------------------------------------------
+    def replica_size(self) -> int:
+        """GPUs in one borrowed replica for the pool's current layout."""
+        return replica_size_gpus(self.settings.replica_size_gpus, self.pool.layout)
+
+    def plan(self, instances: Sequence[RolloutInstanceGpus]) -> BorrowPlan:
+        """Which of `instances` may lend their GPUs now, and the replicas they form."""
+        return plan_borrow(instances, self.replica_size(), self.settings.min_rollout_gpus)
+
+    @property
+    def attached(self) -> bool:
+        return bool(self.worlds)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.gpus) // self.replica_size() if self.gpus else 0
+
+    # ---- attach / detach ---------------------------------------------------------------------------
+    def attach(self, gpus: Sequence[LentGpu]) -> None:
+        """Start borrowed replicas on `gpus` (a multiple of the replica size; consecutive GPUs form a
+        replica) with the pool's current parameters for the next `train_step`."""
+        if self.attached:
+            raise EhpError(f"{self.name}: already attached to {len(self.gpus)} GPUs; detach() first")
+        pool, layout = self.pool, self.pool.layout
+        if layout.ep > 1:
+            raise EhpError(f"{self.name}: elastic hybrid parallelism with expert parallelism (ep={layout.ep}) is "
+                           "not implemented; train without borrowed replicas or with ep=1")
+        size = self.replica_size()
+        if not gpus or len(gpus) % size:
+            raise EhpError(f"{self.name}: {len(gpus)} lent GPUs are not a positive multiple of the replica size "
+                           f"{size} (elastic_hybrid_replica_size_gpus={self.settings.replica_size_gpus}, "
+                           f"layout {layout.label()})")
+        ids = [g.gpu_id for g in gpus]
+        if len(set(ids)) != len(ids):
+            raise EhpError(f"{self.name}: GPU ids {ids} repeat")
+        chunks = [list(gpus)] if self.settings.decouple_communication_domains else [
+            list(gpus[i:i + size]) for i in range(0, len(gpus), size)]
+        timeout = pool.spec.call_timeout_s
+        t0 = time.perf_counter()
+        try:
+            for i, world_gpus in enumerate(chunks):
+                spec = borrowed_spec(pool.spec, len(world_gpus))
+                check_spec(spec, pool.arch, cuda_available())
+                group = BorrowedWorkerGroup(pool.runtime, TrainingWorker, (spec,), world_gpus, f"{self.name}{i}")
+                world = BorrowedWorld(group, spec)
+                self.worlds.append(world)
+                group.start()
+                addr = group.rendezvous_host()
+                port = group.call_rank(0, "rendezvous_port", addr, timeout=timeout)
+                group.call("setup", addr, port, timeout=timeout)
+                world.keys = [tuple(k) for k in group.call("ehp", "shard_key", timeout=timeout)]  # type: ignore[misc]
+            self._core_keys = [tuple(k) for k in pool.group.call("ehp", "shard_key", timeout=timeout)]  # type: ignore[misc]
+        except BaseException:
+            self.detach()
+            raise
+        self.gpus = list(gpus)
+        self._layout, self._core_gpus = layout, pool.spec.num_gpus
+        log.info("%s: %d borrowed replicas of %d GPUs in %d world(s) attached in %.1fs", self.name,
+                 len(gpus) // size, size, len(self.worlds), time.perf_counter() - t0)
+
+    def detach(self, clean: bool = True) -> None:
+        """Stop every borrowed worker; the lent GPUs go back to their rollout instances. `clean=False` kills
+        the workers without their collective tear-down (after one of them failed)."""
+        worlds, self.worlds = self.worlds, []
+        self.gpus = []
+        for world in worlds:
+            try:
+                if clean and world.group.actors and world.keys:
+                    world.group.call("shutdown", timeout=60)
+            except Exception as exc:
+                log.warning("%s: clean shutdown of %s failed (%s); killing it", self.name, world.group.name, exc)
+            finally:
+                world.group.shutdown()
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def train_step(self, samples: list[TrainSample], step: int) -> dict[str, float]:
+        """One optimizer step on `samples`: on the pool alone when detached, else shared with the borrowed
+        replicas (same gradient as the pool alone; metrics add `ehp_replicas` and `ehp_borrowed_samples`)."""
+        if not self.attached:
+            return self.pool.train_step(samples, step)
+        pool = self.pool
+        if pool.layout != self._layout or pool.spec.num_gpus != self._core_gpus or not pool.running:
+            raise EhpError(f"{self.name}: the training pool changed (now {pool.layout.describe(pool.spec.num_gpus)}) "
+                           "since the borrowed replicas were attached; detach() and attach() again")
+        t0 = time.perf_counter()
+        core_dp = pool.layout.dp(pool.spec.num_gpus)
+        shares = split_shares(len(samples), core_dp, [w.dp for w in self.worlds])
+        active = [(w, s) for w, s in zip(self.worlds, shares[1:], strict=True) if s[1] > s[0]]
+        core_samples = samples[shares[0][0]:shares[0][1]]
+        timeout = pool.spec.call_timeout_s
+        core_refs: list[Any] = []
+        try:
+            self._sync_params([w for w, _ in active], timeout)
+            core_refs = ehp_workers.call_refs(pool.group, "ehp", "core_forward_backward",
+                                              ehp_workers.share(core_samples), step)
+            world_refs = [ehp_workers.call_refs(w.group, "ehp", "borrowed_forward_backward",
+                                                ehp_workers.share(samples[a:b]), step) for w, (a, b) in active]
+            summaries = [ehp_workers.gather(w.group, "borrowed_forward_backward", refs, timeout)
+                         for (w, _), refs in zip(active, world_refs, strict=True)]
+            grads = [ehp_workers.call_refs(w.group, "ehp", "export_grads", step) for w, _ in active]
+        except CollectiveCallError as exc:
+            return self._fall_back(samples, step, core_refs, exc)
+        ehp_workers.gather(pool.group, "core_forward_backward", core_refs, timeout)
+        extra = _combine_summaries(summaries)
+        per_rank: list[list[Any]] = [["core_finish", step, extra] for _ in self._core_keys]
+        for i, ((world, _), world_grads) in enumerate(zip(active, grads, strict=True)):
+            target_dp = 0 if self.settings.decouple_communication_domains else i % core_dp
+            for key, ref in zip(world.keys, world_grads, strict=True):
+                if key[2] == 0:  # a leader: its shard's sum over the world
+                    per_rank[self._core_keys.index((key[0], key[1], target_dp))].append(ref)
+        try:
+            refs = ehp_workers.call_each(pool.group, "ehp", per_rank)
+            metrics = dict(ehp_workers.gather(pool.group, "core_finish", refs, timeout)[0])
+        except CollectiveCallError:
+            self.detach(clean=False)
+            raise
+        pool.step = step
+        metrics.update(time_step_s=time.perf_counter() - t0, ehp_replicas=float(self.replicas),
+                       ehp_borrowed_samples=float(sum(b - a for _, (a, b) in active)))
+        return metrics
+
+    def _sync_params(self, worlds: list[BorrowedWorld], timeout: float) -> None:
+        """Copy the core pool's current parameters into every rank of `worlds`, shard by shard."""
+        exported = ehp_workers.call_refs(self.pool.group, "ehp", "export_params")
+        by_shard = {(k[0], k[1]): ref for k, ref in zip(self._core_keys, exported, strict=True) if k[2] == 0}
+        for world in worlds:
+            refs = ehp_workers.call_each(world.group, "ehp",
+                                         [("load_params", by_shard[(k[0], k[1])]) for k in world.keys])
+            ehp_workers.gather(world.group, "load_params", refs, timeout)
+
+    def _fall_back(self, samples: list[TrainSample], step: int, core_refs: list[Any],
+                   exc: CollectiveCallError) -> dict[str, float]:
+        """A borrowed rank failed: let the core ranks finish what they started, detach, and run the step on
+        the pool alone (same gradient, without the speed-up). A core rank's failure is raised."""
+        if not any(f"{w.group.name}." in str(exc) for w in self.worlds):
+            self.detach(clean=False)
+            raise exc
+        log.warning("%s: a borrowed replica failed (%s); step %d runs on the training pool alone", self.name, exc,
+                    step)
+        self.detach(clean=False)  # its other ranks may wait in a collective of their own world
+        if core_refs:
+            ehp_workers.gather(self.pool.group, "core_forward_backward", core_refs, self.pool.spec.call_timeout_s)
+        metrics = self.pool.train_step(samples, step)
+        metrics["ehp_fallback"] = 1.0
+        return metrics
+
+
+def borrowed_spec(core: TrainingPoolSpec, gpus: int) -> TrainingPoolSpec:
+    """The spec of a borrowed world of `gpus` GPUs: the core pool's model, layout, batch and algorithm, without
+    the distributed optimizer (a borrowed rank never steps), and without phase traces and CPU metering: both
+    name a rank's files and slices by its rank number, which would be a core rank's (a borrowed rank belongs
+    in the lending GPU's slice, which the rollout instance owns)."""
+    meg = dataclasses.replace(core.megatron, use_distributed_optimizer=False, use_precision_aware_optimizer=False,
+                              optimizer_cpu_offload=False)
+    return dataclasses.replace(core, num_gpus=gpus, megatron=meg, trace=None, metering=METERING_OFF)
+
+
+def _combine_summaries(summaries: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Units and metric sums of every borrowed world (each world's rank 0 holds its world's totals)."""
+    units, sums, scale = 0, [] if not summaries else [0.0] * len(summaries[0][0]["sums"]), 1.0
+    for world in summaries:
+        head = world[0]
+        units += int(head["units"])
+        sums = [a + float(b) for a, b in zip(sums, head["sums"], strict=True)]
+        scale = float(head["loss_scale"])
+    return {"units": units, "sums": sums, "loss_scale": scale}
+
+
+def shard_state(pool: TrainingPool, timeout_s: float | None = None) -> dict[str, Any]:
+    """Every gradient and parameter shard of `pool` (its DP rank 0) after a step, keyed
+    "grad|param/tp{r}pp{p}/{chunk}/{name}": what a parity check compares between two pools."""
+    out: dict[str, Any] = {}
+    timeout = pool.spec.call_timeout_s if timeout_s is None else timeout_s
+    for part in pool.group.call("ehp", "gradients", timeout=timeout):
+        if part is None:
+            continue
+        for kind, chunks in (("grad", part["grads"]), ("param", part["params"])):
+            for i, named in enumerate(chunks):
+                for name, tensor in named.items():
+                    out[f"{kind}/tp{part['tp_rank']}pp{part['pp_rank']}/{i}/{name}"] = tensor
+    return out
+
+
+def max_abs_diff(a: dict[str, Any], b: dict[str, Any], kind: str) -> float:
+    """The largest element difference of the `kind` ("grad" or "param") shards of two `shard_state`s."""
+    keys = sorted(k for k in a if k.startswith(kind + "/"))
+    if not keys or keys != sorted(k for k in b if k.startswith(kind + "/")):
+        raise ValueError(f"the two pools hold different {kind} shards")
+    return max(float((a[k] - b[k]).abs().max()) for k in keys)

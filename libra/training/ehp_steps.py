@@ -1,0 +1,285 @@
+"""Elastic hybrid parallelism (EHP), the rank side: what a core or a borrowed training rank runs in a step whose
+global batch is shared with borrowed data-parallel replicas. `TrainingWorker.ehp(op, *args)` dispatches here
+(`OPS`); `libra/training/ehp.py` drives the operations across both pools.
+
+Why the combined gradient is the fixed pool's. The model config sets `calculate_per_token_loss`, so a rank's
+backward leaves the unnormalized sum S_r = sum of d(loss numerator)/d(theta) over its micro batches in the
+DDP main-grad buffers and the schedule counts its loss units U_r (on the last pipeline stage); Megatron's DDP
+sums the buffers over the DP x CP group (scaling factor 1) and `finalize_model_grads` divides once by the
+units summed over DP x CP. A fixed pool's gradient is therefore (sum of S_r) / (sum of U_r) over all its
+ranks, however the batch is split. A step with borrowed replicas keeps numerator and units apart to the end:
+
+1. Core and borrowed ranks run forward/backward on their shares with finalization deferred
+   (`_deferred_finalize` captures the unit count; the grads stay local sums).
+2. A borrowed world sums its grads over its own DP x CP group only (`finish_grad_sync`: the decoupled
+   communication domain; a world of one replica has nothing to sum) and its units and metric sums over its
+   PP and DP groups. It skips finalize's other reductions (sequence-parallel norms over TP, tied embeddings
+   across PP stages): the core runs them once, on the combined sums.
+3. The borrowed world's leader ranks (DP x CP rank 0) ship their summed grads; the core rank of the same
+   (TP, PP) shard on the DP rank the driver names adds them into its local buffer (times the ratio of the
+   loss scales, 1 without fp16), one DP x CP rank of the last stage adds the borrowed units to its count,
+   and the real `finalize_model_grads` sums over the core DP group and divides by the global count. Then the
+   usual optimizer step; metric sums are combined the same way before `_metrics` totals them.
+
+Only the model parameters travel to borrowed ranks (`export_params` / `load_params`): a borrowed rank never
+steps its optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from libra.device import torch_device
+from libra.training import cpu_compat
+from libra.training.pipeline import is_last_stage
+from libra.training.spec import TrainSample
+
+if TYPE_CHECKING:
+    from libra.training.worker import TrainingWorker
+
+ChunkTensors = list[dict[str, torch.Tensor]]  # per model chunk: parameter name -> tensor
+
+
+@dataclass
+class PendingStep:
+    """A rank's half-finished step: local metric sums and unit count, grads unreduced in the buffers."""
+
+    step: int
+    sums: torch.Tensor
+    num_tokens: torch.Tensor
+    timings: dict[str, float]
+
+
+_PENDING: weakref.WeakKeyDictionary[Any, PendingStep] = weakref.WeakKeyDictionary()
+
+
+def _dp_cp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank(with_context_parallel=True)
+
+
+def _model_config(worker: TrainingWorker) -> Any:
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(worker.chunks[0])
+
+
+@contextlib.contextmanager
+def _deferred_finalize(worker: TrainingWorker) -> Iterator[dict[str, torch.Tensor]]:
+    """Run the schedule without its gradient finalization; yields where the unit count is captured."""
+    config = _model_config(worker)
+    captured: dict[str, torch.Tensor] = {}
+    original = config.finalize_model_grads_func
+
+    def capture(model: Any, num_tokens: torch.Tensor | None, *args: Any, **kwargs: Any) -> None:
+        if num_tokens is None:
+            raise RuntimeError("elastic hybrid parallelism needs calculate_per_token_loss (a unit count per step)")
+        captured["num_tokens"] = num_tokens.detach().clone()
+
+    config.finalize_model_grads_func = capture
+    try:
+        yield captured
+    finally:
+        config.finalize_model_grads_func = original
+
+
+def _local_forward_backward(worker: TrainingWorker, samples: list[TrainSample], step: int) -> PendingStep:
+    """Forward/backward of this rank's block of `samples`, as `TrainingWorker.train_step` runs it, with the
+    finalization (DP reduction and unit normalization) deferred."""
+    spec = worker.spec
+    mbs, rmbs = spec.micro_batch_size, spec.recompute_micro_batch_size
+    batch, _ = worker._local_batch(samples, mbs, rmbs)
+    old_logp: torch.Tensor | None = batch.rollout_logp
+    tracer = worker.tracer  # a borrowed rank's is disabled
+    t0 = time.perf_counter()
+    if spec.recompute_logprobs:
+        with tracer.span("train.recompute_logprobs", step, model="policy", ehp=1):
+            old_logp = worker._logprob_pass(worker.chunks, batch, rmbs)
+    ref_logp = None
+    if spec.algorithm.ref_kl.enable:
+        with tracer.span("train.recompute_logprobs", step, model="reference", ehp=1):
+            ref_logp = worker._logprob_pass(worker.ref_chunks, batch, rmbs)
+    t1 = time.perf_counter()
+    with tracer.span("train.forward_backward", step, ehp=1), _deferred_finalize(worker) as captured:
+        sums = worker._forward_backward(batch, old_logp, ref_logp)
+    num_tokens = captured.get("num_tokens")
+    if num_tokens is None:
+        raise RuntimeError("the training schedule did not reach gradient finalization")
+    pending = PendingStep(step, sums, num_tokens, {"recompute_s": t1 - t0, "forward_backward_s": time.perf_counter() - t1})
+    _PENDING[worker] = pending
+    return pending
+
+
+def _take_pending(worker: TrainingWorker, step: int) -> PendingStep:
+    pending = _PENDING.pop(worker, None)
+    if pending is None or pending.step != step:
+        found = "none" if pending is None else f"step {pending.step}"
+        raise RuntimeError(f"rank {worker.rank}: no forward/backward of step {step} to finish ({found} pending)")
+    return pending
+
+
+def _loss_scale(worker: TrainingWorker) -> float:
+    scale = worker.optimizer.get_loss_scale()
+    return float(scale.item() if isinstance(scale, torch.Tensor) else scale)
+
+
+# ---- core ranks --------------------------------------------------------------------------------------
+def export_params(worker: TrainingWorker) -> ChunkTensors | None:
+    """This rank's model parameters (per chunk, by name) if it is DP x CP rank 0 of its shard, else None."""
+    if _dp_cp_rank() != 0:
+        return None
+    return [{n: p.detach().clone() for n, p in chunk.named_parameters()} for chunk in worker._unwrapped]
+
+
+def core_forward_backward(worker: TrainingWorker, samples: list[TrainSample], step: int) -> int:
+    """Forward/backward of the core pool's share, finalization deferred; returns this rank's unit count."""
+    with cpu_compat.device_scope():
+        return int(_local_forward_backward(worker, samples, step).num_tokens.item())
+
+
+def core_finish(
+    worker: TrainingWorker, step: int, extra: dict[str, Any], *grads: ChunkTensors | None
+) -> dict[str, float]:
+    """Add the borrowed replicas' grads, units and metric sums, finalize, step the optimizer; the metrics.
+
+    `extra`: {"units": borrowed units, "sums": borrowed metric sums (METRIC_ORDER), "loss_scale": the
+    borrowed ranks' loss scale}; `grads`: the borrowed gradients this rank adds (its shard), any number."""
+    from libra.training.worker import METRIC_ORDER
+
+    with cpu_compat.device_scope(), worker.tracer.span("train.optimizer", step, ehp=1, borrowed_shards=len(grads)):
+        pending = _take_pending(worker, step)
+        t0 = time.perf_counter()
+        scale = _loss_scale(worker) / float(extra.get("loss_scale", 1.0))
+        for shard in grads:
+            if shard is not None:
+                _add_grads(worker, shard, scale)
+        num_tokens, sums = pending.num_tokens, pending.sums
+        if is_last_stage() and _dp_cp_rank() == 0:
+            num_tokens = num_tokens + int(extra.get("units", 0))
+        from megatron.core import parallel_state as ps
+
+        if is_last_stage() and ps.get_data_parallel_rank() == 0 and extra.get("sums"):
+            sums = sums + torch.tensor(extra["sums"], dtype=sums.dtype, device=sums.device)
+        if len(sums) != len(METRIC_ORDER):
+            raise RuntimeError(f"metric sums have {len(sums)} entries, expected {len(METRIC_ORDER)}")
+        _model_config(worker).finalize_model_grads_func(worker.chunks, num_tokens)
+        grad_norm = worker._optimizer_step()
+        worker.step = step
+        timings = {**pending.timings, "combine_optimizer_s": time.perf_counter() - t0}
+        return worker._metrics(sums, grad_norm, **timings)
+
+
+def _add_grads(worker: TrainingWorker, shard: ChunkTensors, scale: float) -> None:
+    chunks = worker._unwrapped
+    if len(shard) != len(chunks):
+        raise RuntimeError(f"rank {worker.rank}: borrowed grads for {len(shard)} model chunks, this rank has {len(chunks)}")
+    for chunk, named in zip(chunks, shard, strict=True):
+        params = dict(chunk.named_parameters())
+        if set(params) != set(named):
+            missing = sorted(set(params) ^ set(named))[:3]
+            raise RuntimeError(f"rank {worker.rank}: borrowed grads do not match this shard's parameters ({missing})")
+        for name, param in params.items():
+            param.main_grad.add_(named[name].to(device=param.main_grad.device, dtype=param.main_grad.dtype),
+                                 alpha=scale)
+
+
+# ---- borrowed ranks ----------------------------------------------------------------------------------
+def load_params(worker: TrainingWorker, params: ChunkTensors) -> int:
+    """Copy the core shard's parameters into this rank's model; returns the number of tensors copied."""
+    chunks = worker._unwrapped
+    if len(params) != len(chunks):
+        raise RuntimeError(f"rank {worker.rank}: {len(params)} parameter chunks for {len(chunks)} model chunks")
+    copied = 0
+    with torch.no_grad():
+        for chunk, named in zip(chunks, params, strict=True):
+            own = dict(chunk.named_parameters())
+            if set(own) != set(named):
+                raise RuntimeError(f"rank {worker.rank}: the core shard's parameters do not match this rank's")
+            for name, param in own.items():
+                param.data.copy_(named[name].to(device=param.device, dtype=param.dtype))
+                copied += 1
+    return copied
+
+
+def borrowed_forward_backward(worker: TrainingWorker, samples: list[TrainSample], step: int) -> dict[str, Any]:
+    """Forward/backward of this borrowed world's share, summed over its own DP x CP group (see module
+    docstring, step 2). Returns the world's units and metric sums, the loss scale and this rank's shard."""
+    from megatron.core import parallel_state as ps
+
+    with cpu_compat.device_scope():
+        pending = _local_forward_backward(worker, samples, step)
+        for chunk in worker.chunks:
+            chunk.finish_grad_sync()
+        units = pending.num_tokens.to(torch_device()).clone()
+        pp_group = ps.get_pipeline_model_parallel_group()
+        dist.broadcast(units, src=dist.get_global_rank(pp_group, ps.get_pipeline_model_parallel_world_size() - 1),
+                       group=pp_group)
+        dist.all_reduce(units, group=ps.get_data_parallel_group(with_context_parallel=True))
+        sums = pending.sums.clone()
+        dist.all_reduce(sums, group=pp_group)
+        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+        pending.num_tokens = units
+        return {
+            "units": int(units.item()),
+            "sums": [float(v) for v in sums.tolist()],
+            "loss_scale": _loss_scale(worker),
+            "leader": _dp_cp_rank() == 0,
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "timings": pending.timings,
+        }
+
+
+def export_grads(worker: TrainingWorker, step: int) -> ChunkTensors | None:
+    """The world-summed grads of this rank's shard if it is a leader (DP x CP rank 0), else None; ends the
+    borrowed half of step `step`."""
+    _take_pending(worker, step)
+    if _dp_cp_rank() != 0:
+        return None
+    return [{n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()} for chunk in worker._unwrapped]
+
+
+def gradients(worker: TrainingWorker) -> dict[str, Any] | None:
+    """Inspection: after a step, the gradient it applied (this shard's main grads, normalized), with the
+    shard's (TP, PP) rank, from DP x CP rank 0; None elsewhere. Tests and benchmarks compare pools with it."""
+    if _dp_cp_rank() != 0:
+        return None
+    key = shard_key(worker)
+    grads = [{n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()} for chunk in worker._unwrapped]
+    return {"tp_rank": key[0], "pp_rank": key[1], "grads": grads, "params": export_params(worker)}
+
+
+def shard_key(worker: TrainingWorker) -> tuple[int, int, int]:
+    """(TP rank, PP rank, DP x CP rank) of this rank: which core shard a borrowed rank matches."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), _dp_cp_rank()
+
+
+OPS: dict[str, Callable[..., Any]] = {
+    "export_params": export_params,
+    "core_forward_backward": core_forward_backward,
+    "core_finish": core_finish,
+    "load_params": load_params,
+    "borrowed_forward_backward": borrowed_forward_backward,
+    "export_grads": export_grads,
+    "shard_key": shard_key,
+    "gradients": gradients,
+}
+
+
+def run(worker: TrainingWorker, op: str, *args: Any) -> Any:
+    """Run operation `op` of `OPS` on `worker`."""
+    fn = OPS.get(op)
+    if fn is None:
+        raise ValueError(f"unknown elastic-hybrid operation {op!r}; one of {sorted(OPS)}")
+    return fn(worker, *args)

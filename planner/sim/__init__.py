@@ -1,0 +1,20 @@
+"""A discrete-event simulator of one Libra GRPO job at cluster scale (pure: stdlib, numpy and the planner).
+
+Modules, each with one job:
+
+- `lengths`: seeded, long-tailed response lengths whose mean drifts over the job, drawn once per step.
+- `decode`: continuous-batching decode of one rollout instance with a KV-cache limit, exact (per request)
+  and in aggregate (per batch), and the rollout pool's generation time for one step.
+- `allocation`: a split of the cluster (training GPUs and layout, rollout instances) and the splits a
+  policy may choose from.
+- `costs`: phase times from the planner's cost model (training per layout, weight sync per method and
+  strategy, switch costs per reconfiguration strategy), cached.
+- `engine`: the event loop: rollout batches, training steps, weight syncs, reconfigurations, node
+  failures and repairs; it records a timeline and the totals.
+- `policies`: how the split is chosen: a static split, the planner's initial split, the planner with
+  online re-planning (`planner.replan`) per strategy, EHP, and the colocated baseline; the best static
+  split by search.
+- `calibration`: compare simulated step times and throughput with measured runs.
+
+Assumptions and their sources are written where they are used and collected in cluster_manual/simulator.md.
+"""

@@ -1,0 +1,111 @@
+"""Phase times of the simulated job, from the planner's cost and memory models, cached.
+
+- Decode step of one rollout instance (`planner.cost.decode_step_s`, roofline: weights and the running
+  batch's KV cache read from HBM, or compute, plus TP all-reduces and a fixed overhead) at the batch's live
+  context; slots from the KV-cache budget (`planner.memory.kv_capacity_sequences` x max_model_len tokens)
+  and vLLM's cap (`planner.memory.max_batch`, max_num_seqs 256).
+- Prefill (the cost model's formula: the n samples of a prompt group share the prompt through the prefix
+  cache).
+- Training side of one step (`planner.cost.train_costs`: training + log-prob recomputation) for a layout
+  and a data-parallel size at the step's actual mean response length.
+- Weight sync per reload method (`planner.cost.rollout_costs`: reload + weight transfer over the network)
+  and reload strategy: `parallel` stops every instance for one reload; `serial` reloads node by node, so
+  each node is down for one reload (the same GPU-seconds) and the new version is everywhere only after
+  nodes x one reload.
+- Switch costs: `CostParams.rollout_restart_s` (an instance from start to ready) and `train_restart_s` (the
+  training pool re-formed at a new size, checkpoint reload included), the planner's own constants; the
+  strategies' effects are `SWITCH_EFFECTS` in `planner.sim.engine`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from planner.cost import decode_step_s, forward_flops_per_token, rollout_costs, train_costs
+from planner.layout import TrainLayout
+from planner.memory import kv_capacity_sequences, max_batch
+from planner.workload import PlannerInputs
+
+ReloadMethod = Literal["restart", "inplace"]
+ReloadStrategy = Literal["parallel", "serial"]
+LENGTH_BUCKET = 16  # tokens: mean lengths are rounded to this for the caches (well below the cost model's precision)
+
+
+@dataclass
+class PhaseCosts:
+    """Cached phase times for one job's planner inputs (`inputs` already carries the reload method)."""
+
+    inputs: PlannerInputs
+    reload_strategy: ReloadStrategy = "parallel"
+    _decode: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    _train: dict[tuple[TrainLayout, int, int], float] = field(default_factory=dict)
+    _kv: dict[int, int] = field(default_factory=dict)
+    _sync: dict[int, float] = field(default_factory=dict)
+    _with_length: dict[int, PlannerInputs] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> float:
+        return self.inputs.workload.prompt_tokens
+
+    @property
+    def max_seqs(self) -> int:
+        return max_batch(self.inputs)
+
+    def with_response(self, tokens: float) -> PlannerInputs:
+        """The inputs with `expected_response_tokens` set to `tokens` (bucketed)."""
+        bucket = max(1, int(round(tokens / LENGTH_BUCKET)))
+        found = self._with_length.get(bucket)
+        if found is None:
+            w = self.inputs.workload
+            found = replace(self.inputs, workload=replace(
+                w, expected_response_tokens=min(w.max_new_tokens, bucket * LENGTH_BUCKET),
+                expected_prompt_tokens=int(round(w.prompt_tokens))))
+            self._with_length[bucket] = found
+        return found
+
+    def kv_tokens(self, rollout_tp: int) -> int:
+        """KV-cache token budget of one instance."""
+        if rollout_tp not in self._kv:
+            self._kv[rollout_tp] = kv_capacity_sequences(self.inputs, rollout_tp) * self.inputs.workload.max_model_len
+        return self._kv[rollout_tp]
+
+    def decode_step(self, rollout_tp: int, length_biased_mean: float, batch: int) -> float:
+        """Seconds of one decode step at `batch` running sequences whose mean live context is
+        prompt + length_biased_mean / 2 (the cost model uses prompt + response / 2)."""
+        key = (rollout_tp, max(1, int(round(length_biased_mean / LENGTH_BUCKET))), batch)
+        if key not in self._decode:
+            self._decode[key] = float(decode_step_s(self.with_response(length_biased_mean), rollout_tp, batch))
+        return self._decode[key]
+
+    def prefill_s(self, rollout_tp: int, instances: int) -> float:
+        """Prefill seconds of one step's prompts over `instances` instances (the cost model's formula)."""
+        w, spec, gpu, cost = self.inputs.workload, self.inputs.model, self.inputs.cluster.gpu, self.inputs.cost
+        tokens = w.batch_size * w.prompt_tokens
+        return tokens * forward_flops_per_token(spec, w.prompt_tokens) / (
+            max(1, instances) * rollout_tp * gpu.bf16_flops * cost.prefill_mfu * cost.rollout_speed_factor)
+
+    def train_side_s(self, layout: TrainLayout, dp: int, mean_response: float) -> float:
+        """Training + log-prob recomputation seconds of one step at `mean_response` tokens per response."""
+        key = (layout, dp, max(1, int(round(mean_response / LENGTH_BUCKET))))
+        if key not in self._train:
+            costs = train_costs(self.with_response(mean_response), layout, dp)
+            self._train[key] = float(costs["train_s"]) + float(costs["logprob_recompute_s"])
+        return self._train[key]
+
+    def reload_s(self, rollout_tp: int) -> float:
+        """Seconds one instance is down to apply new weights (reload + transfer), per sync."""
+        if rollout_tp not in self._sync:
+            capacity = max(1, kv_capacity_sequences(self.inputs, rollout_tp))
+            per_step = float(rollout_costs(self.inputs, rollout_tp, 1, capacity)["weight_sync_s"])
+            self._sync[rollout_tp] = per_step * self.inputs.workload.sync_interval
+        return self._sync[rollout_tp]
+
+    def sync_timing(self, rollout_tp: int, rollout_gpus: int) -> tuple[float, float]:
+        """(seconds the rollout pool loses, seconds until every instance serves the new version)."""
+        one = self.reload_s(rollout_tp)
+        if self.reload_strategy == "serial":
+            nodes = max(1, math.ceil(rollout_gpus / self.inputs.cluster.gpus_per_node))
+            return one, one * nodes
+        return one, one

@@ -1,0 +1,150 @@
+"""Policies that choose the split, the colocated baseline, and the search for the best static split.
+
+- `static`: one split for the whole job.
+- `planner_initial`: the split `planner.grp.plan` chooses from the job's declared inputs (it does not know
+  the drift), kept for the whole job.
+- `elastic`: the planner's initial split, then every `replan_interval_steps` the runtime's measurements of
+  the last interval go to `planner.replan.replan` (calibrate the cost model, search again with the training
+  layout kept, hysteresis `replan_min_gain`, switch must pay back within `replan_horizon_steps`); a
+  recommended change is carried out by the reconfiguration strategy of `SimOptions`.
+- `ehp`: the planner's initial split with elastic hybrid parallelism (`planner.sim.engine`).
+- `colocated`: every GPU both generates and trains, one after the other (time-shared, synchronous, as
+  colocated RL systems run): generation on all GPUs, a switch (rollout weights and the training state moved
+  off and back onto the GPUs over the host link, `CostParams.host_link_bytes_per_s`), training on all GPUs,
+  an in-place weight update (`CostParams.weight_reload_inplace_s`, no network transfer).
+
+`best_static` simulates every static split (each one a full run on the same lengths) and keeps the best.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from planner.grp import plan
+from planner.replan import ReplanPolicy, replan
+from planner.sim.allocation import Allocation, static_splits
+from planner.sim.decode import instance_generation, slots
+from planner.sim.engine import Engine, SimJob, SimOptions, SimResult
+from planner.workload import PlannerInputs
+
+POLICIES: tuple[str, ...] = ("best_static", "planner_initial", "elastic", "ehp", "colocated")
+
+
+@dataclass
+class StaticPolicy:
+    """One split for the whole job."""
+
+    allocation: Allocation
+    name: str = "static"
+    ehp: bool = False
+
+    def initial(self) -> Allocation:
+        return self.allocation
+
+    def decide(self, engine: Engine) -> Allocation | None:
+        return None
+
+
+@dataclass
+class ElasticPolicy:
+    """The planner with online re-planning (`planner.replan.replan`) every `interval` steps."""
+
+    inputs: PlannerInputs
+    start: Allocation
+    interval: int
+    min_gain: float
+    horizon_steps: int
+    name: str = "elastic"
+    ehp: bool = False
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+
+    def initial(self) -> Allocation:
+        return self.start
+
+    def decide(self, engine: Engine) -> Allocation | None:
+        if engine.trained % self.interval:
+            return None
+        obs = engine.observation(self.interval)
+        policy = ReplanPolicy(min_gain=self.min_gain, horizon_steps=self.horizon_steps,
+                              allow_train_layout_change=False)
+        decision = replan(self.inputs, engine.alloc.candidate(), obs, policy)
+        target = Allocation.of(decision.target.candidate) if decision.change else None
+        engine.result.decisions.append({
+            "step": engine.trained, "time_s": round(engine.now, 1), "change": decision.change,
+            "reason": decision.reason, "predicted_gain": round(decision.predicted_gain, 4),
+            "mean_response_tokens": round(obs.mean_response_tokens, 1),
+            "target": target.label() if target else None})
+        return target
+
+
+def planner_allocation(inputs: PlannerInputs) -> Allocation:
+    """The split the planner chooses for the job as declared (grp search)."""
+    searched = replace(inputs, space=replace(inputs.space, strategy="grp", pinned=None))
+    result = plan(searched)
+    if result.chosen is None:
+        problems = "; ".join(result.suggestions[:3]) or "no feasible split"
+        raise ValueError(f"the planner finds no feasible split for {inputs.cluster.total_gpus} GPUs: {problems}")
+    return Allocation.of(result.chosen.candidate)
+
+
+def run_policy(job: SimJob, policy: Any, options: SimOptions) -> SimResult:
+    return Engine(job, policy, options).run()
+
+
+def best_static(job: SimJob, start: Allocation, options: SimOptions,
+                rollout_tps: Sequence[int] | None = None) -> tuple[SimResult, list[SimResult]]:
+    """Simulate every static split of `start`'s training layout (and each rollout TP in `rollout_tps`,
+    default the planner's allowed ones) and return the best run and all of them."""
+    tps = tuple(rollout_tps) if rollout_tps else tuple(job.inputs.space.allowed_rollout_tp)
+    splits = static_splits(job.inputs, start.layout, tps)
+    if not splits:
+        raise ValueError(f"no static split admits layout {start.layout.label()} on {job.total_gpus} GPUs")
+    runs = [run_policy(job, StaticPolicy(a, name="static"), options) for a in splits]
+    best = max(runs, key=lambda r: r.samples_per_s)
+    return replace(best, policy="best_static"), runs
+
+
+def colocate_switch_s(inputs: PlannerInputs, allocation: Allocation) -> float:
+    """Seconds per step to move the rollout weights and the training state off and back onto every GPU."""
+    spec, opts = inputs.model, inputs.train
+    rollout_bytes = spec.total_params * inputs.rollout.weight_dtype_bytes / allocation.rollout_tp
+    per_param = opts.params_dtype_bytes + opts.main_grad_bytes + opts.optimizer_bytes_per_param
+    train_bytes = spec.total_params * per_param / max(1, allocation.train_gpus)
+    return 2.0 * (rollout_bytes + train_bytes) / inputs.cost.host_link_bytes_per_s
+
+
+def colocated(job: SimJob, start: Allocation, options: SimOptions) -> SimResult:
+    """Every GPU generates, then trains (time-shared, synchronous). Node failures are not simulated here."""
+    total, layout, tp = job.total_gpus, start.layout, start.rollout_tp
+    dp = total // layout.model_parallel
+    whole = Allocation(dp * layout.model_parallel, total, layout, tp)
+    b, c, inputs = job.batches, job.costs, job.inputs
+    instances = total // tp
+    switch = colocate_switch_s(inputs, whole)
+    now, busy, tokens = 0.0, 0.0, 0.0
+    ends = []
+    for k in range(options.steps):
+        requests = math.ceil(int(b.count[k]) / instances)
+        lbm = b.length_biased_mean(k)
+        slot_count = slots(c.max_seqs, c.kv_tokens(tp), c.prompt_tokens, lbm, requests)
+        full = c.decode_step(tp, lbm, slot_count)
+        run = instance_generation(requests, float(b.total[k]) / instances, float(b.longest[k]), lbm, slot_count,
+                                  full, c.decode_step(tp, lbm, max(1, slot_count // 2)))
+        prefill = c.prefill_s(tp, instances)
+        train = c.train_side_s(layout, dp, b.mean(k))
+        now += prefill + run.bulk_s + run.drain_s + switch + train + inputs.cost.weight_reload_inplace_s
+        busy += (prefill + float(b.total[k]) / instances / slot_count * full) * instances * tp
+        busy += train * dp * layout.model_parallel
+        tokens += float(b.total[k])
+        ends.append(now)
+    result = SimResult("colocated", f"all {total} GPUs time-shared ({layout.label()} dp={dp} | "
+                                    f"{instances} x tp={tp})", options.steps, now,
+                       int(b.count[: options.steps].sum()), tokens, max(0.0, 1.0 - busy / (total * now)))
+    result.splits = [(0.0, total, total)]
+    result.step_end_s = np.asarray(ends)
+    return result

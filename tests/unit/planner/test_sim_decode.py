@@ -1,0 +1,74 @@
+"""Continuous-batching decode: the exact per-request run (a hand-computed case, the KV-cache limit capping
+concurrency, preemption) and the aggregate the simulator uses, checked against the exact run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.sim.decode import exact_instance_run, instance_generation, slots, streaming_generation
+
+
+def test_tiny_run_matches_hand_computation() -> None:
+    # slots 2: step 1 runs r0 (3 tokens) and r1 (1); r1 ends, r2 (2) joins; steps 2-3 run r0 and r2; 3 steps
+    run = exact_instance_run([3, 1, 2], prompt=1, max_seqs=2, kv_tokens=1000, step_s=lambda b: 1.0 + b)
+    assert (run.steps, run.seconds, run.max_running, run.preemptions) == (3, 9.0, 2, 0)
+
+
+@pytest.mark.parametrize("kv_tokens, prompt, cap", [
+    pytest.param(10_000, 10, 64, id="slots-bound"),
+    pytest.param(40 * 11, 10, 40, id="kv-bound-40"),
+    pytest.param(12 * 11, 10, 12, id="kv-bound-12"),
+])
+def test_kv_cache_limit_caps_concurrency(kv_tokens: int, prompt: int, cap: int) -> None:
+    run = exact_instance_run([50] * 200, prompt=prompt, max_seqs=64, kv_tokens=kv_tokens, step_s=lambda b: 1.0)
+    assert run.max_running <= cap
+    assert run.max_running >= min(cap, 64) // 2  # the cache is used, not left empty
+
+
+def test_kv_overflow_preempts_and_recomputes() -> None:
+    tight = exact_instance_run([40] * 20, prompt=10, max_seqs=20, kv_tokens=300, step_s=lambda b: 1.0)
+    roomy = exact_instance_run([40] * 20, prompt=10, max_seqs=20, kv_tokens=10_000, step_s=lambda b: 1.0)
+    assert tight.preemptions > 0 and roomy.preemptions == 0
+    assert tight.steps > roomy.steps
+
+
+@pytest.mark.parametrize("kv_tokens, lbm, requests, expected", [
+    pytest.param(1e9, 100.0, 1000, 256, id="vllm-cap"),
+    pytest.param(1e9, 100.0, 10, 10, id="few-requests"),
+    pytest.param(60 * 150.0, 200.0, 1000, 60, id="kv-cap"),  # live context 50 + 200/2 = 150 tokens
+    pytest.param(100.0, 200.0, 1000, 1, id="at-least-one"),
+])
+def test_slots(kv_tokens: float, lbm: float, requests: int, expected: int) -> None:
+    assert slots(256, kv_tokens, 50.0, lbm, requests) == expected
+
+
+CASES = [(n, c, mean, sigma) for n, c, mean, sigma in
+         [(200, 16, 100, 0.8), (400, 32, 200, 0.5), (1000, 64, 80, 1.0), (600, 64, 150, 0.8), (500, 16, 300, 0.8)]]
+
+
+def test_aggregate_decode_is_close_to_the_exact_run() -> None:
+    rng = np.random.default_rng(1)
+    errors = []
+    for n, c, mean, sigma in CASES:
+        for _ in range(2):
+            lengths = np.clip(np.rint(rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, n)), 1, 2000).astype(int)
+            exact = exact_instance_run(lengths.tolist(), 20, c, 10**9, lambda b: 1.0)
+            lbm = float((lengths**2).sum() / lengths.sum())
+            agg = instance_generation(n, float(lengths.sum()), float(lengths.max()), lbm,
+                                      slots(c, 10**9, 20, lbm, n), 1.0, 1.0)
+            errors.append((agg.bulk_steps + agg.drain_steps) / exact.steps - 1.0)
+    assert max(abs(e) for e in errors) < 0.25, errors
+    assert abs(float(np.mean(errors))) < 0.08, errors
+
+
+def test_all_requests_fit_means_the_longest_decides() -> None:
+    run = instance_generation(8, 8 * 50.0, 120.0, 80.0, 16, 0.01, 0.005)
+    assert (run.bulk_steps, run.drain_steps, run.drain_s) == (0.0, 120.0, 0.6)
+
+
+def test_streaming_conserves_work() -> None:
+    run = streaming_generation(10_000.0, 500.0, 300.0, 50, 0.02, 0.01)
+    # the step's work at the full-batch rate is bulk + the residual the next step overlaps
+    assert run.bulk_s + run.drain_work_s == pytest.approx(10_000 / 50 * 0.02)
+    assert run.drain_steps >= 500.0 - run.bulk_steps

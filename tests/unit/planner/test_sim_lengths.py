@@ -1,0 +1,45 @@
+"""Drifting, long-tailed response lengths: the drift, the tail, truncation, the seed, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.sim.lengths import LengthModel, draw_batches
+
+
+def test_mean_drifts_from_start_to_end() -> None:
+    model = LengthModel(500, 3000, 8192)
+    assert model.mean_at(0.0) == pytest.approx(500)
+    assert model.mean_at(1.0) == pytest.approx(3000)
+    means = [model.mean_at(f) for f in np.linspace(0, 1, 11)]
+    assert all(b > a for a, b in zip(means[:-1], means[1:], strict=True))
+    assert LengthModel(500, 3000, 8192, drift=False).mean_at(0.9) == 500
+
+
+def test_batches_follow_the_drift_with_a_long_tail_and_truncation() -> None:
+    stats = draw_batches(LengthModel(400, 2000, 4096), steps=20, samples_per_step=4000, seed=3)
+    early, late = stats.mean(0), stats.mean(19)
+    assert early == pytest.approx(400, rel=0.1) and late > 3 * early
+    assert stats.length_biased_mean(0) > 1.5 * early  # long tail: E[L^2]/E[L] well above the mean
+    assert stats.longest.max() <= 4096
+
+
+@pytest.mark.parametrize("seed_a, seed_b, same", [pytest.param(1, 1, True, id="same-seed"),
+                                                   pytest.param(1, 2, False, id="other-seed")])
+def test_seeded(seed_a: int, seed_b: int, same: bool) -> None:
+    model = LengthModel(300, 900, 2048)
+    a = draw_batches(model, 5, 100, seed_a)
+    b = draw_batches(model, 5, 100, seed_b)
+    assert np.array_equal(a.total, b.total) is same
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    pytest.param({"start_mean": 0}, "start_mean", id="start"),
+    pytest.param({"end_mean": 10_000}, "end_mean", id="end-above-max"),
+    pytest.param({"sigma": -1}, "sigma", id="sigma"),
+])
+def test_bad_models_name_the_field(kwargs: dict[str, float], field: str) -> None:
+    values = {"start_mean": 100.0, "end_mean": 200.0, "max_new_tokens": 1000, **kwargs}
+    with pytest.raises(ValueError, match=field):
+        draw_batches(LengthModel(**values), 2, 10, 0)  # type: ignore[arg-type]

@@ -1,0 +1,71 @@
+"""Policies: the best static split is the best of every static run, drift moves the best split, the planner's
+split, online re-planning decisions, EHP and the colocated baseline, and the comparison of all of them."""
+
+from __future__ import annotations
+
+import pytest
+from sim_cases import real_job
+
+from planner.sim.allocation import static_splits
+from planner.sim.engine import SimOptions
+from planner.sim.policies import POLICIES, best_static, planner_allocation
+from planner.sim.scenario import compare, nearest_smooth, scaled_inputs
+
+
+def test_best_static_is_the_max_over_every_static_split() -> None:
+    job = real_job(steps=16)
+    start = planner_allocation(job.inputs)
+    best, runs = best_static(job, start, SimOptions(steps=16))
+    splits = static_splits(job.inputs, start.layout, tuple(job.inputs.space.allowed_rollout_tp))
+    assert len(runs) == len(splits) > 3
+    assert {r.initial for r in runs} == {a.label() for a in splits}
+    assert best.samples_per_s == max(r.samples_per_s for r in runs)
+    assert best.policy == "best_static"
+
+
+@pytest.mark.parametrize("early, late", [pytest.param(300, 3000, id="300-to-3000-tokens")])
+def test_drift_changes_the_best_static_split(early: int, late: int) -> None:
+    """Short responses favour a training-heavy split, long ones a rollout-heavy one."""
+    best = {}
+    for mean in (early, late):
+        job = real_job(steps=16, start=mean, end=mean, drift=False)
+        best[mean] = best_static(job, planner_allocation(job.inputs), SimOptions(steps=16))[0]
+    train_gpus = {mean: int(r.initial.split()[1]) for mean, r in best.items()}
+    assert train_gpus[late] < train_gpus[early], train_gpus
+
+
+def test_every_policy_runs_on_the_same_draws() -> None:
+    job = real_job(steps=30)
+    result = compare(job, SimOptions(steps=30, replan_interval_steps=5))
+    assert set(result.results) == set(POLICIES)
+    for r in result.results.values():
+        assert r.steps == 30 and r.samples == int(job.batches.count[:30].sum()) and r.wall_s > 0
+        assert 0.0 <= r.gpu_idle_frac < 1.0
+    assert result.results["planner_initial"].initial == result.start.label()
+    assert result.results["best_static"].samples_per_s >= result.results["planner_initial"].samples_per_s
+    elastic = result.results["elastic"]
+    assert [d["step"] for d in elastic.decisions] == [5, 10, 15, 20, 25]
+    assert elastic.reconfigurations == sum(d["change"] for d in elastic.decisions)
+    assert result.results["colocated"].initial.startswith(f"all {job.total_gpus} GPUs")
+    oracle = result.phase_oracle()
+    assert oracle["gain_over_best_static"] >= 1.0 - 1e-9 and len(oracle["phases"]) == 5
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="policy: static_best"):
+        compare(real_job(steps=2), SimOptions(steps=2), ("static_best",))
+
+
+@pytest.mark.parametrize("value, expected", [pytest.param(1024, 1152, id="1024"), pytest.param(128, 144, id="128"),
+                                             pytest.param(5, 24, id="small"), pytest.param(648, 648, id="exact")])
+def test_batch_rounding(value: float, expected: int) -> None:
+    assert nearest_smooth(value) == expected
+
+
+def test_scaling_keeps_the_per_gpu_batch() -> None:
+    base = real_job(steps=1).inputs
+    scaled = scaled_inputs(base, 512)
+    assert scaled.cluster.total_gpus == 512
+    assert scaled.workload.batch_size == nearest_smooth(base.workload.batch_size * 512 / base.cluster.total_gpus)
+    with pytest.raises(ValueError, match="gpus: 500"):
+        scaled_inputs(base, 500)
