@@ -202,14 +202,14 @@ def _rank_main(rank: int, case: Case, model_dir: str, port: int, out_dir: str) -
     worker.setup("127.0.0.1", port)
     samples = _samples(case)
     worker.train_step(samples, 1)  # warm-up: creates the Adam state
-    chunks, optimizer = worker._unwrapped, worker.optimizer
+    chunks, optimizer = worker.unwrapped_chunks, worker.optimizer
     with cpu_compat.device_scope():
-        batch, _ = worker._local_batch(samples, case.micro_batch, case.recompute_micro_batch)
+        batch, _ = worker.local_batch(samples, case.micro_batch, case.recompute_micro_batch)
         holder: dict[str, Any] = {}
         peaks = {
             "logprob": transient_peak(lambda: holder.update(
-                old=worker._logprob_pass(worker.chunks, batch, case.recompute_micro_batch)), chunks),
-            "train": transient_peak(lambda: worker._forward_backward(batch, holder["old"], None), chunks),
+                old=worker.logprob_pass(worker.chunks, batch, case.recompute_micro_batch)), chunks),
+            "train": transient_peak(lambda: worker.forward_backward(batch, holder["old"], None), chunks),
             "optimizer_step": transient_peak(lambda: optimizer.step(), chunks, optimizer),
         }
         resident = resident_bytes(worker.chunks, optimizer)

@@ -163,23 +163,24 @@ def measure_swap(ctx: Context) -> dict[str, Any]:
 
     from libra.controller.reconfigure import ReconfigureTarget
     from libra.run_dir import read_jsonl
-    from tests.integration.controller.train_swap_rig import TrainingDriver, build_swap_rig, running
+    from tests.integration.controller.reconfigure_rig import running
+    from tests.integration.controller.train_swap_rig import TrainingDriver, build_swap_rig
 
     rig = build_swap_rig(ctx.runtime, ctx.root / "swap", cluster_gpus=LOGICAL_GPUS, train_gpus=2, instances=2,
                          tick_s=0.2)
     changes: dict[str, Any] = {}
-    with running(rig):
+    with running(rig, sample_s=0.2):
         rig.wait_ready(1800)
-        assert rig.rollout.pool is not None
+        assert rig.edge.pool is not None
         with TrainingDriver(rig, publish_every=1) as driver:
             driver.wait_steps(2, 900)
             for change, instances in (("2+2_to_3+1", 1), ("3+1_to_2+2", 2)):
                 print(f"  swap {change}", flush=True)
-                with PromptStream(rig.rollout.pool, 2) as stream:
+                with PromptStream(rig.edge.pool, 2) as stream:
                     time.sleep(2.0)
                     steps_before, samples_from = len(driver.steps), len(rig.held_samples)
                     requested_ts, requested = time.time(), time.monotonic()
-                    rig.request(ReconfigureTarget(rollout_instances=instances), "cluster_swap")
+                    rig.request_target(ReconfigureTarget(rollout_instances=instances), "cluster_swap")
                     rig.wait_done(1800)
                     done = time.monotonic()
                     driver.wait_steps(1, 900)  # a step at the new split (measures the first step)

@@ -40,6 +40,11 @@ _STEP_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 _WEIGHTS_DIR = re.compile(rf"^{WEIGHTS_PREFIX}(\d+)$")
 
 
+class CorruptRunStateError(RuntimeError):
+    """A file of the run directory that a resume needs is damaged and nothing earlier can stand in for it;
+    the message names the file and what to do."""
+
+
 @dataclass(frozen=True)
 class RunDir:
     """Paths of one run directory (nothing is created until `create()`)."""

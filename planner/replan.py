@@ -2,11 +2,16 @@
 recommend a new split only when it pays.
 
 Calibration scales the rollout and training speed factors so the current candidate's predicted rollout
-tokens/s and training-side seconds equal the observed ones, and replaces the expected response length by
-the observed mean projected half a horizon ahead along its trend. A change is recommended only if the
+tokens/s and training-side seconds equal the observed ones, moves the weight-reload constant so one publish
+takes as long as measured, and replaces the expected response length by the observed mean projected along
+its trend (half the horizon ahead, or `projection_steps`). A change is recommended only if the
 predicted throughput gain is at least `min_gain` (hysteresis: a change back needs the same margin the
 other way, so estimates that wobble inside the band never flap) and the step time saved over the horizon
 exceeds the switch cost (rollout instances restart, training pool re-forms).
+
+The pools' idle shares are a check on the calibrated model: a move that gives GPUs to the pool that idled
+clearly more than the other over the window contradicts what was measured (that pool was not what held the
+step back) and is declined, whatever the model predicts.
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ class Observation:
     train_step_s: float  # log-prob recomputation + training seconds per step
     mean_response_tokens: float  # mean response length over the window
     response_tokens_per_step: float = 0.0  # trend: change of the mean response length per step
+    queue_depth: float = 0.0  # mean finished samples waiting for a training step at the step boundaries
+    rollout_idle_share: float | None = None  # share of the window no generation was in flight (None: unknown)
+    train_idle_share: float | None = None  # share of the window the training pool was not stepping
+    weight_sync_s: float | None = None  # seconds of one weight publish to the rollout pool (None: not measured)
+
+IDLE_EVIDENCE_MARGIN = 0.1  # idle shares closer than this say nothing about which pool held the step back
 
 
 @dataclass(frozen=True)
@@ -38,11 +49,13 @@ class ReplanPolicy:
     horizon_steps: int = 50
     allow_train_layout_change: bool = True
     allow_train_resize: bool = True
+    projection_steps: int = 0  # steps ahead the response-length trend is projected (0: half the horizon)
 
 
 @dataclass(frozen=True)
 class ReplanDecision:
-    """Recommendation for the runtime. `target` equals `current` when `change` is False."""
+    """Recommendation for the runtime. `target` equals `current` when `change` is False; `best` is the best
+    alternative the search found, taken or not (None when the search found none)."""
 
     change: bool
     reason: str
@@ -52,14 +65,21 @@ class ReplanDecision:
     switch_cost_s: float
     time_saved_s: float
     calibrated: PlannerInputs
+    best: Evaluation | None = None
 
 
-def calibrate(inputs: PlannerInputs, current: Candidate, obs: Observation, horizon_steps: int) -> PlannerInputs:
-    """Inputs whose cost model reproduces the observed rates for `current`."""
+def calibrate(inputs: PlannerInputs, current: Candidate, obs: Observation, horizon_steps: int,
+              projection_steps: int = 0) -> PlannerInputs:
+    """Inputs whose cost model reproduces the observed rates (and weight sync time, when measured) for
+    `current`; the response length is the observed mean projected `projection_steps` along its trend (half
+    the horizon when 0)."""
     w = inputs.workload
-    projected = obs.mean_response_tokens + obs.response_tokens_per_step * horizon_steps / 2.0
+    ahead = projection_steps if projection_steps > 0 else horizon_steps / 2.0
+    projected = obs.mean_response_tokens + obs.response_tokens_per_step * ahead
     response = int(round(min(float(w.max_new_tokens), max(1.0, projected))))
     calibrated = replace(inputs, workload=replace(w, expected_response_tokens=response))
+    if obs.weight_sync_s is not None:
+        calibrated = _calibrate_weight_sync(calibrated, current, obs.weight_sync_s)
     for _ in range(CALIBRATION_ROUNDS):
         ev = evaluate(calibrated, current, check_thresholds=False)
         cost = calibrated.cost
@@ -74,6 +94,17 @@ def calibrate(inputs: PlannerInputs, current: Candidate, obs: Observation, horiz
     return calibrated
 
 
+def _calibrate_weight_sync(inputs: PlannerInputs, current: Candidate, measured_s: float) -> PlannerInputs:
+    """The reload constant of the configured reload method moved so one publish takes `measured_s`."""
+    predicted = evaluate(inputs, current, check_thresholds=False).rollout["weight_sync_s"] * inputs.workload.sync_interval
+    cost = inputs.cost
+    if inputs.rollout.reload_method == "inplace":
+        cost = replace(cost, weight_reload_inplace_s=max(0.0, cost.weight_reload_inplace_s + measured_s - predicted))
+    else:
+        cost = replace(cost, weight_reload_restart_s=max(0.0, cost.weight_reload_restart_s + measured_s - predicted))
+    return replace(inputs, cost=cost)
+
+
 def switch_cost_s(inputs: PlannerInputs, current: Candidate, target: Candidate) -> float:
     """Seconds of progress lost switching; the rollout and training changes proceed in parallel."""
     rollout_changes = (current.rollout_gpus, current.rollout_tp) != (target.rollout_gpus, target.rollout_tp)
@@ -84,6 +115,22 @@ def switch_cost_s(inputs: PlannerInputs, current: Candidate, target: Candidate) 
     if train_changes:
         cost = max(cost, inputs.cost.train_restart_s)
     return cost
+
+
+def idle_contradiction(obs: Observation, current: Candidate, target: Candidate) -> str:
+    """Why the measured idle shares speak against moving from `current` to `target` ("" when they do not)."""
+    if obs.rollout_idle_share is None or obs.train_idle_share is None:
+        return ""
+    shares = {"rollout": obs.rollout_idle_share, "training": obs.train_idle_share}
+    grows = "rollout" if target.rollout_gpus > current.rollout_gpus else \
+        "training" if target.train_gpus > current.train_gpus else ""
+    if not grows:
+        return ""
+    other = "training" if grows == "rollout" else "rollout"
+    if shares[grows] - shares[other] <= IDLE_EVIDENCE_MARGIN:
+        return ""
+    return (f"the {grows} pool idled {shares[grows]:.0%} of the window and the {other} pool {shares[other]:.0%}: "
+            f"growing the {grows} pool contradicts the measurement")
 
 
 def _restricted(inputs: PlannerInputs, current: Candidate, policy: ReplanPolicy) -> PlannerInputs:
@@ -99,26 +146,30 @@ def _restricted(inputs: PlannerInputs, current: Candidate, policy: ReplanPolicy)
 
 def replan(inputs: PlannerInputs, current: Candidate, obs: Observation, policy: ReplanPolicy) -> ReplanDecision:
     """Recommend keeping `current` or moving to a better split, from observed metrics."""
-    calibrated = calibrate(inputs, current, obs, policy.horizon_steps)
+    calibrated = calibrate(inputs, current, obs, policy.horizon_steps, policy.projection_steps)
     now = evaluate(calibrated, current, check_thresholds=False)
 
-    def keep(reason: str, gain: float = 0.0, cost: float = 0.0, saved: float = 0.0) -> ReplanDecision:
-        return ReplanDecision(False, reason, now, now, gain, cost, saved, calibrated)
+    def keep(reason: str, gain: float = 0.0, cost: float = 0.0, saved: float = 0.0,
+             best: Evaluation | None = None) -> ReplanDecision:
+        return ReplanDecision(False, reason, now, now, gain, cost, saved, calibrated, best)
 
     plan = search_validated(_restricted(calibrated, current, policy))
     if not plan.feasible or plan.chosen is None:
         return keep("no feasible alternative under the calibrated model")
     best = plan.chosen
     if best.candidate == current:
-        return keep("the current split is still the best")
+        return keep("the current split is still the best", best=best)
     gain = best.samples_per_s / now.samples_per_s - 1.0
     cost = switch_cost_s(calibrated, current, best.candidate)
     saved = policy.horizon_steps * (now.step_s - best.step_s)
     if gain < policy.min_gain:
         return keep(f"predicted gain {gain:+.1%} is inside the hysteresis band (replan_min_gain "
-                    f"{policy.min_gain:.1%})", gain, cost, saved)
+                    f"{policy.min_gain:.1%})", gain, cost, saved, best)
     if saved <= cost:
         return keep(f"saves {saved:.0f} s over {policy.horizon_steps} steps, less than the {cost:.0f} s switch",
-                    gain, cost, saved)
+                    gain, cost, saved, best)
+    contradiction = idle_contradiction(obs, current, best.candidate)
+    if contradiction:
+        return keep(f"predicted gain {gain:+.1%} declined: {contradiction}", gain, cost, saved, best)
     return ReplanDecision(True, f"{gain:+.1%} samples/s; saves {saved:.0f} s over {policy.horizon_steps} steps "
-                                f"for a {cost:.0f} s switch", now, best, gain, cost, saved, calibrated)
+                                f"for a {cost:.0f} s switch", now, best, gain, cost, saved, calibrated, best)

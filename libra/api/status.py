@@ -2,7 +2,8 @@
 API) or from its run directory (`desired_state.json`, `events.jsonl`) once it has stopped.
 
 Top-level keys: `state`, `step`, `rollout_gpus`, `rollout_instances`, `rollout_tp_size`, `train_gpus`,
-`train_layout`, `reconfiguring`, `last_reconfiguration` (request, strategy, state, timings).
+`train_layout`, `reconfiguring`, `last_reconfiguration` (request, strategy, state, timings),
+`last_replan_decision` (the newest `replan_decision` event of online re-planning, or None).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from libra.controller.state import DesiredState
 from libra.run_dir import RunDir, read_jsonl
 
 _RECONFIGURE_KINDS = ("reconfigure_requested", "reconfigure_done")
+REPLAN_KIND = "replan_decision"
 
 
 def pool_fields(desired: DesiredState | None) -> dict[str, Any]:
@@ -62,9 +64,20 @@ def last_reconfiguration(events: Iterable[dict[str, Any]]) -> dict[str, Any] | N
     }
 
 
+def last_replan_decision(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """The newest decision of online re-planning, taken or not (None: none was made)."""
+    last = None
+    for event in events:
+        if event.get("kind") == REPLAN_KIND:
+            last = event
+    return last
+
+
 def run_dir_fields(run: RunDir) -> dict[str, Any]:
     """The pool and reconfiguration fields as the run directory records them."""
     fields = pool_fields(DesiredState.load(run.desired_state_json) if run.desired_state_json.exists() else None)
-    events = [e for e in read_jsonl(run.events_jsonl) if e.get("kind") in (*_RECONFIGURE_KINDS, "operator")]
+    events = [e for e in read_jsonl(run.events_jsonl)
+              if e.get("kind") in (*_RECONFIGURE_KINDS, "operator", REPLAN_KIND)]
     fields["last_reconfiguration"] = last_reconfiguration(events)
+    fields["last_replan_decision"] = last_replan_decision(events)
     return fields

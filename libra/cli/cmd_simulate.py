@@ -52,6 +52,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--end-mean", type=float, default=0.0,
                         help=f"mean response tokens at the end (default {DEFAULT_END_FRACTION} x max_new_tokens)")
     parser.add_argument("--sigma", type=float, default=0.8, help="log-normal shape of the response lengths")
+    parser.add_argument("--ramp", type=float, default=1.0,
+                        help="fraction of the job over which the mean rises linearly from --start-mean to "
+                             "--end-mean, then stays (the `drift` task's curve; default 1.0: the whole job)")
     parser.add_argument("--no-drift", action="store_true", help="keep the mean response length at --start-mean")
     parser.add_argument("--failures-per-node-hour", type=float, default=0.0, help="node failure rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the response lengths and failures")
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         max_new = inputs.workload.max_new_tokens
         start = args.start_mean or DEFAULT_START_FRACTION * max_new
         lengths = LengthModel(start_mean=start, end_mean=args.end_mean or DEFAULT_END_FRACTION * max_new,
-                              max_new_tokens=max_new, sigma=args.sigma, drift=not args.no_drift)
+                              max_new_tokens=max_new, sigma=args.sigma, ramp=args.ramp, drift=not args.no_drift)
         steps = args.steps or cfg.total_steps
         options = SimOptions(steps=steps, seed=args.seed,
                              reconfigure_strategy=args.strategy or grp.runtime_rollout_reconfigure_strategy,
@@ -148,6 +151,9 @@ def render(result: Comparison, console: Any, source: str) -> None:
         table.add_row(name, f"{r.samples_per_s:.1f}", ratio, f"{r.gpu_idle_frac:.0%}", f"{r.wall_s / 3600:.2f}",
                       str(r.reconfigurations), str(r.failures), r.initial)
     console.print(table)
+    for name, r in result.results.items():
+        if r.outcome != "completed":
+            console.print(f"{name}: ended early ({r.outcome}): {r.outcome_detail}")
     elastic = result.results.get("elastic")
     if elastic and elastic.decisions:
         changes = [d for d in elastic.decisions if d["change"]]

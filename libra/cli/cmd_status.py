@@ -113,6 +113,12 @@ def _format(info: dict[str, Any]) -> list[str]:
         took = f" in {seconds:.1f}s" if isinstance(seconds, int | float) else ""
         request = " ".join(last["request"]) if isinstance(last.get("request"), list) else last.get("request")
         lines.append(f"last reconfiguration: {request} by {last.get('strategy') or '?'}: {last.get('state')}{took}")
+    decision = info.get("last_replan_decision")
+    if decision:
+        gain = decision.get("gain")
+        lines.append(f"last re-planning decision (step {decision.get('step')}): {decision.get('action')}"
+                     + (f", predicted gain {gain:+.1%}" if isinstance(gain, int | float) else "")
+                     + f": {decision.get('message', '')}")
     for name, pool in (info.get("pools") or {}).items():
         members = ", ".join(f"{k} {v}" for k, v in sorted((pool.get("members") or {}).items()))
         extra = pool.get("layout") or f"{pool.get('desired_instances', '?')} instances wanted"

@@ -49,12 +49,16 @@ def register(subparsers: Any) -> None:
     plot.add_argument("trace", help="trace directory (or run directory with traces/)")
     plot.add_argument("-o", "--output", required=True, help="output image file, e.g. timeline.png")
     plot.add_argument("--title", default=None)
+    plot.add_argument("--from-s", type=float, default=None, help="draw from this second since the trace start")
+    plot.add_argument("--to-s", type=float, default=None, help="draw up to this second since the trace start")
     plot.set_defaults(func=_guard(_plot))
 
     timeline = sub.add_parser("timeline", help="draw the rollout instances' lifecycles through reconfigurations",
                               description="One row per rollout instance (starting, up, serving, draining, loading "
-                                          "weights) and the requests in flight, one column per reconfigure.change "
-                                          "span that every --match selects (the whole trace without such spans).")
+                                          "weights), with a training-pool resize in the trace its phases and one row "
+                                          "per training rank's steps, and the requests in flight, one column per "
+                                          "reconfigure.change span that every --match selects (the whole trace "
+                                          "without such spans).")
     timeline.add_argument("trace", help="trace directory (or run directory with traces/)")
     timeline.add_argument("-o", "--out", required=True, help="output image file, e.g. blue_green.png")
     timeline.add_argument("--match", action="append", default=[], metavar="KEY=VALUE",
@@ -179,7 +183,11 @@ def _timeline(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    info = trace_analysis.plot_timeline(args.trace, args.output, title=args.title)
+    if args.from_s is not None and args.to_s is not None and args.from_s >= args.to_s:
+        print(f"error: --from-s {args.from_s:g} must be below --to-s {args.to_s:g}", file=sys.stderr)
+        return EXIT_USAGE
+    info = trace_analysis.plot_timeline(args.trace, args.output, title=args.title,
+                                        window_s=(args.from_s, args.to_s))
     print(f"wrote {info['output']}: {info['rows']} rows, {len(info['phases'])} phases, "
           f"{info['counters']} counter series")
     return EXIT_OK

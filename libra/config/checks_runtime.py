@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from libra.config.context import Finding, RuleContext
+from libra.config.elastic_hybrid import ehp_switch
 from libra.config.fields import OptionInfo, options
 from libra.config.schema import Config
 
@@ -33,20 +34,11 @@ class Unwired:
 # runtime_batch_collection_timeout_s / _max_retries, runtime_drain_before_reconfigure,
 # runtime_dynamic_reconfiguration_enabled and runtime_rollout_reconfigure_strategy (a running job is
 # reconfigured through the operator API, `libra reconfigure`), runtime_reconfigure_training,
-# runtime_training_pool_plan_only (training targets of such a request) and runtime_cluster_swap_enabled
-# (strategy cluster_swap) act today and are not listed.
-UNWIRED: tuple[Unwired, ...] = (
-    Unwired("runtime_online_replanning", "re-plan from the observed rollout and training throughput",
-            "set it to false (the launch plan is kept)"),
-    Unwired("decouple_communication_domains", "keep elastic gradient traffic off the core training DP group",
-            "set it to false"),
-    Unwired("elastic_hybrid_replica_size_gpus", "size the replicas of elastic hybrid parallelism",
-            "remove it (0)"),
-    Unwired("elastic_hybrid_min_rollout_gpus", "keep rollout GPUs that elastic hybrid parallelism may not borrow",
-            "remove it (0)"),
-    Unwired("replan_interval_steps", "space online re-planning decisions", "remove it"),
-    Unwired("replan_min_gain", "set the hysteresis of online re-planning", "remove it"),
-)
+# runtime_training_pool_plan_only (training targets of such a request), runtime_cluster_swap_enabled
+# (strategy cluster_swap) and runtime_online_replanning with replan_interval_steps / replan_min_gain
+# (libra.controller.replanner), decouple_communication_domains and elastic_hybrid_* (elastic hybrid
+# parallelism in a synchronous job, `libra.config.elastic_hybrid`) act today and are not listed.
+UNWIRED: tuple[Unwired, ...] = ()
 
 
 def _default_of(option: str) -> object:
@@ -178,19 +170,44 @@ def elastic_replica_size(c: RuleContext) -> Iterator[Finding]:
 
 
 def elastic_min_rollout(c: RuleContext) -> Iterator[Finding]:
+    # More than the rollout pool holds is allowed: it keeps every rollout GPU serving (borrowing off), also
+    # after re-planning grows the pool. More than the cluster holds is a typo.
     keep = c.planner.elastic_hybrid_min_rollout_gpus
-    limit = c.cfg.rollout_gpus if c.pinned else c.total_gpus
-    if keep > limit:
-        what = "rollout_gpus" if c.pinned else "the cluster"
-        yield Finding(f"{GRP}.elastic_hybrid_min_rollout_gpus", f"exceeds {what} ({limit} GPUs)",
-                      f"set at most {limit}")
+    if keep > c.total_gpus:
+        yield Finding(f"{GRP}.elastic_hybrid_min_rollout_gpus", f"exceeds the cluster ({c.total_gpus} GPUs)",
+                      f"set at most {c.total_gpus}")
+
+
+def ehp_expert_parallel(c: RuleContext) -> Iterator[Finding]:
+    if c.cfg.train_ep_size > 1 and ehp_switch(c.cfg).mode == "on":
+        yield Finding("train_ep_size", "elastic hybrid parallelism (on with runtime_reconfigure_training in a "
+                      "synchronous job) cannot "
+                      "borrow replicas of an expert-parallel layout: expert gradients reduce over expert-DP groups "
+                      "a borrowed world does not mirror",
+                      f"set train_ep_size: 1, or keep every rollout GPU serving ({GRP}.elastic_hybrid_min_rollout_gpus: "
+                      f"{c.cfg.rollout_gpus}), or {GRP}.runtime_reconfigure_training: false")
+
+
+def ehp_options_ignored(c: RuleContext) -> Iterator[Finding]:
+    switch = ehp_switch(c.cfg)
+    if switch.acts:
+        return
+    for name in ("elastic_hybrid_replica_size_gpus", "elastic_hybrid_min_rollout_gpus"):
+        if name in switch.reason:
+            continue  # the option that turns borrowing off is not ignored
+        if getattr(c.planner, name) != 0:
+            yield Finding(f"{GRP}.{name}", f"is ignored: elastic hybrid parallelism is off ({switch.reason})",
+                          f"remove it, or run a synchronous job (max_head_offpolicyness: 0) with "
+                          f"{GRP}.runtime_reconfigure_training: true")
 
 
 def decouple_needs_training(c: RuleContext) -> Iterator[Finding]:
-    if c.planner.decouple_communication_domains and not c.planner.runtime_reconfigure_training:
+    switch = ehp_switch(c.cfg)
+    if c.planner.decouple_communication_domains and not switch.acts:
         yield Finding(f"{GRP}.decouple_communication_domains",
-                      "has no effect without elastic training workers (runtime_reconfigure_training false)",
-                      f"remove it or set {GRP}.runtime_reconfigure_training: true")
+                      f"has no effect without borrowed training replicas: elastic hybrid parallelism is off "
+                      f"({switch.reason})", f"remove it, or run a synchronous job (max_head_offpolicyness: 0) with "
+                      f"{GRP}.runtime_reconfigure_training: true")
 
 
 def endpoints_required(c: RuleContext) -> Iterator[Finding]:
@@ -220,6 +237,22 @@ def endpoint_format(c: RuleContext) -> Iterator[Finding]:
                           "write it as http://HOST:PORT", value=endpoint)
     if len(set(c.cfg.rollout_endpoints)) != len(c.cfg.rollout_endpoints):
         yield Finding("rollout_endpoints", "lists a server more than once", "list each server once")
+
+
+def replan_needs_a_resizable_pool(c: RuleContext) -> Iterator[Finding]:
+    p = c.planner
+    if p.runtime_online_replanning and not c.managed_rollout and not p.runtime_reconfigure_training:
+        yield Finding(f"{GRP}.runtime_online_replanning", "can change nothing: the rollout servers are external "
+                      "(runtime_manage_rollout_processes false) and runtime_reconfigure_training is false",
+                      f"set {GRP}.runtime_reconfigure_training: true, or {GRP}.runtime_online_replanning: false")
+
+
+def replan_interval_within_job(c: RuleContext) -> Iterator[Finding]:
+    p = c.planner
+    if p.runtime_online_replanning and p.replan_interval_steps > c.cfg.total_steps:
+        yield Finding(f"{GRP}.replan_interval_steps", f"is {p.replan_interval_steps}, more than total_steps "
+                      f"{c.cfg.total_steps}: no re-planning decision is ever made",
+                      f"set it to at most {c.cfg.total_steps}")
 
 
 def unmanaged_rollout_resize(c: RuleContext) -> Iterator[Finding]:

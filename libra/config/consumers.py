@@ -29,6 +29,9 @@ RL_LOOP = "reads libra.controller.rl_loop:RLLoop"
 CONTROLLER = "reads libra.controller.controller:Controller"
 START_RAY = "reads libra.controller.bootstrap:start_ray"
 OPERATOR_API = "reads libra.api.server:start_operator_api"
+REPLANNER = "reads libra.controller.replanner:build_replanner"
+REPLAN_SETTINGS = "reads libra.controller.replanner:ReplanSettings.from_config"
+EHP_SETTINGS = "reads libra.training.ehp:EhpSettings.from_planner_options"
 GRP = "global_resource_planner."
 
 CONSUMERS: dict[str, tuple[str, ...]] = {
@@ -119,10 +122,18 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     f"{GRP}runtime_drain_before_reconfigure": ("DesiredState.drain_before_stop",),
     f"{GRP}runtime_dynamic_reconfiguration_enabled": (CONTROLLER,),
     f"{GRP}runtime_rollout_reconfigure_strategy": ("DesiredState.reconfigure_strategy",),
-    f"{GRP}runtime_reconfigure_training": (CONTROLLER,),  # Controller.reconfigure_limits
+    f"{GRP}runtime_reconfigure_training": (CONTROLLER, REPLAN_SETTINGS,  # Controller.reconfigure_limits
+                                           "reads libra.config.elastic_hybrid:ehp_switch"),
     f"{GRP}runtime_training_pool_plan_only": (CONTROLLER,),
     f"{GRP}runtime_cluster_swap_enabled": ("DesiredState.cluster_swap_enabled", CONTROLLER),
+    f"{GRP}runtime_online_replanning": (REPLANNER,),
+    f"{GRP}replan_interval_steps": (REPLAN_SETTINGS,),
+    f"{GRP}replan_min_gain": (REPLAN_SETTINGS,),
     f"{GRP}elastic_hybrid_max_workers": ("rule options.deprecated",),
+    # elastic hybrid parallelism: the borrowing session's settings, and the validation's replica size
+    f"{GRP}decouple_communication_domains": (EHP_SETTINGS,),
+    f"{GRP}elastic_hybrid_replica_size_gpus": (EHP_SETTINGS, "reads libra.config.elastic_hybrid:replica_size"),
+    f"{GRP}elastic_hybrid_min_rollout_gpus": (EHP_SETTINGS,),
     **{f"{GRP}{u.option}": (f"rule unwired.{u.option}",) for u in UNWIRED},
     # algorithm
     "algorithm.advantage_norm_mode": (f"{TRAIN}.algorithm.advantage_norm_mode", RL_LOOP),

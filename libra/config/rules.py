@@ -190,6 +190,12 @@ RULES: tuple[Rule, ...] = (
        "strategy set while runtime reconfiguration is off is ignored", run.strategy_ignored),
     _r("runtime.replan_ignored", WARNING, f"{P}replan_interval_steps, {P}replan_min_gain", "re-planning options "
        "set while runtime_online_replanning is off are ignored", run.replan_ignored),
+    _r("runtime.replan_resizable_pool", INVALID, f"{P}runtime_online_replanning, "
+       f"{P}runtime_manage_rollout_processes, {P}runtime_reconfigure_training", "runtime_online_replanning needs a "
+       "pool it may resize: managed rollout processes or runtime_reconfigure_training",
+       run.replan_needs_a_resizable_pool),
+    _r("runtime.replan_interval", WARNING, f"{P}replan_interval_steps, total_steps", "with online re-planning, "
+       "replan_interval_steps is at most total_steps (else no decision is made)", run.replan_interval_within_job),
     _r("runtime.unmanaged_rollout", WARNING, f"{P}runtime_manage_rollout_processes", "with external rollout "
        "servers the rollout pool is never resized", run.unmanaged_rollout_resize),
     _r("options.deprecated", WARNING, f"{P}elastic_hybrid_max_workers", "deprecated options (elastic_hybrid_"
@@ -197,11 +203,18 @@ RULES: tuple[Rule, ...] = (
     _r("elastic.replica_size", INVALID, f"{P}elastic_hybrid_replica_size_gpus, train_tp_size, train_ep_size, "
        "train_pp_size, train_cp_size", "elastic_hybrid_replica_size_gpus is 0 or a multiple of TPxEPxPPxCP "
        "within the cluster", run.elastic_replica_size),
-    _r("elastic.min_rollout", INVALID, f"{P}elastic_hybrid_min_rollout_gpus, rollout_gpus",
-       "elastic_hybrid_min_rollout_gpus <= rollout_gpus (pinned split) or the cluster", run.elastic_min_rollout),
+    _r("elastic.min_rollout", INVALID, f"{P}elastic_hybrid_min_rollout_gpus, rollout_gpus, "
+       f"{P}elastic_hybrid_replica_size_gpus", "elastic_hybrid_min_rollout_gpus <= the cluster's GPUs", run.elastic_min_rollout),
+    _r("elastic.ehp_expert_parallel", NOT_IMPLEMENTED, f"train_ep_size, {P}elastic_hybrid_replica_size_gpus, "
+       "max_head_offpolicyness", "elastic hybrid parallelism borrows no replicas of an expert-parallel layout",
+       run.ehp_expert_parallel),
+    _r("elastic.ehp_options_ignored", WARNING, f"{P}elastic_hybrid_replica_size_gpus, "
+       f"{P}elastic_hybrid_min_rollout_gpus, max_head_offpolicyness", "elastic_hybrid_* options are ignored while "
+       "elastic hybrid parallelism is off (it acts with runtime_reconfigure_training in a synchronous job)",
+       run.ehp_options_ignored),
     _r("elastic.decouple_needs_training", WARNING, f"{P}decouple_communication_domains, "
-       f"{P}runtime_reconfigure_training", "decouple_communication_domains only matters with elastic training "
-       "workers", run.decouple_needs_training),
+       f"{P}elastic_hybrid_replica_size_gpus, max_head_offpolicyness", "decouple_communication_domains only matters "
+       "with borrowed training replicas (elastic hybrid parallelism on)", run.decouple_needs_training),
     # algorithm, optimizer, Megatron-Core
     _r("algo.is_needs_recompute", INVALID, "algorithm.is_correction.enable, recompute_logprobs",
        "algorithm.is_correction needs recompute_logprobs", trn.is_needs_recompute),

@@ -174,7 +174,10 @@ class PlannerConfig(DataClassJsonMixin):
         0.25, "Prune PP branches whose analytical bubble ratio exceeds this value.", gt=0, le=1
     )
     runtime_online_replanning: bool = opt(
-        False, "Use online metrics (rollout tok/s, train step time, queue depth) in planner decisions."
+        False,
+        "Every replan_interval_steps steps, calibrate the planner on what the job measured (rollout tok/s, "
+        "train step time, queue depth, response-length trend, idle shares) and reconfigure the pools when "
+        "the best split promises replan_min_gain more samples/s and pays for its switch.",
     )
     runtime_manage_rollout_processes: bool = opt(
         True,
@@ -201,8 +204,9 @@ class PlannerConfig(DataClassJsonMixin):
     )
     elastic_hybrid_replica_size_gpus: int = opt(
         0,
-        "Physical ranks in one complete TPxEPxPPxCP planner replica; 0 derives it from the training "
-        "topology.",
+        "GPUs in one replica that elastic hybrid parallelism borrows from idle rollout instances in a "
+        "synchronous job with runtime_reconfigure_training (a multiple of TPxEPxPPxCP); 0 derives it from the "
+        "training topology (one complete TPxEPxPPxCP replica).",
         ge=0,
     )
     elastic_hybrid_min_rollout_gpus: int = opt(

@@ -4,6 +4,7 @@ warnings), printed by `libra validate` and at launch."""
 from __future__ import annotations
 
 from libra.config.checks_runtime import unwired_requested
+from libra.config.elastic_hybrid import ehp_switch, replica_size
 from libra.config.schema import Config
 from planner.model_spec import ModelSpec, ModelSpecError
 
@@ -79,6 +80,9 @@ def summarize(cfg: Config) -> list[str]:
         stop = "drained" if p.runtime_drain_before_reconfigure else "aborted, prompts requeued"
         reconfiguration = (f"on (the rollout pool is changed on request by {p.runtime_rollout_reconfigure_strategy}; "
                            f"a serving instance it stops is {stop})")
+        if p.runtime_online_replanning:
+            reconfiguration += (f"; re-planned online every {p.replan_interval_steps} steps "
+                                f"(replan_min_gain {p.replan_min_gain:.0%})")
     else:
         reconfiguration = "off (the launch split is kept; failed rollout instances are replaced)"
     runtime = (f"{reconfiguration}; rollout servers "
@@ -87,6 +91,11 @@ def summarize(cfg: Config) -> list[str]:
     fallback = strategy_fallback(cfg)
     if fallback:
         runtime += f"; {fallback}"
+    ehp = ehp_switch(cfg)
+    if ehp.acts:
+        runtime += (f"; elastic hybrid parallelism {'plan only' if ehp.mode == 'plan_only' else 'on'} (training steps "
+                    f"borrow idle rollout GPUs in replicas of {replica_size(cfg)}, "
+                    f"{p.elastic_hybrid_min_rollout_gpus} always serving)")
     requested = unwired_requested(cfg)
     if requested:
         runtime += f"; requested but not implemented: {', '.join(requested)}"

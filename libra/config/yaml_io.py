@@ -38,7 +38,9 @@ class _Loader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
-            if isinstance(key, str) and key in seen:
+            if not isinstance(key, str):
+                continue  # a list or mapping as a key is refused by the base class with a position
+            if key in seen:
                 self.duplicate_keys.append((key, key_node.start_mark.line + 1))
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
@@ -58,6 +60,11 @@ def parse_yaml(text: str, where: str) -> tuple[Any, list[ConfigIssue]]:
     try:
         loader = _Loader(text)  # the reader rejects control characters here already
         data = loader.get_single_data()
+    except RecursionError:
+        issue = ConfigIssue(where, MISSING_VALUE, "YAML nested too deeply to read",
+                            "flatten the nesting: no option of a job file is nested more than a few levels", INVALID,
+                            "yaml.syntax")
+        return None, [issue]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -81,8 +88,8 @@ def read_yaml(path: str) -> tuple[Any, list[ConfigIssue]]:
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = (exc.strerror if isinstance(exc, OSError) else None) or f"{type(exc).__name__}: {exc}"
         return None, [ConfigIssue(path, MISSING_VALUE, f"cannot read the configuration file ({reason})",
                                   "pass the path of an existing YAML file", INVALID, "yaml.unreadable")]
     return parse_yaml(text, path)

@@ -24,20 +24,23 @@ class _BriefFormatter(logging.Formatter):
         saved = record.exc_info, record.exc_text, record.stack_info
         record.exc_info, record.exc_text, record.stack_info = None, None, None
         try:
-            return super().format(record)
+            return super().format(record).split("\n", 1)[0]  # the rest (asyncio adds the task) is in the file
         finally:
             record.exc_info, record.exc_text, record.stack_info = saved
 
 
-def setup_logging(run: RunDir, level: str, stderr_level: int = logging.WARNING) -> list[logging.Handler]:
+def setup_logging(run: RunDir, level: str, stderr_level: int = logging.WARNING,
+                  debug: bool = False) -> list[logging.Handler]:
     """Controller log into `<run_dir>/controller.log` at `level`; only warnings and errors on stderr (the
-    console view owns stdout). Returns the handlers so they can be removed again."""
+    console view owns stdout), one line each, with their tracebacks only when `debug`. Returns the handlers
+    so they can be removed again."""
     root = logging.getLogger()
     file_handler = logging.FileHandler(run.controller_log, encoding="utf-8")
     file_handler.setFormatter(logging.Formatter(_LOG_FORMAT))
     file_handler.setLevel(getattr(logging, level.upper(), logging.INFO))
     err_handler = logging.StreamHandler()
-    err_handler.setFormatter(_BriefFormatter("%(levelname)s %(name)s: %(message)s"))
+    err_format = "%(levelname)s %(name)s: %(message)s"
+    err_handler.setFormatter(logging.Formatter(err_format) if debug else _BriefFormatter(err_format))
     err_handler.setLevel(stderr_level)
     root.addHandler(file_handler)
     root.addHandler(err_handler)

@@ -3,18 +3,25 @@ position in the prompt stream, running totals), with retention.
 
 `checkpoints/step_NNNNNN/train/` is written by the training pool; `controller_state.json` is written
 last and atomically, so a checkpoint without it (a crash mid-save) is ignored on resume.
+
+A resume (`restore_newest`) takes the newest checkpoint that loads: one whose controller state is unreadable
+or whose training checkpoint the pool refuses (a truncated shard, a damaged `latest` marker) is skipped with
+a warning naming the file, and the one before it is tried. A run whose every checkpoint is damaged stops with
+`CorruptRunStateError` rather than silently starting again from step 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from libra.run_dir import CONTROLLER_STATE, RunDir, read_json, write_json_atomic
+from libra.run_dir import CHECKPOINT_PREFIX, CONTROLLER_STATE, CorruptRunStateError, RunDir, write_json_atomic
 
 TRAIN_SUBDIR = "train"
 
@@ -41,6 +48,65 @@ class ControllerState:
     def from_dict(cls, data: dict[str, Any]) -> ControllerState:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def read_controller_state(path: Path, step: int) -> ControllerState:
+    """The controller state of the checkpoint of `step`; CorruptRunStateError naming the file when it is
+    unreadable, not a state, or of another step."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptRunStateError(f"{path} is unreadable ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(data, dict):
+        raise CorruptRunStateError(f"{path} holds {type(data).__name__}, not a controller state")
+    try:
+        state = ControllerState.from_dict(data)
+    except TypeError as exc:
+        raise CorruptRunStateError(f"{path} is not a controller state ({exc})") from exc
+    numbers = {"step": state.step, "prompts_drawn": state.prompts_drawn, "sessions": state.sessions}
+    bad = {k: v for k, v in numbers.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0}
+    if bad:
+        raise CorruptRunStateError(f"{path} has invalid counters {bad} (each must be an integer >= 0)")
+    if state.step != step:
+        raise CorruptRunStateError(f"{path} is of step {state.step}, but its folder is of step {step}")
+    return state
+
+
+def checkpoint_step(train_dir: str) -> int:
+    """The step of a job checkpoint's training directory (`.../step_NNNNNN/train`); -1 when not one."""
+    digits = Path(train_dir).parent.name.removeprefix(CHECKPOINT_PREFIX)
+    return int(digits) if Path(train_dir).parent.name.startswith(CHECKPOINT_PREFIX) and digits.isdigit() else -1
+
+
+def _last_line(exc: BaseException) -> str:
+    """The gist of an error raised in a worker (its text ends with the worker's own error line)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def restore_newest(
+    store: CheckpointStore, load: Callable[[str], int], warn: Callable[[str], None]
+) -> tuple[ControllerState, Path, int] | None:
+    """Load the newest checkpoint that loads: (controller state, training checkpoint dir, step the training
+    pool reports). Each checkpoint skipped is reported through `warn`, naming its file and what is wrong.
+    None when the run has no complete checkpoint; CorruptRunStateError when it has some and none loads."""
+    problems: list[str] = []
+    for step, folder in reversed(store.run.checkpoints_by_step()):
+        train_dir = folder / TRAIN_SUBDIR
+        try:
+            state = read_controller_state(folder / CONTROLLER_STATE, step)
+            loaded = load(str(train_dir))
+        except Exception as exc:
+            problem = str(exc) if isinstance(exc, CorruptRunStateError) else f"{train_dir}: {_last_line(exc)}"
+            problems.append(problem)
+            warn(f"checkpoint of step {step} skipped: {problem}; trying the one before it")
+            continue
+        return state, train_dir, loaded
+    if problems:
+        raise CorruptRunStateError(
+            f"no checkpoint under {store.run.checkpoints} can be loaded: " + " | ".join(problems)
+            + ". Restore the damaged files, or move the run directory aside to start the run again from step 0")
+    return None
 
 
 def retained_steps(steps: list[int], keep_last: int, keep_every: int) -> set[int]:
@@ -87,11 +153,13 @@ class CheckpointStore:
         return removed
 
     def latest(self) -> tuple[ControllerState, Path] | None:
+        """The newest complete checkpoint, unloaded (CorruptRunStateError when its state is unreadable)."""
         found = self.run.latest_checkpoint()
         if found is None:
             return None
-        _, folder = found
-        data = read_json(folder / CONTROLLER_STATE)
-        if data is None:
-            return None
-        return ControllerState.from_dict(data), folder / TRAIN_SUBDIR
+        step, folder = found
+        return read_controller_state(folder / CONTROLLER_STATE, step), folder / TRAIN_SUBDIR
+
+
+__all__ = ["CheckpointStore", "ControllerState", "CorruptRunStateError", "checkpoint_step", "read_controller_state",
+           "restore_newest", "retained_steps"]

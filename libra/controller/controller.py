@@ -21,17 +21,20 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import yaml
 
 from libra.config import Config, dump
+from libra.config.elastic_hybrid import ehp_switch
 from libra.controller import bootstrap
 from libra.controller.allocation import initial_allocation
 from libra.controller.batching import CollectionCancelled
 from libra.controller.control_loop import ControlLoop
 from libra.controller.desired_store import DesiredStore
+from libra.controller.ehp_borrow import EhpBorrower
 from libra.controller.events import EventLog, started_generations
 from libra.controller.executor import Executor, PublishOutcome
 from libra.controller.gate import WeightGate, WeightsRef
@@ -50,6 +53,7 @@ from libra.controller.reconfigure import (
     plan_reconfigure,
     trigger_switch,
 )
+from libra.controller.replanner import Replanner, build_replanner
 from libra.controller.reporting import Reporter
 from libra.controller.rl_loop import RLLoop
 from libra.controller.services import GenerationService, JobSession, TrainingService
@@ -79,6 +83,7 @@ class LaunchOptions:
     tick_interval_s: float = 1.0
     curve_interval_s: float = 120.0
     install_signal_handlers: bool = True
+    debug: bool = False  # tracebacks of logged errors on stderr too (always in controller.log)
     timeouts: StateTimeouts = field(default_factory=StateTimeouts)
 
 
@@ -90,6 +95,7 @@ class RunResult:
     error: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     rows: list[dict[str, Any]] = field(default_factory=list)
+    stop_reason: str = ""  # what asked the job to stop: SIGINT, SIGTERM, ... ("" = nothing did)
 
 
 class Controller:
@@ -115,6 +121,7 @@ class Controller:
         self.gate = WeightGate()
         self.step_gate = StepGate()  # operator pause / resume / drain at step boundaries
         self.api: Any = None  # the operator API server (libra.api.server)
+        self.replanner: Replanner | None = None  # runtime_online_replanning
         self.task: Any = None
         self.tokenizer: Any = None
         self._tracer: PhaseTracer | None = None
@@ -132,6 +139,7 @@ class Controller:
             self._bootstrap()
             self._start_pools()
             self._memory_dry_run()
+            self.replanner = build_replanner(self.cfg, self.desired_state, self.request_reconfigure, self.events)
             assert self.reporter is not None
             self.rl = RLLoop(self.cfg, self.run, self.session(), self.events, self.reporter, self.task,
                              self.tokenizer, self.stop, self.end_step, gate=self.step_gate)
@@ -152,7 +160,7 @@ class Controller:
             self.stop.restore()
         rl = self.rl
         return RunResult(outcome, rl.start_step if rl else 0, self.step, error, dict(rl.timings) if rl else {},
-                         rl.rows if rl else [])
+                         rl.rows if rl else [], stop_reason=self.stop.reason)
 
     @property
     def step(self) -> int:
@@ -163,7 +171,7 @@ class Controller:
         run, cfg = self.run, self.cfg
         resuming = run.is_existing_run()
         run.create()
-        self._log_handlers = bootstrap.setup_logging(run, cfg.log_level)
+        self._log_handlers = bootstrap.setup_logging(run, cfg.log_level, debug=self.options.debug)
         self.events = EventLog(run.events_jsonl)
         with open(run.config_yaml, "w", encoding="utf-8") as fh:
             yaml.safe_dump(dump(cfg), fh, sort_keys=False)
@@ -224,6 +232,7 @@ class Controller:
         check_pool_specs(cfg, run, desired)
         self.reporter.set_state("starting", message="starting Ray")
         self.runtime = bootstrap.start_ray(cfg, namespace=f"libra-{cfg.name or 'job'}")
+        self.stop.reinstall()  # ray.init replaced the SIGTERM handler with one that aborts the process
         self.events.emit("ray", "joined Ray" if not self.runtime.owned else "started a local Ray",
                          address=self.runtime.address)
 
@@ -317,7 +326,29 @@ class Controller:
         return JobSession(training=self.train_pool(), generation=self.rollout_pool(), desired=self.store,
                           publish_weights=self.publish_weights, served_versions=self.served_versions,
                           wake_reconciler=self.wake_reconciler, pool_status=self.pool_status,
-                          pool_text=self.pool_text, tick_errors=self.tick_errors)
+                          pool_text=self.pool_text, tick_errors=self.tick_errors, after_step=self._after_step,
+                          ehp_train_step=self._ehp_train_step())
+
+    def _ehp_train_step(self) -> Callable[[list[Any], int, int], dict[str, float]] | None:
+        """The training step with borrowed rollout GPUs when elastic hybrid parallelism acts in this job."""
+        switch = ehp_switch(self.cfg)
+        self.events.emit("ehp", f"elastic hybrid parallelism {switch.mode}: {switch.reason}", mode=switch.mode)
+        if not switch.acts:
+            return None
+        assert self.tracker is not None
+        borrower = EhpBorrower(self.cfg, switch, self.rollout_edge, self.train_edge, self.tracker, self.gate,
+                               self.events, self.desired_state)
+        return borrower.train_step
+
+    def _after_step(self, rows: list[dict[str, Any]]) -> None:
+        """Online re-planning at the step boundary; a failing decision is logged, never what stops the job."""
+        if self.replanner is None:
+            return
+        try:
+            self.replanner.after_step(rows)
+        except Exception as exc:
+            log.exception("online re-planning failed")
+            self.events.emit("replan_error", f"{type(exc).__name__}: {exc}", step=self.step)
 
     def train_pool(self) -> TrainingService:
         if self.train_edge is None or self.train_edge.pool is None:

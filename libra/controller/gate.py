@@ -49,8 +49,11 @@ class WeightGate:
             self._current = weights
 
     def weights_for(self, version: int) -> WeightsRef:
+        """The weights to load for a publish planned at `version`: the gate's current weights when they are
+        that version or newer. The RL loop may publish again while the action waits for the gate; loading
+        the newer weights is what the planned publish was for (the instance then holds the current weights)."""
         current = self.current()
-        if current is None or current.version != version:
+        if current is None or current.version < version:
             have = "none" if current is None else f"v{current.version}"
             raise LookupError(f"no exported weights of publish version {version} to load (the gate holds {have}); "
                               "the RL loop publishes them at its next step boundary")

@@ -223,6 +223,19 @@ class RolloutPoolEdge(_PoolEdge):
             return []
         return [instance_view(info) for info in pool.instances()]
 
+    # ---- lending GPUs to the training step (elastic hybrid parallelism, `libra.controller.ehp_borrow`) ----
+    def lend(self, keys: Sequence[str], sleep: bool) -> list[Any]:
+        """Take the instances `keys` out of serving (drained, asleep when `sleep`); their `LendReport`s."""
+        return list(self._pool().lend_instances(list(keys), sleep))
+
+    def give_back(self, keys: Sequence[str]) -> list[Any]:
+        """Wake the lent instances `keys`, bring them to the current weights and serve them; `ReturnReport`s."""
+        return list(self._pool().return_instances(list(keys)))
+
+    def lent_gpus(self, key: str) -> list[Any]:
+        """The `LentGpu`s through which borrowed training ranks join instance `key`'s GPUs."""
+        return list(self._pool().lendable_gpus(key))
+
     def _pool(self) -> Any:
         if self.pool is None:
             raise RuntimeError("the rollout pool has not been created")
@@ -323,6 +336,13 @@ class TrainingPoolEdge(_PoolEdge):
         if self.pool is None:
             raise RuntimeError("the training pool has not been created")
         return self.pool
+
+    def ehp_session(self) -> Any:
+        """An `EhpSession` (`libra.training.ehp`) of the running pool with the job's elastic hybrid parallelism
+        settings: it plans, attaches and detaches borrowed replicas and runs their shared step."""
+        from libra.training.ehp import EhpSession, EhpSettings
+
+        return EhpSession(self._pool(), EhpSettings.from_planner_options(self.cfg.global_resource_planner))
 
     def views(self) -> list[MemberView]:
         if self.pool is None or not self.pool.running:  # down after a failed resize: no rank runs

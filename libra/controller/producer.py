@@ -199,7 +199,7 @@ class RolloutProducer:
         started = time.time()
         self.busy.enter()
         try:
-            with get_tracer().span("rollout.generate", prompt=index, n=s.n_samples):
+            with get_tracer().span("rollout.generate", prompt=index, n=s.n_samples) as span:
                 completions = await self.generate(
                     list(prompt.token_ids),
                     n=s.n_samples,
@@ -208,6 +208,7 @@ class RolloutProducer:
                     top_p=s.top_p,
                     seed=s.seed + index,
                 )
+                span.set(instance=str(getattr(completions[0], "instance_id", "")) if completions else "")
             with get_tracer().span("rollout.reward", prompt=index):
                 responses = [list(c.token_ids) for c in completions]
                 rewards = [float(self.score(prompt, r)) for r in responses]

@@ -26,7 +26,7 @@ from typing import Any, cast
 
 from libra.config import Config
 from libra.controller.batching import SampleBuffer
-from libra.controller.checkpoints import CheckpointStore, ControllerState
+from libra.controller.checkpoints import CheckpointStore, ControllerState, checkpoint_step, restore_newest
 from libra.controller.events import EventLog
 from libra.controller.producer import RolloutProducer, SamplingSettings
 from libra.controller.reporting import Reporter
@@ -69,12 +69,18 @@ class RLLoop:
     # ---- resume ---------------------------------------------------------------------------------------
     def restore(self) -> None:
         """Load the newest checkpoint (if any), set up the producer, align the rollout weights."""
-        latest = self.store.latest() if self.cfg.checkpoint.resume else None
+        def load(train_dir: str) -> int:
+            self.reporter.set_state("starting", message=f"resuming from {train_dir}")
+            with get_tracer().span("checkpoint.load", step=checkpoint_step(train_dir)):
+                return int(self.session.training.load_checkpoint(train_dir))
+
+        def warn(message: str) -> None:
+            self.events.emit("warning", message)
+
+        # the newest checkpoint that loads; damaged ones are skipped with a warning naming the file
+        latest = restore_newest(self.store, load, warn) if self.cfg.checkpoint.resume else None
         if latest is not None:
-            state, train_dir = latest
-            self.reporter.set_state("starting", message=f"resuming from step {state.step}")
-            with get_tracer().span("checkpoint.load", step=state.step):
-                loaded = self.session.training.load_checkpoint(str(train_dir))
+            state, train_dir, loaded = latest
             if int(loaded) != state.step:
                 self.events.emit("warning", f"training checkpoint reports step {loaded}, controller state {state.step}")
             state.sessions += 1
@@ -154,7 +160,7 @@ class RLLoop:
         self.producer.start()
         self.reporter.set_state("running", step=self.state.step)
         loop_started = self._loop_started = time.monotonic()
-        last_tokens, last_time = self.producer.response_tokens, time.monotonic()
+        last_tokens, last_time, last_busy = self.producer.response_tokens, time.monotonic(), self.producer.busy.total()
         try:
             while self.state.step < self.end_step and not self.stop.requested:
                 if self.gate is not None and not self.gate.proceed(self.stop.event, self._on_hold):
@@ -162,10 +168,16 @@ class RLLoop:
                 row = self._one_step()
                 now = time.monotonic()
                 row["rollout_tokens_per_s"] = (self.producer.response_tokens - last_tokens) / max(1e-9, now - last_time)
-                last_tokens, last_time = self.producer.response_tokens, now
+                # what online re-planning measures: generated tokens and generating seconds since the last row
+                busy = self.producer.busy.total()
+                row.update(rollout_tokens=self.producer.response_tokens - last_tokens,
+                           rollout_busy_s=round(busy - last_busy, 4), interval_s=round(now - last_time, 4))
+                last_tokens, last_time, last_busy = self.producer.response_tokens, now, busy
                 self.timings["loop"] = now - loop_started
                 row["elapsed_s"] = round(self.state.train_seconds + self.timings["loop"], 3)
                 self.rows.append(row)
+                if self.session.after_step is not None:
+                    self.session.after_step(self.rows)
                 self.reporter.pools(self.session.pool_status())
                 self.reporter.step(row, self.session.pool_text(), self.buffer.depth(),
                                    {"tick_errors": self.session.tick_errors(), "rollout_failures": self.producer.failures})
@@ -206,7 +218,7 @@ class RLLoop:
             eval_wait = time.monotonic() - t
             samples = build_samples(groups, cfg.algorithm.advantage_norm_mode, TrainSample)
             t = time.monotonic()
-            train_metrics = self.session.training.train_step(samples, step=number)
+            train_metrics = self._train_step(samples, number)
             times["train"] = time.monotonic() - t
             self.state.step = number
             self.state.prompts_drawn = self.producer.prompts_drawn - self.buffer.running - self.buffer.buffered
@@ -254,6 +266,14 @@ class RLLoop:
         row.update({f"eval_{k}": v for k, v in evaluation.items()})
         row.update({f"sync_{k}": v for k, v in sync.items()})
         return row
+
+    def _train_step(self, samples: list[Any], number: int) -> dict[str, float]:
+        """The step on the training pool; with elastic hybrid parallelism on (a synchronous job: the lag bound
+        0 admits no group of the next step before this step's weights are published, so the rollout pool
+        idles now) with borrowed rollout GPUs, given back before the next rollout phase."""
+        if self.session.ehp_train_step is not None and self.buffer is not None:
+            return self.session.ehp_train_step(samples, number, self.buffer.running)
+        return self.session.training.train_step(samples, step=number)
 
     def _on_collect_timeout(self, attempt: int, have: int) -> None:
         assert self.buffer is not None

@@ -53,3 +53,8 @@ class JobSession:
     pool_status: Callable[[], dict[str, Any]]
     pool_text: Callable[[], dict[str, str]]
     tick_errors: Callable[[], int]
+    # called with the metric rows of this session after each step (online re-planning); never raises
+    after_step: Callable[[list[dict[str, Any]]], None] | None = None
+    # (samples, step, rollout groups in flight) -> metrics: one training step with borrowed rollout GPUs
+    # (elastic hybrid parallelism, `libra.controller.ehp_borrow`); None when it is off
+    ehp_train_step: Callable[[list[Any], int, int], dict[str, float]] | None = None

@@ -1,6 +1,7 @@
 """Graceful stop on SIGINT / SIGTERM: the first signal asks the controller to finish the current step,
 checkpoint and stop everything it started; a second SIGINT interrupts at once (KeyboardInterrupt, still
-followed by the clean-up of the `finally` blocks)."""
+followed by the clean-up of the `finally` blocks). Starting Ray replaces the SIGTERM handler, so the
+controller calls `reinstall()` once Ray runs."""
 
 from __future__ import annotations
 
@@ -38,6 +39,14 @@ class StopRequest:
         for signum in (signal.SIGINT, signal.SIGTERM):
             self._previous[signum] = signal.signal(signum, self._handle)
         return True
+
+    def reinstall(self) -> None:
+        """Take SIGINT / SIGTERM back after a library replaced the handlers: `ray.init` installs a native
+        SIGTERM handler that dumps a stack and aborts the process, skipping every clean-up. No-op unless
+        `install()` succeeded."""
+        if self._previous and threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, self._handle)
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():

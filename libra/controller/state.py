@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from libra.controller.members import Member, MemberState
-from libra.run_dir import write_json_atomic
+from libra.run_dir import CorruptRunStateError, write_json_atomic
 from planner.layout import TrainLayout
 
 ROLLOUT = "rollout"
@@ -103,11 +103,44 @@ class DesiredState:
 
     @classmethod
     def load(cls, path: Path) -> DesiredState | None:
+        """The checkpointed desired state; None when there is none; CorruptRunStateError naming the file when
+        it is damaged (it is not replaced silently: it may hold a resize the configuration does not)."""
         try:
             with open(path, encoding="utf-8") as fh:
-                return cls.from_dict(json.load(fh))
+                data = json.load(fh)
         except FileNotFoundError:
             return None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise _corrupt(path, f"{type(exc).__name__}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise _corrupt(path, f"it holds {type(data).__name__}, not an object")
+        try:
+            desired = cls.from_dict(data)
+        except (TypeError, ValueError) as exc:
+            raise _corrupt(path, str(exc)) from exc
+        problems = desired.problems()
+        if problems:
+            raise _corrupt(path, "; ".join(problems))
+        return desired
+
+    def problems(self) -> list[str]:
+        """What no desired state may hold (counts that are not positive integers, negative versions)."""
+        positive = {"rollout_tp": self.rollout_tp}
+        counters = {"train_gpus": self.train_gpus, "rollout_instances": self.rollout_instances,
+                    "weight_version": self.weight_version, "generation": self.generation}
+        bad = [f"{k}={v!r} (must be an integer >= 1)" for k, v in positive.items() if not _is_int(v) or v < 1]
+        bad += [f"{k}={v!r} (must be an integer >= 0)" for k, v in counters.items() if not _is_int(v) or v < 0]
+        return bad
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _corrupt(path: Path, why: str) -> CorruptRunStateError:
+    return CorruptRunStateError(
+        f"{path} is damaged ({why}); restore it, or delete it and the launch plans the allocation again from "
+        "the configuration (the run's checkpoints are kept)")
 
 
 @dataclass(frozen=True)

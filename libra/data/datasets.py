@@ -119,6 +119,13 @@ def _read_jsonl(path: str, input_key: str, label_key: str, field: str) -> list[P
                         value=path,
                         fix=f"correct line {line_no}: one JSON object per line",
                     ) from None
+                except RecursionError:
+                    raise TaskError(
+                        f"{path}:{line_no}: JSON nested too deeply to read",
+                        field=field,
+                        value=path,
+                        fix=f"correct line {line_no}: one flat JSON object per line",
+                    ) from None
                 records.append(_record(row, f"{path}:{line_no}", input_key, label_key, field, path))
     except (OSError, UnicodeDecodeError) as exc:
         raise TaskError(

@@ -4,8 +4,10 @@ in reasoning RL, so that the best split of GPUs moves from training-heavy to rol
 The tiny development models write random text, so the growth cannot come from what the policy learns. It is
 imposed by the task, honestly and visibly: the k-th prompt of the training stream carries a response budget
 (`Prompt.metadata["max_new_tokens"]`, see `libra.data.prompt.response_budget`) that rises linearly from
-`start_tokens` to `end_tokens` over the first `ramp_prompts` prompts and then stays there; the rollout
-producer asks the rollout pool for that many tokens (never more than the job's `max_new_tokens`). A model
+`start_tokens` to `end_tokens` over the first `ramp_prompts` prompts and then stays there (the curve family
+`planner.sim.lengths.DriftCurve`, which the simulator's drifting workload follows too, so a simulated run can
+be calibrated against a real one); the rollout producer asks the rollout pool for that many tokens (never
+more than the job's `max_new_tokens`). A model
 that rarely samples its end-of-sequence token fills the budget, so the rollout's decode steps, the trained
 tokens and the log-prob recomputation all grow with it. The prompts, answers and reward are `copy_first`'s
 (only the response's first token is scored), so the policy still has something to learn.
@@ -25,6 +27,7 @@ from typing import Any, ClassVar
 from libra.data.builtin_tasks import CopyFirst
 from libra.data.prompt import RESPONSE_BUDGET_KEY, Encode, ParamValue, Prompt, TaskError
 from libra.data.registry import TaskSpec, register_task
+from planner.sim.lengths import DriftCurve
 
 DRIFT_PARAMS: dict[str, ParamValue] = {"start_tokens": 8, "end_tokens": 64, "ramp_prompts": 1024}
 
@@ -50,8 +53,7 @@ class LengthSchedule:
         return cls(start, end, ramp)
 
     def budget(self, prompt_index: int) -> int:
-        done = min(1.0, max(0, prompt_index) / self.ramp)
-        return round(self.start + (self.end - self.start) * done)
+        return round(DriftCurve(self.start, self.end, self.ramp).at(prompt_index))
 
 
 @register_task("drift")

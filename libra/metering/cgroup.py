@@ -7,7 +7,10 @@ removing a probe group; where neither works it raises `CgroupUnavailable` saying
 unmetered without knowing.
 
 All groups are made under `<root>/libra`, which outweighs its siblings so that each slice gets its quota on a
-busy machine (the quotas cap what the slices take; the rest of the cores stay with the others). A process
+busy machine (the quotas cap what the slices take; the rest of the cores stay with the others). The removal of
+the last group under it removes `<root>/libra` too, so no group (and no weight) is left on the machine after a
+job; other jobs on the machine may make and remove groups under it at the same moment, so it goes only when
+empty, and a group being made in a `<root>/libra` that has just been removed makes it again. A process
 written into a group's `cgroup.procs` moves with all its threads; the children it starts afterwards are born
 in the same group. Every file access goes through `CgroupFs`, the real filesystem by default (a test passes
 a directory that stands in for the mount).
@@ -99,8 +102,16 @@ class CpuCgroup:
 
     def make(self, name: str, cores: float) -> str:
         """The group `name` with a quota of `cores` (made if missing); returns its path."""
-        self.ensure_base()
         path = self.path(name)
+        for _ in range(REMOVE_ATTEMPTS - 1):
+            try:
+                return self._make(path, cores)
+            except FileNotFoundError:
+                continue  # `<root>/libra` went with another job's last group between our steps: make it again
+        return self._make(path, cores)
+
+    def _make(self, path: str, cores: float) -> str:
+        self.ensure_base()
         if not self.fs.exists(path):
             try:
                 self.fs.mkdir(path)
@@ -156,8 +167,13 @@ class CpuCgroup:
         return True
 
     def remove(self, path: str) -> None:
-        """Move what still runs in the group to `home` and remove the group. A process may fork while its
-        siblings move, so this repeats until the group is empty (a few rounds at most)."""
+        """Move what still runs in the group to `home` and remove the group, and `<root>/libra` with it when
+        nothing else is left there. A process may fork while its siblings move, so this repeats until the group
+        is empty (a few rounds at most)."""
+        self._remove_group(path)
+        self.remove_base_if_empty()
+
+    def _remove_group(self, path: str) -> None:
         for _ in range(REMOVE_ATTEMPTS):
             if not self.fs.exists(path):
                 return
@@ -174,6 +190,21 @@ class CpuCgroup:
             time.sleep(0.05)
         raise OSError(errno.EBUSY, f"cgroup {path} still holds processes {self.pids(path)} after "
                                    f"{REMOVE_ATTEMPTS} attempts to empty it")
+
+    def remove_base_if_empty(self) -> bool:
+        """Remove `<root>/libra` when no group and no process is left in it; True when it is gone. Another
+        job may make a group in it at any moment: then the kernel refuses the removal (EBUSY) and it stays."""
+        try:
+            if self.fs.listdir(self.base) or self.pids(self.base):
+                return False
+            self.fs.rmdir(self.base)
+        except FileNotFoundError:
+            return True  # removed at the same moment by another job
+        except OSError as exc:
+            if exc.errno in (errno.EBUSY, errno.ENOTEMPTY):
+                return False  # a group or a process arrived between the look and the removal
+            raise
+        return True
 
 
 # ---- finding the controller ----------------------------------------------------------------------------

@@ -324,10 +324,12 @@ def _plot_counter(ax: Any, name: str, series: dict[str, list[tuple[int, float]]]
 
 
 def plot_timeline(
-    trace_path: str | Path, output: str | Path, *, max_rank_rows: int = 48, title: str | None = None
+    trace_path: str | Path, output: str | Path, *, max_rank_rows: int = 48, title: str | None = None,
+    window_s: tuple[float | None, float | None] = (None, None),
 ) -> dict[str, Any]:
     """Draw a Gantt of the pools over time (one row per rank, or per pool when there are more than
-    `max_rank_rows` ranks) with counter tracks below; returns what was drawn."""
+    `max_rank_rows` ranks) with counter tracks below; returns what was drawn. `window_s` limits the x axis to
+    (from, to) seconds since the trace start (None: the trace's own edge)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -406,6 +408,8 @@ def plot_timeline(
     for cax, cname in zip((row[0] for row in axes[1:]), counter_names, strict=True):
         _plot_counter(cax, cname, {k[1]: v for k, v in counters.items() if k[0] == cname}, origin, last_end)
     axes[-1][0].set_xlabel("seconds since trace start")
+    if window_s != (None, None):
+        ax.set_xlim(left=window_s[0], right=window_s[1])
     fig.tight_layout()
     fig.savefig(output, dpi=110)
     plt.close(fig)

@@ -117,6 +117,14 @@ class ConvertReport:
         }
 
 
+def _label(value: Any) -> Any:
+    """An optional track field as a dict key: scalars as they are, anything else (a list or object a broken
+    writer put there) as its JSON text."""
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
+
+
 @dataclass
 class _Layout:
     """Process and thread ids, assigned as records arrive."""
@@ -138,7 +146,7 @@ class _Layout:
     def ids(self, record: dict[str, Any]) -> tuple[int, int]:
         """(pid, tid) of a record's track; a new track is numbered on first sight."""
         host = record.get("host") if self.group_by == "host" else None
-        key = (record["role"], record["rank"], record.get("pid"), record.get("thread"), host)
+        key = (record["role"], record["rank"], _label(record.get("pid")), _label(record.get("thread")), _label(host))
         found = self.tracks.get(key)
         if found is None:
             pid = self.pid(record)

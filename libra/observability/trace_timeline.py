@@ -1,9 +1,10 @@
-"""Rollout-instance timelines of reconfigurations, read from a phase trace and drawn with matplotlib.
+"""Pool timelines of reconfigurations, read from a phase trace and drawn with matplotlib.
 
-What a reconfiguration looks like from the rollout side: one row per rollout member with its lifecycle
-(starting, up but not serving, serving, draining or stopping, loading weights), the stretches in which no
-instance serves and, below, the requests answered per second and the ones failed or requeued. The lifecycle comes from the spans the executor's actions on the rollout pool
-leave in the controller's trace:
+What a reconfiguration looks like from both pools: one row per rollout member with its lifecycle (starting,
+up but not serving, serving, draining or stopping, loading weights), the stretches in which no instance
+serves, and, where the trace has a training-pool resize, a row of the resize's phases and one row per
+training rank with its optimizer steps; below, the requests answered per second and the ones failed or
+requeued. The lifecycle comes from the spans the executor's actions leave in the controller's trace:
 
   reconfigure.start  (attrs member_id)  the instance is being started, until it is up
   reconfigure.drain / reconfigure.stop  (attrs member_id)  a serving instance drained / aborted, then gone
@@ -12,6 +13,9 @@ leave in the controller's trace:
   rollout.generate   requests of the controller's rank (attrs outcome: completed, requeued or failed; a span
                      with an `error` attr and no outcome failed)
   reconfigure.change (attrs strategy, change, drain, trigger_ns)  one change, request to done
+  checkpoint.save / reconfigure.stop / reconfigure.start / checkpoint.load (attrs pool "train", phase
+                     "train_resize.<phase>")  the phases of a training-pool resize (save, stop, start, load)
+  train.step         (a training rank's own file)  one optimizer step of that rank
 
 A trace with `reconfigure.change` spans is drawn one column per change that `match` selects (e.g.
 {"strategy": "blue_green"}), each from a little before its request to a little after it was done (never into
@@ -41,6 +45,13 @@ RELOAD_COLOR = "#d62728"
 UNSERVED_COLOR = "#ff9896"
 OUTCOME_MARKERS = (("failed", "x", "#d62728"), ("requeued", "^", "#ff7f0e"))  # completed ones are not marked
 _STOP_STATES = {"reconfigure.drain": "draining", "reconfigure.stop": "stopping"}
+# a training-pool resize's phases (attr `phase` "train_resize.<key>") as drawn, in order, with their colours
+TRAIN_PHASES = {"save": "saving checkpoint", "stop": "stopping ranks", "start": "starting ranks",
+                "load": "loading checkpoint", "resume": "loading checkpoint"}
+TRAIN_PHASE_COLORS = {"saving checkpoint": "#ffbb78", "stopping ranks": "#7f7f7f", "starting ranks": "#dbdb8d",
+                      "loading checkpoint": "#e377c2"}
+TRAIN_STEP_COLOR = "#17becf"
+TRAIN_POOL_ROW = "training pool"
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,8 @@ class Timeline:
     swaps: list[tuple[int, frozenset[str]]]  # (time, serving set from then on), in time order
     requests: list[tuple[int, int, str]]  # (start, end, outcome: completed | requeued | failed)
     changes: list[Change]
+    train_steps: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # training rank -> its steps
+    train_phases: list[Segment] = field(default_factory=list)  # a training resize's phases (TRAIN_PHASES)
 
     def lifecycle(self, member_id: str) -> list[Segment]:
         """The member's states over the whole trace, in time order."""
@@ -200,6 +213,8 @@ def timeline_of(records: Iterable[dict[str, Any]]) -> Timeline:
     swaps: list[tuple[int, frozenset[str]]] = []
     requests: list[tuple[int, int, str]] = []
     changes: list[Change] = []
+    train_steps: dict[int, list[tuple[int, int]]] = {}
+    train_phases: list[Segment] = []
     origin, end = None, 0
     for rec in records:
         start, stop = rec["start_ns"], rec["end_ns"]
@@ -209,7 +224,13 @@ def timeline_of(records: Iterable[dict[str, Any]]) -> Timeline:
         attrs = rec.get("attrs") or {}
         if rec.get("kind", "span") != "span":
             continue
-        if name == "reconfigure.change":
+        if attrs.get("pool") == "train" and rec["role"] == "controller":
+            phase = TRAIN_PHASES.get(str(attrs.get("phase", "")).removeprefix("train_resize."))
+            if phase is not None:
+                train_phases.append(Segment(phase, start, stop))
+        elif name == "train.step" and rec["role"] == "train":
+            train_steps.setdefault(rec["rank"] - RANK_BASE["train"], []).append((start, stop))
+        elif name == "reconfigure.change":
             changes.append(Change(start, stop, dict(attrs)))
         elif name == "reconfigure.swap":
             swaps.append((stop, frozenset(str(m) for m in attrs.get("serving") or ())))
@@ -233,7 +254,8 @@ def timeline_of(records: Iterable[dict[str, Any]]) -> Timeline:
             members.setdefault(member_id, _Member())
     swaps.sort(key=lambda s: s[0])
     changes.sort(key=lambda c: c.start_ns)
-    return Timeline(origin, end, members, swaps, requests, changes)
+    train_phases.sort(key=lambda seg: seg.start_ns)
+    return Timeline(origin, end, members, swaps, requests, changes, train_steps, train_phases)
 
 
 def _member_order(member_id: str) -> tuple[int, str]:
@@ -249,8 +271,9 @@ def render_timeline(
     margin_s: float = 5.0,
     title: str | None = None,
 ) -> dict[str, Any]:
-    """Draw the rollout instances' lifecycles of the changes `match` selects (all when empty) into `output`
-    (PNG, SVG or PDF by its suffix); returns what was drawn."""
+    """Draw the rollout instances' lifecycles (and, with a training resize in the trace, the training pool's
+    phases and ranks) of the changes `match` selects (all when empty) into `output` (PNG, SVG or PDF by its
+    suffix); returns what was drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -262,7 +285,8 @@ def render_timeline(
     if margin_s < 0:
         raise ValueError(f"margin_s={margin_s}: must be >= 0")
     timeline = read_timeline(trace_path)
-    if not timeline.swaps and not any(m.starts or m.stops for m in timeline.members.values()):
+    if not timeline.swaps and not any(m.starts or m.stops for m in timeline.members.values()) \
+            and not timeline.train_phases:
         raise ValueError(f"trace {str(trace_path)!r} has no reconfigure.start / .stop / .drain / .swap span, so no "
                          "rollout instance has a lifecycle to draw (use `libra trace plot` for the pools' Gantt)")
     windows = timeline.windows(match or {}, int(margin_s * 1e9))
@@ -273,14 +297,16 @@ def render_timeline(
                                              for s in timeline.lifecycle(member_id)):
                 rows.append(member_id)
     rows.sort(key=_member_order)
-    if not rows:
+    train_rows = _train_rows(timeline, windows)
+    if not rows and not train_rows:
         raise ValueError("no rollout instance has a lifecycle in the selected window(s): the trace holds no "
                          "reconfigure.start / reconfigure.swap spans (was it written with the executor's spans?)")
+    labels = rows + train_rows
     lengths = [hi - lo for lo, hi, _ in windows]
     widths = [max(length, max(lengths) / 4) for length in lengths]
-    fig, axes = plt.subplots(2, len(windows), figsize=(min(4 + 5 * len(windows), 16), 1.6 + 0.42 * len(rows) + 1.6),
+    fig, axes = plt.subplots(2, len(windows), figsize=(min(4 + 5 * len(windows), 16), 1.6 + 0.42 * len(labels) + 1.6),
                              squeeze=False, sharey="row",
-                             gridspec_kw={"width_ratios": widths, "height_ratios": [max(1.5, 0.42 * len(rows)), 1.2]})
+                             gridspec_kw={"width_ratios": widths, "height_ratios": [max(1.5, 0.42 * len(labels)), 1.2]})
     max_rate, counted = 0.0, {outcome: 0 for outcome, _, _ in OUTCOME_MARKERS}
     any_unserved = False
     for column, (lo, hi, change) in enumerate(windows):
@@ -303,6 +329,7 @@ def render_timeline(
                        for s, e in timeline.members[member_id].reloads if e > lo and s < hi]
             if reloads:
                 ax.broken_barh(reloads, (y - 0.12, 0.24), facecolors=RELOAD_COLOR)
+        _draw_training(ax, timeline, train_rows, len(rows), lo, hi, seconds)
         bin_ns = max(int(1e9), (hi - lo) // 120)
         rates = timeline.answered(lo, hi, bin_ns)
         req_ax.bar([seconds(t) for t, _ in rates], [r for _, r in rates], width=bin_ns / 1e9, align="edge",
@@ -324,12 +351,15 @@ def render_timeline(
                     axis.axvline(seconds(trigger), color="#ff7f0e", linewidth=1.0, linestyle="--")
         ax.set_title(change.label() if change is not None else "whole trace", fontsize=10)
         req_ax.set_xlabel("seconds since the request" if change is not None else "seconds since trace start")
-    axes[0][0].set_yticks(range(len(rows)), rows)
-    axes[0][0].set_ylim(len(rows) - 0.5, -0.5)
+    axes[0][0].set_yticks(range(len(labels)), labels)
+    axes[0][0].set_ylim(len(labels) - 0.5, -0.5)
     axes[1][0].set_ylabel("requests\nanswered / s")
     axes[1][0].set_ylim(-0.05 * max(1.0, max_rate), 1.1 * max(1.0, max_rate))
     handles: list[Artist] = [Patch(color=STATE_COLORS[s], label=s) for s in STATES]
     handles.append(Patch(color=RELOAD_COLOR, label="loading weights"))
+    if train_rows:
+        handles.append(Patch(color=TRAIN_STEP_COLOR, label="training step"))
+        handles += [Patch(color=color, label=phase) for phase, color in TRAIN_PHASE_COLORS.items()]
     if any_unserved:
         handles.append(Patch(color=UNSERVED_COLOR, alpha=0.25, label="no instance serving"))
     if windows[0][2] is not None:
@@ -345,5 +375,35 @@ def render_timeline(
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(output, dpi=110)
     plt.close(fig)
-    return {"output": str(output), "rows": rows, "columns": [c.label() if c else "whole trace" for _, _, c in windows],
+    return {"output": str(output), "rows": rows, "train_rows": train_rows,
+            "columns": [c.label() if c else "whole trace" for _, _, c in windows],
             "failed_requests": counted["failed"], "requeued_requests": counted["requeued"]}
+
+
+def _train_rows(timeline: Timeline, windows: list[tuple[int, int, Change | None]]) -> list[str]:
+    """The training rows of the windows: the pool's row when a resize phase falls in one, then the ranks
+    that step in one (none without a resize: the ranks alone are no reconfiguration)."""
+    def inside(a: int, b: int) -> bool:
+        return any(a < hi and b > lo for lo, hi, _ in windows)
+
+    if not any(inside(seg.start_ns, seg.end_ns) for seg in timeline.train_phases):
+        return []
+    ranks = sorted(rank for rank, steps in timeline.train_steps.items() if any(inside(a, b) for a, b in steps))
+    return [TRAIN_POOL_ROW, *(f"train rank {rank}" for rank in ranks)]
+
+
+def _draw_training(ax: Any, timeline: Timeline, train_rows: list[str], first_y: int, lo: int, hi: int,
+                   seconds: Any) -> None:
+    """The training rows from `first_y` down: the resize's phases, then each rank's steps."""
+    if not train_rows:
+        return
+    ax.axhline(first_y - 0.5, color="grey", linewidth=0.6)
+    for seg in timeline.train_phases:
+        a, b = max(seg.start_ns, lo), min(seg.end_ns, hi)
+        if b > a:
+            ax.broken_barh([(seconds(a), (b - a) / 1e9)], (first_y - 0.35, 0.7),
+                           facecolors=TRAIN_PHASE_COLORS[seg.state])
+    for offset, row in enumerate(train_rows[1:], start=1):
+        steps = timeline.train_steps[int(row.rsplit(" ", 1)[1])]
+        bars = [(seconds(max(a, lo)), (min(b, hi) - max(a, lo)) / 1e9) for a, b in steps if b > lo and a < hi]
+        ax.broken_barh(bars, (first_y + offset - 0.3, 0.6), facecolors=TRAIN_STEP_COLOR)

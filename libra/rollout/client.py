@@ -55,6 +55,15 @@ class ServerClient:
     async def resume(self, timeout_s: float = CONTROL_TIMEOUT_S) -> None:
         await self._post_json("/resume", None, timeout_s)
 
+    async def sleep(self, level: int = 1, timeout_s: float = CONTROL_TIMEOUT_S) -> None:
+        """Put the engine to sleep (dev mode `/sleep`): level 1 releases the KV cache and offloads the weights
+        to host memory (on vLLM-CPU a no-op that reports success)."""
+        await self._post_json(f"/sleep?level={level}", None, timeout_s)
+
+    async def wake_up(self, timeout_s: float = CONTROL_TIMEOUT_S) -> None:
+        """Wake a sleeping engine (dev mode `/wake_up`): weights back on the device, KV cache reallocated."""
+        await self._post_json("/wake_up", None, timeout_s)
+
     async def reset_prefix_cache(self, timeout_s: float = CONTROL_TIMEOUT_S) -> bool:
         data = await self._post_json("/reset_prefix_cache", None, timeout_s)
         return bool(isinstance(data, dict) and data.get("success"))

@@ -159,6 +159,10 @@ class Generation:
         try:
             response, slot, version = await self.router.send(payload)
         except asyncio.CancelledError:
+            if epoch == self.abort_epoch:
+                # Cancelled by its caller, not by abort_all: stay cancelled. An exception here would end a
+                # task whose waiter is gone, which asyncio reports as "Task exception was never retrieved".
+                raise
             raise GenerationAborted(
                 "generation aborted at a step boundary (abort_all) or by shutdown"
             ) from None

@@ -42,6 +42,8 @@ def serving_problems(
             problems.append(f"{iid!r}: no such instance (instances: {sorted(slots)})")
         elif slot.state != READY:
             problems.append(f"{iid!r}: is {slot.state}, only ready instances serve")
+        elif slot.lent:
+            problems.append(f"{iid!r}: its GPUs are lent to the training step; it serves again once given back")
         elif slot.weight_version != version:
             problems.append(
                 f"{iid!r}: holds weight version {slot.weight_version}, the pool serves {version}; publish the "
@@ -85,6 +87,7 @@ def instance_info(slot: InstanceSlot, serving: bool) -> InstanceInfo:
         tp_size=slot.spec.tp_size if slot.spec else 0,
         fingerprint=slot.spec.fingerprint() if slot.spec else "",
         serving=serving,
+        lent=slot.lent,
     )
 
 

@@ -34,9 +34,12 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from libra.cluster.ehp_workers import LentGpu, lent_by_instance
 from libra.observability.phase_trace import get_tracer
+from libra.rollout import lending
 from libra.rollout.endpoints import connect_endpoints
 from libra.rollout.generation import Generation, check_request, check_sampling_options
+from libra.rollout.lending import LendingError
 from libra.rollout.lifecycle import InstanceManager, stop_registered_servers
 from libra.rollout.loop_thread import LoopThread
 from libra.rollout.membership import Membership
@@ -62,8 +65,9 @@ from libra.rollout.weights_checksum import checksum_hf_weights
 
 # The controller's edge imports the pool's types from here (its one allowed import of the rollout side).
 __all__ = [
-    "GenerationAborted", "InstanceIdError", "InstanceInfo", "InstanceSpec", "InstanceStoppedError", "LiveServer",
-    "ReloadReport", "RolloutPool", "ServingSetError", "WeightSyncError", "is_requeueable", "stop_registered_servers",
+    "GenerationAborted", "InstanceIdError", "InstanceInfo", "InstanceSpec", "InstanceStoppedError", "LendingError",
+    "LiveServer", "ReloadReport", "RolloutPool", "ServingSetError", "WeightSyncError", "is_requeueable",
+    "stop_registered_servers",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -256,6 +260,32 @@ class RolloutPool:
     def remove_instance(self, instance_id: str, drain: bool = True) -> None:
         """Take an instance out of rotation, let its requests finish (drain) or abort them, and stop it."""
         self.stop_instance(instance_id, drain)
+
+    # ---- lending GPUs to the training step (`lending.py`) ----------------------------------------------
+
+    def lend_instances(self, instance_ids: Sequence[str], sleep: bool) -> list[lending.LendReport]:
+        """Take READY serving instances out of serving, drain them and (`sleep`) put their servers to sleep, so
+        their GPUs can hold borrowed training ranks; refused whole (LendingError) when one may not lend."""
+        ids = list(instance_ids)
+        return self._run(self._call_async(
+            lambda p: lending.lend(p.router, ids, sleep, self.spec.request_timeout_s)))
+
+    def return_instances(self, instance_ids: Sequence[str]) -> list[lending.ReturnReport]:
+        """Wake the lent instances, reload the current weights where they hold older ones, and serve them."""
+        ids = list(instance_ids)
+        with self._publish_lock:
+            return self._run(self._call_async(lambda p: lending.give_back(
+                p.router, p.publisher, self._current, ids, self.spec.reload_method)))
+
+    def lendable_gpus(self, instance_id: str) -> list[LentGpu]:
+        """The GPUs of instance `instance_id` as borrowed training ranks join them: in the instance's placement
+        group, beside its server (managed pools only)."""
+        parts = self._require_parts()
+        slot = parts.router.slots.get(instance_id)
+        if parts.manager is None or slot is None:
+            raise InstanceIdError(f"no managed rollout instance {instance_id!r}; instances: "
+                                  f"{sorted(parts.router.slots)}")
+        return lent_by_instance(parts.manager.actor_name(instance_id), slot.gpu_ids)
 
     # ---- generation ------------------------------------------------------------------------------------
 

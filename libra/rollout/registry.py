@@ -48,6 +48,12 @@ class RegistryEntry:
         missing = sorted(names - optional - set(data))
         if missing:
             raise RegistryError(f"registry entry {data.get('instance_id', '?')} lacks fields {missing}")
+        # a wrong number here would make adoption signal or probe the wrong process
+        numbers = {k: data[k] for k in ("port", "pid", "start_ticks", "weight_version")}
+        wrong = {k: v for k, v in numbers.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0}
+        if wrong:
+            raise RegistryError(f"registry entry {data.get('instance_id', '?')} has invalid {wrong} "
+                                "(each must be an integer >= 0)")
         return cls(**{k: data[k] for k in names if k in data})
 
 
@@ -84,13 +90,22 @@ class InstanceRegistry:
                 f"rollout registry {self.path} has schema {data.get('schema') if isinstance(data, dict) else '?'}, "
                 f"expected {SCHEMA}; stop the servers it lists and remove the file"
             )
-        pool = data.get("pool", {})
-        return PoolRecord(
-            weight_version=int(pool.get("weight_version", 0)),
-            model_path=str(pool.get("model_path", "")),
-            checksum=str(pool.get("checksum", "")),
-            entries={k: RegistryEntry.from_dict(v) for k, v in data.get("instances", {}).items()},
-        )
+        try:
+            pool = data.get("pool", {})
+            return PoolRecord(
+                weight_version=int(pool.get("weight_version", 0)),
+                model_path=str(pool.get("model_path", "")),
+                checksum=str(pool.get("checksum", "")),
+                entries={k: RegistryEntry.from_dict(v) for k, v in data.get("instances", {}).items()},
+            )
+        except RegistryError as exc:
+            raise RegistryError(f"rollout registry {self.path}: {exc}; stop the servers it lists (their pids are "
+                                "in the file) and remove the file") from exc
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise RegistryError(
+                f"rollout registry {self.path} is damaged ({type(exc).__name__}: {exc}); servers it lists may "
+                "still run: stop them (their pids are in the file) and remove the file"
+            ) from exc
 
     def save(self, record: PoolRecord) -> None:
         data = {

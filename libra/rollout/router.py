@@ -54,6 +54,8 @@ class InstanceSlot:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     requests: set[asyncio.Task[Any]] = field(default_factory=set)  # its HTTP requests in flight
     stopped_reason: str = ""  # set when its requests are aborted by a stop without drain
+    lent: bool = False  # its GPUs are lent to the training step (`lending.py`): it may not serve
+    asleep: bool = False  # its server sleeps (KV cache released) while lent
 
     @property
     def routable(self) -> bool:

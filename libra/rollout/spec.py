@@ -256,6 +256,7 @@ class InstanceInfo:
     tp_size: int = 1
     fingerprint: str = ""  # InstanceSpec.fingerprint() of its launch ("" for unmanaged endpoints)
     serving: bool = False  # in the set that receives new requests (`set_serving`)
+    lent: bool = False  # its GPUs are lent to the training step (`RolloutPool.lend_instances`)
 
     @property
     def url(self) -> str:

@@ -61,15 +61,22 @@ def list_steps(root: str) -> list[int]:
     return sorted(int(m.group(1)) for name in os.listdir(root) if (m := STEP_DIR.match(name)))
 
 
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint file is unreadable or shorter than its index says: the checkpoint cannot be loaded."""
+
+
 def resolve(path: str) -> str:
     """A checkpoint directory from a root (via `latest`) or a `step_*` directory itself."""
     marker = os.path.join(path, LATEST)
     if os.path.isfile(marker):
-        with open(marker, encoding="utf-8") as fh:
+        with open(marker, encoding="utf-8", errors="replace") as fh:
             name = fh.read().strip()
         target = os.path.join(path, name)
-        if not os.path.isfile(os.path.join(target, META)):
-            raise FileNotFoundError(f"{marker} points to '{name}', which is not a complete checkpoint")
+        if not STEP_DIR.match(name) or not os.path.isfile(os.path.join(target, META)):
+            raise FileNotFoundError(
+                f"{marker} points to {name[:80]!r}, which is not a complete checkpoint (complete ones here: "
+                f"{[step_dir_name(s) for s in list_steps(path)]}); write the name of one of them into the file, "
+                "or load an earlier checkpoint")
         return target
     if os.path.isfile(os.path.join(path, META)):
         return path
@@ -77,17 +84,82 @@ def resolve(path: str) -> str:
 
 
 def read_meta(ckpt: str) -> dict[str, Any]:
-    with open(os.path.join(ckpt, META), encoding="utf-8") as fh:
-        return json.load(fh)
+    path = os.path.join(ckpt, META)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{path} is not valid JSON ({exc}): the checkpoint cannot be loaded; "
+                                     "load an earlier checkpoint") from exc
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or "scheduler" not in meta:
+        raise CorruptCheckpointError(f"{path} lacks the checkpoint's step or scheduler state: the checkpoint "
+                                     "cannot be loaded; load an earlier checkpoint")
+    return meta
+
+
+def file_problems(ckpt: str) -> list[str]:
+    """What makes the files of checkpoint directory `ckpt` unloadable, each naming its file: unreadable
+    metadata, a missing or truncated tensor shard (shorter than the sharded index says), unreadable common or
+    RNG state. Cheap (sizes and small files only), and the same on every rank, so a collective load can
+    refuse before any rank enters it. Flipped bytes inside a shard are not detected."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    problems: list[str] = []
+    try:
+        read_meta(ckpt)
+    except (OSError, CorruptCheckpointError) as exc:
+        problems.append(str(exc))
+    try:
+        index = FileSystemReader(ckpt).read_metadata()
+    except Exception as exc:  # pickle raises many kinds on a damaged file
+        problems.append(f"{os.path.join(ckpt, '.metadata')} is unreadable ({type(exc).__name__}: {exc})")
+        index = None
+    if index is not None:
+        needed: dict[str, int] = {}
+        for item in (index.storage_data or {}).values():
+            needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+        for name, size in sorted(needed.items()):
+            shard = os.path.join(ckpt, name)
+            actual = os.path.getsize(shard) if os.path.isfile(shard) else None
+            if actual is None:
+                problems.append(f"{shard} is missing (the checkpoint's index lists it)")
+            elif actual < size:
+                problems.append(f"{shard} is truncated: {actual} bytes, the checkpoint's index needs {size}")
+    small = [os.path.join(ckpt, "common.pt")] if os.path.exists(os.path.join(ckpt, "common.pt")) else []
+    rng = os.path.join(ckpt, "rng")
+    small += sorted(os.path.join(rng, n) for n in os.listdir(rng)) if os.path.isdir(rng) else []
+    for path in small:
+        try:
+            torch.load(path, weights_only=False)
+        except Exception as exc:
+            problems.append(f"{path} is unreadable ({type(exc).__name__}: {str(exc)[:120]})")
+    return problems
+
+
+def verify(path: str) -> str:
+    """The checkpoint directory of `path` (see `resolve`) once its files pass `file_problems`; raises
+    FileNotFoundError (no checkpoint there) or CorruptCheckpointError listing every problem."""
+    ckpt = resolve(path)
+    problems = file_problems(ckpt)
+    if problems:
+        raise CorruptCheckpointError(f"checkpoint {ckpt} cannot be loaded: " + "; ".join(problems)
+                                     + "; load an earlier checkpoint")
+    return ckpt
 
 
 def _write_atomic(path: str, text: str) -> None:
+    """Replace `path` with `text` or leave it as it was (a full disk leaves neither a cut file nor the temp)."""
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def _fsync_dir(path: str) -> None:
@@ -192,7 +264,7 @@ def load(
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    ckpt = resolve(path)
+    ckpt = verify(path)  # every rank refuses a damaged checkpoint before the collective load
     meta = read_meta(ckpt)
     template = model_sharded_state_dict(chunks)
     template["optimizer"] = optimizer.sharded_state_dict(template, is_loading=True)

@@ -19,7 +19,7 @@ ranks, however the batch is split. A step with borrowed replicas keeps numerator
    (TP, PP) shard on the DP rank the driver names adds them into its local buffer (times the ratio of the
    loss scales, 1 without fp16), one DP x CP rank of the last stage adds the borrowed units to its count,
    and the real `finalize_model_grads` sums over the core DP group and divides by the global count. Then the
-   usual optimizer step; metric sums are combined the same way before `_metrics` totals them.
+   usual optimizer step; metric sums are combined the same way before `step_metrics` totals them.
 
 Only the model parameters travel to borrowed ranks (`export_params` / `load_params`): a borrowed rank never
 steps its optimizer.
@@ -97,20 +97,20 @@ def _local_forward_backward(worker: TrainingWorker, samples: list[TrainSample], 
     finalization (DP reduction and unit normalization) deferred."""
     spec = worker.spec
     mbs, rmbs = spec.micro_batch_size, spec.recompute_micro_batch_size
-    batch, _ = worker._local_batch(samples, mbs, rmbs)
+    batch, _ = worker.local_batch(samples, mbs, rmbs)
     old_logp: torch.Tensor | None = batch.rollout_logp
     tracer = worker.tracer  # a borrowed rank's is disabled
     t0 = time.perf_counter()
     if spec.recompute_logprobs:
         with tracer.span("train.recompute_logprobs", step, model="policy", ehp=1):
-            old_logp = worker._logprob_pass(worker.chunks, batch, rmbs)
+            old_logp = worker.logprob_pass(worker.chunks, batch, rmbs)
     ref_logp = None
     if spec.algorithm.ref_kl.enable:
         with tracer.span("train.recompute_logprobs", step, model="reference", ehp=1):
-            ref_logp = worker._logprob_pass(worker.ref_chunks, batch, rmbs)
+            ref_logp = worker.logprob_pass(worker.ref_chunks, batch, rmbs)
     t1 = time.perf_counter()
     with tracer.span("train.forward_backward", step, ehp=1), _deferred_finalize(worker) as captured:
-        sums = worker._forward_backward(batch, old_logp, ref_logp)
+        sums = worker.forward_backward(batch, old_logp, ref_logp)
     num_tokens = captured.get("num_tokens")
     if num_tokens is None:
         raise RuntimeError("the training schedule did not reach gradient finalization")
@@ -137,7 +137,7 @@ def export_params(worker: TrainingWorker) -> ChunkTensors | None:
     """This rank's model parameters (per chunk, by name) if it is DP x CP rank 0 of its shard, else None."""
     if _dp_cp_rank() != 0:
         return None
-    return [{n: p.detach().clone() for n, p in chunk.named_parameters()} for chunk in worker._unwrapped]
+    return [{n: p.detach().clone() for n, p in chunk.named_parameters()} for chunk in worker.unwrapped_chunks]
 
 
 def core_forward_backward(worker: TrainingWorker, samples: list[TrainSample], step: int) -> int:
@@ -172,14 +172,14 @@ def core_finish(
         if len(sums) != len(METRIC_ORDER):
             raise RuntimeError(f"metric sums have {len(sums)} entries, expected {len(METRIC_ORDER)}")
         _model_config(worker).finalize_model_grads_func(worker.chunks, num_tokens)
-        grad_norm = worker._optimizer_step()
+        grad_norm = worker.optimizer_step()
         worker.step = step
         timings = {**pending.timings, "combine_optimizer_s": time.perf_counter() - t0}
-        return worker._metrics(sums, grad_norm, **timings)
+        return worker.step_metrics(sums, grad_norm, **timings)
 
 
 def _add_grads(worker: TrainingWorker, shard: ChunkTensors, scale: float) -> None:
-    chunks = worker._unwrapped
+    chunks = worker.unwrapped_chunks
     if len(shard) != len(chunks):
         raise RuntimeError(f"rank {worker.rank}: borrowed grads for {len(shard)} model chunks, this rank has {len(chunks)}")
     for chunk, named in zip(chunks, shard, strict=True):
@@ -195,7 +195,7 @@ def _add_grads(worker: TrainingWorker, shard: ChunkTensors, scale: float) -> Non
 # ---- borrowed ranks ----------------------------------------------------------------------------------
 def load_params(worker: TrainingWorker, params: ChunkTensors) -> int:
     """Copy the core shard's parameters into this rank's model; returns the number of tensors copied."""
-    chunks = worker._unwrapped
+    chunks = worker.unwrapped_chunks
     if len(params) != len(chunks):
         raise RuntimeError(f"rank {worker.rank}: {len(params)} parameter chunks for {len(chunks)} model chunks")
     copied = 0
@@ -245,7 +245,7 @@ def export_grads(worker: TrainingWorker, step: int) -> ChunkTensors | None:
     _take_pending(worker, step)
     if _dp_cp_rank() != 0:
         return None
-    return [{n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()} for chunk in worker._unwrapped]
+    return [{n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()} for chunk in worker.unwrapped_chunks]
 
 
 def gradients(worker: TrainingWorker) -> dict[str, Any] | None:
@@ -254,7 +254,7 @@ def gradients(worker: TrainingWorker) -> dict[str, Any] | None:
     if _dp_cp_rank() != 0:
         return None
     key = shard_key(worker)
-    grads = [{n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()} for chunk in worker._unwrapped]
+    grads = [{n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()} for chunk in worker.unwrapped_chunks]
     return {"tp_rank": key[0], "pp_rank": key[1], "grads": grads, "params": export_params(worker)}
 
 

@@ -65,7 +65,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class TrainingWorker:
-    """Rank `rank` of a training pool of `world_size` processes."""
+    """Rank `rank` of a training pool of `world_size` processes.
+
+    Besides the collective calls the pool makes (`setup`, `train_step`, `export_hf`, checkpoints), a step's parts
+    are public for the steps shared with borrowed replicas (`libra.training.ehp_steps`): `local_batch`,
+    `logprob_pass`, `forward_backward`, `optimizer_step`, `step_metrics` and `unwrapped_chunks`."""
 
     def __init__(self, spec: TrainingPoolSpec, rank: int, world_size: int) -> None:
         self.spec = spec
@@ -183,7 +187,8 @@ class TrainingWorker:
         )
 
     @property
-    def _unwrapped(self) -> list[Any]:
+    def unwrapped_chunks(self) -> list[Any]:
+        """The model chunks (one per virtual pipeline stage) without their DDP wrappers."""
         return [c.module for c in self.chunks]
 
     def _dp(self) -> tuple[int, int]:
@@ -192,7 +197,8 @@ class TrainingWorker:
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
     # ---- batches -----------------------------------------------------------------------------------
-    def _local_batch(self, samples: list[TrainSample], *micro_sizes: int) -> tuple[StepBatch, int]:
+    def local_batch(self, samples: list[TrainSample], *micro_sizes: int) -> tuple[StepBatch, int]:
+        """This DP rank's block of `samples`, packed for `micro_sizes`, and the index of its first sample."""
         batching.validate_samples(samples, self.arch.vocab_size, self.arch.max_position_embeddings)
         dp_rank, dp = self._dp()
         start, stop = batching.dp_block(len(samples), dp, dp_rank)
@@ -205,7 +211,8 @@ class TrainingWorker:
         multiple = self.layout.tp if megatron_setup.uses_sequence_parallel(self.arch, self.layout) else 1
         return -(-length // multiple) * multiple
 
-    def _logprob_pass(self, chunks: list[Any], batch: StepBatch, size: int) -> torch.Tensor | None:
+    def logprob_pass(self, chunks: list[Any], batch: StepBatch, size: int) -> torch.Tensor | None:
+        """Collective: the log-probs `chunks` give `batch` in micro-batches of `size` (None off the last stage)."""
         results = forward_logprobs(chunks, batching.micro_batches(batch, size), self.arch.vocab_size)
         if results is None:
             return None
@@ -218,30 +225,32 @@ class TrainingWorker:
         with cpu_compat.device_scope(), tracer.span("train.step", step, samples=len(samples)) as step_span:
             spec = self.spec
             mbs, rmbs = spec.micro_batch_size, spec.recompute_micro_batch_size
-            batch, _ = self._local_batch(samples, mbs, rmbs)
+            batch, _ = self.local_batch(samples, mbs, rmbs)
             old_logp: torch.Tensor | None = batch.rollout_logp
             t0 = time.perf_counter()
             if spec.recompute_logprobs:
                 with tracer.span("train.recompute_logprobs", step, model="policy"):
-                    old_logp = self._logprob_pass(self.chunks, batch, rmbs)
+                    old_logp = self.logprob_pass(self.chunks, batch, rmbs)
             ref_logp = None
             if spec.algorithm.ref_kl.enable:
                 with tracer.span("train.recompute_logprobs", step, model="reference"):
-                    ref_logp = self._logprob_pass(self.ref_chunks, batch, rmbs)
+                    ref_logp = self.logprob_pass(self.ref_chunks, batch, rmbs)
             t1 = time.perf_counter()
             with tracer.span("train.forward_backward", step):
-                sums = self._forward_backward(batch, old_logp, ref_logp)
+                sums = self.forward_backward(batch, old_logp, ref_logp)
             with tracer.span("train.optimizer", step):
-                grad_norm = self._optimizer_step()
+                grad_norm = self.optimizer_step()
             t2 = time.perf_counter()
             self.step = step
-            metrics = self._metrics(sums, grad_norm, recompute_s=t1 - t0, train_s=t2 - t1)
+            metrics = self.step_metrics(sums, grad_norm, recompute_s=t1 - t0, train_s=t2 - t1)
             step_span.set(tokens=int(metrics["tokens"]))
             return metrics
 
-    def _forward_backward(
+    def forward_backward(
         self, batch: StepBatch, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None
     ) -> torch.Tensor:
+        """Collective: zero the gradients and run forward and backward of the GRPO loss over `batch`; returns
+        this rank's metric sums (`METRIC_ORDER`). The optimizer is not stepped."""
         spec = self.spec
         mbs = spec.micro_batch_size
         algo = spec.algorithm
@@ -273,7 +282,8 @@ class TrainingWorker:
         run_schedule(self.chunks, batching.micro_batches(batch, mbs), loss_fn, forward_only=False)
         return sums
 
-    def _optimizer_step(self) -> float:
+    def optimizer_step(self) -> float:
+        """Collective: step the optimizer (and the LR schedule when the step was taken); the gradient norm."""
         ok, grad_norm, _ = self.optimizer.step()
         if grad_norm is None:
             grad_norm = self.optimizer.get_grad_norm()
@@ -283,7 +293,8 @@ class TrainingWorker:
             log.warning("optimizer step skipped (non-finite gradients)")
         return float(grad_norm) if grad_norm is not None else float("nan")
 
-    def _metrics(self, sums: torch.Tensor, grad_norm: float, **timings: float) -> dict[str, float]:
+    def step_metrics(self, sums: torch.Tensor, grad_norm: float, **timings: float) -> dict[str, float]:
+        """Collective: the step's metrics from every rank's metric `sums` (totalled over PP and DP)."""
         from megatron.core import parallel_state as ps
 
         total = sums.clone()
@@ -316,8 +327,8 @@ class TrainingWorker:
             if reference and not chunks:
                 raise ValueError("reference log-probs need algorithm.ref_kl.enable=true")
             rmbs = self.spec.recompute_micro_batch_size
-            batch, start = self._local_batch(samples, rmbs)
-            logp = self._logprob_pass(chunks, batch, rmbs)
+            batch, start = self.local_batch(samples, rmbs)
+            logp = self.logprob_pass(chunks, batch, rmbs)
             if logp is None or ps.get_tensor_model_parallel_rank() != 0:
                 return None
             out = []
@@ -370,7 +381,7 @@ class TrainingWorker:
                 num_real=rmbs,
             ).to(torch_device())
             result = measure_peak(
-                lambda: forward_logprobs(self._unwrapped, [batch], self.arch.vocab_size), modules=self._unwrapped
+                lambda: forward_logprobs(self.unwrapped_chunks, [batch], self.arch.vocab_size), modules=self.unwrapped_chunks
             )
             result.update(micro_batch_size=rmbs, seq_len=seq_len, rank=self.rank)
             return result
@@ -386,7 +397,7 @@ class TrainingWorker:
     def export_hf(self, out_dir: str) -> str:
         """Collective: write the HF checkpoint; rank 0 returns its checksum, the others ''."""
         with cpu_compat.device_scope(), self.tracer.span("weight_sync.export", self.step, path=out_dir):
-            pairs = list(zip(self._unwrapped, self.mappings, strict=True))
+            pairs = list(zip(self.unwrapped_chunks, self.mappings, strict=True))
             dtype = megatron_setup.DTYPES[self.spec.params_dtype]
             export.export(out_dir, pairs, self.arch, self.spec.model_path, dtype)
             if self.rank != 0:
@@ -400,7 +411,7 @@ class TrainingWorker:
         with cpu_compat.device_scope(), self.tracer.span("checkpoint.save", step, path=ckpt_dir):
             retention = self.spec.retention
             return checkpoint.save(
-                ckpt_dir, step, self._unwrapped, self.optimizer, self.scheduler, self.layout.dims(self.world_size),
+                ckpt_dir, step, self.unwrapped_chunks, self.optimizer, self.scheduler, self.layout.dims(self.world_size),
                 {"model_path": self.spec.model_path, "seed": self.spec.seed},
                 retention.keep_last, retention.keep_every,
             )
@@ -410,7 +421,7 @@ class TrainingWorker:
         try:
             with cpu_compat.device_scope():
                 step, _ = checkpoint.load(
-                    ckpt_dir, self._unwrapped, self.optimizer, self.scheduler, self.layout.dims(self.world_size),
+                    ckpt_dir, self.unwrapped_chunks, self.optimizer, self.scheduler, self.layout.dims(self.world_size),
                     self.spec.seed,
                 )
         except BaseException as exc:

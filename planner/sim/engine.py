@@ -22,11 +22,15 @@ Rules, each the runtime's:
   generating) and version k + 1 serves after the reload (x nodes when serial).
 - The policy is asked after every training step; a change of split is carried out by the configured
   reconfiguration strategy (`SWITCH_EFFECTS`).
-- Node failures: a Poisson process at `node_failures_per_node_hour` per node over the whole cluster; the
-  failed node belongs to a pool in proportion to the pool's live GPUs. Training loses the step in progress
-  and the replicas on that node and re-forms (`train_restart_s`); the rollout pool loses the node's
-  instances from its next batch on (in-flight requests are re-queued; no extra time is charged for them).
-  The node comes back after `repair_s` and rejoins its pool after a restart.
+- Node failures: a Poisson process at `node_failures_per_node_hour` per working node of the split (a node
+  that is down does not fail again); the failed node belongs to a pool in proportion to the pool's live GPUs.
+  Training loses the step in progress and the replicas on that node and re-forms (`train_restart_s`); the
+  rollout pool loses the node's instances from its next batch on (in-flight requests are re-queued; no extra
+  time is charged for them). The node comes back after `repair_s` and rejoins its pool after a restart;
+  `repair_s = inf` means no repair.
+- A job that has lost a whole pool with no node on its way back (no repair pending, no instance starting) can
+  never finish: the run ends there with `outcome = "no_capacity"` and the steps it trained, instead of
+  simulating a job that cannot move.
 - EHP: when a training step starts while the rollout pool waits for the weights that step produces, the
   rollout GPUs (above `ehp_min_rollout_gpus`) join the step as extra data-parallel replicas of whole model
   copies (`planner.ehp.replica_unit`), paying `ehp_join_s`; they serve again after the step.
@@ -99,6 +103,8 @@ class SimOptions:
             problems.append(f"reconfigure_strategy: {self.reconfigure_strategy!r}: choose one of {', '.join(STRATEGIES)}")
         if self.node_failures_per_node_hour < 0:
             problems.append(f"node_failures_per_node_hour: {self.node_failures_per_node_hour}: must be >= 0")
+        if not self.repair_s > 0:
+            problems.append(f"repair_s: {self.repair_s}: must be > 0 (inf: failed nodes never come back)")
         if self.replan_interval_steps < 1:
             problems.append(f"replan_interval_steps: {self.replan_interval_steps}: must be >= 1")
         if problems:
@@ -143,10 +149,15 @@ class SimResult:
     reconfigurations: int = 0
     strategy_fallbacks: int = 0
     failures: int = 0
+    outcome: Literal["completed", "no_capacity"] = "completed"
+    outcome_detail: str = ""
     step_end_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     splits: list[tuple[float, int, int]] = field(default_factory=list)  # (time, train GPUs, rollout GPUs)
     decisions: list[dict[str, Any]] = field(default_factory=list)
     events: list[tuple[float, str, int]] = field(default_factory=list)
+    train_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # training-side seconds of each step
+    rollout_busy_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # pool busy seconds by each batch's end
+    switches: list[dict[str, Any]] = field(default_factory=list)  # what each reconfiguration stopped, for how long
 
     @property
     def samples_per_s(self) -> float:
@@ -160,7 +171,7 @@ class SimResult:
         return {"policy": self.policy, "initial": self.initial, "steps": self.steps, "wall_s": round(self.wall_s, 3),
                 "samples_per_s": round(self.samples_per_s, 4), "tokens_per_s": round(self.tokens_per_s, 1),
                 "gpu_idle_frac": round(self.gpu_idle_frac, 4), "reconfigurations": self.reconfigurations,
-                "strategy_fallbacks": self.strategy_fallbacks, "failures": self.failures}
+                "strategy_fallbacks": self.strategy_fallbacks, "failures": self.failures, "outcome": self.outcome}
 
 
 class Engine:
@@ -212,11 +223,10 @@ class Engine:
         self.tokens = 0.0
         self.result = SimResult(policy.name, self.alloc.label(), self.steps, 0.0, 0, 0.0, 0.0)
         self.result.splits.append((0.0, self.alloc.train_gpus, self.alloc.rollout_gpus))
-        rate = options.node_failures_per_node_hour / HOUR * (job.total_gpus / self.gpn)
         self._fail_rng = np.random.default_rng(options.seed + 7919)
-        self._failure_rate = rate
-        if rate > 0:
-            self._push(self._fail_rng.exponential(1.0 / rate), "failure")
+        self._failure_token = 0
+        self._rejoins_pending = 0
+        self._arm_failure()
 
     # ------------------------------------------------------------------------------------------ plumbing
     def _push(self, at: float, kind: str, *payload: Any) -> None:
@@ -245,7 +255,7 @@ class Engine:
             "bulk": self._on_bulk, "done": self._on_done, "train": self._on_train, "sync": self._on_sync,
             "resume": self._on_resume, "failure": self._on_failure, "rejoin": self._on_rejoin}
         self._try_rollout()
-        while self.trained < self.steps:
+        while self.trained < self.steps and self.result.outcome == "completed":
             if not self._heap:
                 raise RuntimeError(f"{self.policy.name}: the simulation stalled at step {self.trained} "
                                    f"(t={self.now:.1f} s, split {self.alloc.label()}, failed train "
@@ -255,9 +265,12 @@ class Engine:
             handlers[kind](*payload)
         r = self.result
         r.wall_s = self.now
-        r.samples = int(self.job.batches.count[: self.steps].sum())
+        r.steps = self.trained
+        r.samples = int(self.job.batches.count[: self.trained].sum())
         r.tokens = self.tokens
-        r.step_end_s = self.step_end.copy()
+        r.step_end_s = self.step_end[: self.trained].copy()
+        r.train_s = self.train_s[: self.trained].copy()
+        r.rollout_busy_s = self.pool_busy_at_done[: self.trained].copy()
         r.gpu_idle_frac = max(0.0, 1.0 - self.busy_gpu_s / (self.job.total_gpus * self.now)) if self.now else 0.0
         return r
 
@@ -431,6 +444,7 @@ class Engine:
         self.alloc = target
         self.failed_train = min(self.failed_train, target.train_gpus)
         self.failed_rollout = min(self.failed_rollout, target.rollout_gpus)
+        self._arm_failure()
         if train_changes:  # training is idle at a step boundary: the pool re-forms from now on
             self.train_available_at = max(self.train_available_at, self.now + cost.train_restart_s)
         if rollout_changes:
@@ -448,18 +462,50 @@ class Engine:
                 self.serving_gpus = min(self.serving_gpus, old.rollout_gpus)
                 if strategy == "cluster_swap":  # training lends GPUs to the new set until the flip, then re-forms
                     self.train_available_at = max(self.train_available_at, self.flip_at + cost.train_restart_s)
+        train_pause = cost.train_restart_s if train_changes else 0.0
+        rollout_pause = cost.rollout_restart_s if rollout_changes and strategy == "restart_all" else 0.0
+        if rollout_changes and strategy == "cluster_swap":
+            train_pause += cost.rollout_restart_s
+        self.result.switches.append({"step": self.trained, "time_s": round(self.now, 1), "strategy": strategy,
+                                     "train_pause_s": train_pause, "rollout_pause_s": rollout_pause})
         self.result.reconfigurations += 1
         self.result.splits.append((self.now, target.train_gpus, target.rollout_gpus))
         self._log("reconfigure", self.trained)
         self._push(self.now, "resume")
 
-    def _on_failure(self) -> None:
+    def _arm_failure(self) -> None:
+        """Schedule the next node failure at the rate of the split's working nodes (memoryless, so drawing
+        again whenever that number changes is exact); earlier schedules become stale."""
+        self._failure_token += 1
+        working = (self.alloc.total_gpus - self.failed_train - self.failed_rollout) / self.gpn
+        rate = self.options.node_failures_per_node_hour / HOUR * working
+        if rate > 0:
+            self._push(self.now + self._fail_rng.exponential(1.0 / rate), "failure", self._failure_token)
+
+    def _end_without_capacity(self) -> None:
+        """End the run when a pool has no capacity and nothing will bring any back."""
+        self._refresh()
+        starting = sum(g for _, g in self.starting) + (self.alloc.rollout_gpus if self.flip_at < math.inf else 0)
+        lost = [name for name, live in (("training", self.live_dp()),
+                                         ("rollout", self.live_rollout_gpus() // self.serving_tp + starting))
+                if live < 1]
+        if not lost or self._rejoins_pending:
+            return
+        self.result.outcome = "no_capacity"
+        self.result.outcome_detail = (
+            f"the {' and '.join(lost)} pool{'s' if len(lost) > 1 else ''} lost every GPU at t={self.now:.0f} s "
+            f"with no node on its way back (repair_s={self.options.repair_s}); {self.trained} of {self.steps} "
+            f"steps trained")
+
+    def _on_failure(self, token: int) -> None:
+        if token != self._failure_token:
+            return  # drawn for a number of working nodes that has changed since
         self.result.failures += 1
-        self._push(self.now + self._fail_rng.exponential(1.0 / self._failure_rate), "failure")
         self._refresh()
         train_live = self.alloc.train_gpus - self.failed_train
         rollout_live = self.live_rollout_gpus()
         if train_live + rollout_live <= 0:
+            self._arm_failure()
             return
         pool = "train" if self._fail_rng.random() < train_live / (train_live + rollout_live) else "rollout"
         lost = min(self.gpn, train_live if pool == "train" else rollout_live)
@@ -472,10 +518,15 @@ class Engine:
         else:
             self.failed_rollout += lost
         self._log(f"failure_{pool}", self.trained)
-        self._push(self.now + self.options.repair_s, "rejoin", pool, lost)
+        if math.isfinite(self.options.repair_s):
+            self._rejoins_pending += 1
+            self._push(self.now + self.options.repair_s, "rejoin", pool, lost)
+        self._arm_failure()
+        self._end_without_capacity()
         self._push(self.now, "resume")
 
     def _on_rejoin(self, pool: str, gpus: int) -> None:
+        self._rejoins_pending -= 1
         if pool == "train":
             self.failed_train = max(0, self.failed_train - gpus)
             self.train_reform_pending = True
@@ -483,6 +534,7 @@ class Engine:
             self.failed_rollout = max(0, self.failed_rollout - gpus)
             self.starting.append((self.now + self.job.inputs.cost.rollout_restart_s, gpus))
         self._log(f"rejoin_{pool}", self.trained)
+        self._arm_failure()
         self._push(self.now, "resume")
 
     # ------------------------------------------------------------------------------------------ for policies

@@ -1,10 +1,14 @@
-"""Response lengths of a drifting GRPO workload: seeded, long-tailed, with a mean that grows over the job.
+"""Response lengths of a drifting GRPO workload: seeded, long-tailed, with a mean that grows over the job,
+and the drift curve itself (`DriftCurve`), the one curve family shared with the `drift` task of
+`libra.data.drift_task` so that simulated runs can be calibrated against real ones.
 
-Each step's responses are drawn from a log-normal distribution (a long right tail, as response lengths of
-reasoning models show) truncated at `max_new_tokens`, whose mean moves from `start_mean` to `end_mean` along
-a logistic curve centred at `midpoint` (fraction of the job) with width `width`. Response length growing
-during RL training is reported for reasoning models (DeepSeek-R1, arXiv:2501.12948, Fig. 3: the average
-response length grows steadily during RL; DAPO, arXiv:2503.14476, Fig. 7); the numbers of a case are a
+The drift: a value ramps linearly from `start` to `end` over the first `ramp` units of progress and then
+stays at `end`. The `drift` task ramps each prompt's response budget over prompts; the simulator ramps the
+mean response length over the fraction of the job (`LengthModel.ramp`, 1.0: the whole job). Each step's
+responses are drawn from a log-normal distribution (a long right tail, as response lengths of reasoning
+models show) with that step's mean, clipped at `max_new_tokens`. Response length growing steadily during RL
+training is reported for reasoning models (DeepSeek-R1, arXiv:2501.12948, Fig. 3: the average response
+length grows roughly linearly over RL steps; DAPO, arXiv:2503.14476, Fig. 7); the numbers of a case are a
 chosen workload, not a measurement.
 
 Only per-step sufficient statistics are kept (`BatchStats`): count, sum, maximum and sum of squares of the
@@ -24,17 +28,37 @@ DRAW_CHUNK = 1 << 20  # lengths drawn at once, bounding memory for very large st
 
 
 @dataclass(frozen=True)
+class DriftCurve:
+    """`start` at progress 0, rising (or falling) linearly to `end` at progress `ramp`, then `end`."""
+
+    start: float
+    end: float
+    ramp: float
+
+    def problems(self) -> list[str]:
+        return [] if self.ramp > 0 else [f"ramp: {self.ramp}: must be > 0"]
+
+    def at(self, progress: float) -> float:
+        done = min(1.0, max(0.0, progress) / self.ramp)
+        return self.start + (self.end - self.start) * done
+
+
+@dataclass(frozen=True)
 class LengthModel:
-    """Response-length distribution over the job. `sigma` is the log-normal shape (0.8 gives a p99 about
-    4.8x the median); `drift=False` keeps the mean at `start_mean`."""
+    """Response-length distribution over the job. The mean follows `DriftCurve(start_mean, end_mean, ramp)`
+    over the fraction of the job; `sigma` is the log-normal shape (0.8 gives a p99 about 4.8x the median);
+    `drift=False` keeps the mean at `start_mean`."""
 
     start_mean: float
     end_mean: float
     max_new_tokens: int
     sigma: float = 0.8
-    midpoint: float = 0.5
-    width: float = 0.12
+    ramp: float = 1.0
     drift: bool = True
+
+    @property
+    def curve(self) -> DriftCurve:
+        return DriftCurve(self.start_mean, self.end_mean, self.ramp)
 
     def validate(self) -> None:
         problems = []
@@ -44,19 +68,13 @@ class LengthModel:
                 problems.append(f"{name}: {value}: must be within [1, max_new_tokens={self.max_new_tokens}]")
         if self.sigma < 0:
             problems.append(f"sigma: {self.sigma}: must be >= 0")
-        if self.width <= 0:
-            problems.append(f"width: {self.width}: must be > 0")
+        problems += self.curve.problems()
         if problems:
             raise ValueError("; ".join(problems))
 
     def mean_at(self, fraction: float) -> float:
         """Target mean length (before truncation) at `fraction` of the job."""
-        if not self.drift:
-            return self.start_mean
-        lo = 1.0 / (1.0 + math.exp(self.midpoint / self.width))
-        hi = 1.0 / (1.0 + math.exp(-(1.0 - self.midpoint) / self.width))
-        s = 1.0 / (1.0 + math.exp(-(fraction - self.midpoint) / self.width))
-        return self.start_mean + (self.end_mean - self.start_mean) * (s - lo) / (hi - lo)
+        return self.curve.at(fraction) if self.drift else self.start_mean
 
     def draw(self, rng: np.random.Generator, mean: float, n: int) -> np.ndarray:
         """`n` lengths (whole tokens, >= 1, <= max_new_tokens) of a log-normal with mean `mean`."""

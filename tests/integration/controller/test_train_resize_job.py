@@ -9,31 +9,35 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
 from libra.cluster.ray_runtime import RayRuntime
 from libra.controller.reconfigure import ReconfigureTarget
 from libra.controller.state import ROLLOUT, TRAIN
 from libra.run_dir import read_jsonl
 
-from .reconfigure_rig import RequestStream
-from .train_swap_rig import TrainingDriver, build_swap_rig, running
+from .reconfigure_rig import RequestStream, running
+from .train_swap_rig import TrainingDriver, build_swap_rig
 
 TIMEOUT_S = 1200.0
+
+pytestmark = pytest.mark.slow_job
 
 
 def test_cluster_swap_two_two_to_three_one_and_back(ray_runtime: RayRuntime, tmp_path: Path) -> None:
     rig = build_swap_rig(ray_runtime, tmp_path, cluster_gpus=4, train_gpus=2, instances=2)
-    with running(rig):
+    with running(rig, sample_s=0.2):
         rig.wait_ready(TIMEOUT_S)
         ready_at = len(rig.held_samples)
-        with TrainingDriver(rig, publish_every=2) as driver, RequestStream(rig.rollout.pool) as stream:
+        with TrainingDriver(rig, publish_every=2) as driver, RequestStream(rig.edge.pool) as stream:
             driver.wait_steps(2, TIMEOUT_S)
-            rig.request(ReconfigureTarget(rollout_instances=1), "cluster_swap")
+            rig.request_target(ReconfigureTarget(rollout_instances=1), "cluster_swap")
             rig.wait_done(TIMEOUT_S)
-            assert (len(rig.live(TRAIN)), rig.serving()) == (3, 1)
+            assert (len(rig.live(TRAIN)), rig.ready_serving()) == (3, 1)
             driver.wait_steps(2, TIMEOUT_S)
-            rig.request(ReconfigureTarget(rollout_instances=2), "cluster_swap")
+            rig.request_target(ReconfigureTarget(rollout_instances=2), "cluster_swap")
             rig.wait_done(TIMEOUT_S)
-            assert (len(rig.live(TRAIN)), rig.serving()) == (2, 2)
+            assert (len(rig.live(TRAIN)), rig.ready_serving()) == (2, 2)
             driver.wait_steps(2, TIMEOUT_S)
         assert driver.errors == []
         assert stream.failures == [] and stream.answered > 0

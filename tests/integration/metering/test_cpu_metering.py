@@ -40,6 +40,16 @@ def slices(cgroup: CpuCgroup) -> Iterator[CpuSlices]:
     yield job
     job.remove_job()
     assert job.names() == []
+    assert_no_libra_group_left(cgroup)
+
+
+def assert_no_libra_group_left(cgroup: CpuCgroup) -> None:
+    """`<root>/libra` is gone with its last group; it may stay only while another job on this machine holds a
+    group (or a process) in it."""
+    base = Path(cgroup.base)
+    if base.exists():
+        others = cgroup.names() or cgroup.pids(cgroup.base)
+        assert others, f"{base} is left empty on the machine"
 
 
 @pytest.fixture
@@ -115,6 +125,7 @@ def test_slice_of_a_killed_owner_is_removed_by_the_next_start(cgroup: CpuCgroup,
         assert Path(path).is_dir()  # nobody cleaned up: the owner was killed
         CpuSlices(cgroup, f"next-start-{os.getpid()}").sweep_orphans()  # what every new slice does first
         assert not Path(path).exists()
+        assert_no_libra_group_left(cgroup)
         assert psutil.pid_exists(child)  # its process went home, still running, no longer metered
     finally:
         owner.kill()
@@ -142,3 +153,4 @@ def test_training_worker_runs_in_its_slice(ray_runtime: RayRuntime, tiny_model_d
     finally:
         pool.shutdown()
     assert job.names() == []  # a clean shutdown removes the worker's slice
+    assert_no_libra_group_left(cgroup)

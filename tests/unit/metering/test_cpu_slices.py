@@ -9,8 +9,9 @@ import errno
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,7 +52,7 @@ class DirCgroupFs(CgroupFs):
         super().write(path, text)
 
     def rmdir(self, path: str) -> None:
-        if Path(path, "cgroup.procs").read_text().split():
+        if Path(path, "cgroup.procs").read_text().split() or self.listdir(path):
             raise OSError(errno.EBUSY, "busy", path)
         for name in self.files:
             Path(path, name).unlink()
@@ -100,12 +101,12 @@ def test_slice_quota_join_resize_remove(version: int, tmp_path: Path, sleepers: 
     assert slices.join(piece, pid) == [pid] and procs_of(piece.path) == {pid}
     piece = slices.resize(piece, 1.5)
     assert cgroup.quota(piece.path) == 1.5
-    slices.remove(piece)
-    assert not Path(piece.path).exists()
-    assert pid in procs_of(cgroup.home)  # what still ran went home
     if version == 2:
         assert "cpu" in (tmp_path / "cgroup.subtree_control").read_text().split()
         assert "cpu" in (tmp_path / "libra" / "cgroup.subtree_control").read_text().split()
+    slices.remove(piece)
+    assert not Path(piece.path).exists()
+    assert pid in procs_of(cgroup.home)  # what still ran went home
 
 
 def test_join_moves_the_whole_process_tree(tmp_path: Path, sleepers: list) -> None:
@@ -250,3 +251,103 @@ def test_sweep_removes_the_probe_of_a_dead_prober(tmp_path: Path, sleepers: list
     cgroup.make(f"probe-{live}", 0.5)
     assert sweep_orphans(cgroup) == []  # probes are not slices
     assert cgroup.names() == [f"probe-{live}"]
+
+
+def remove_one(slices: CpuSlices, piece: Any) -> None:
+    slices.remove(piece)
+
+
+def remove_job(slices: CpuSlices, piece: Any) -> None:
+    slices.remove_job()
+
+
+def sweep(slices: CpuSlices, piece: Any) -> None:
+    sweep_orphans(slices.cgroup)
+
+
+@pytest.mark.parametrize("version", [1, 2], ids=["cgroup-v1", "cgroup-v2"])
+@pytest.mark.parametrize("remove", [remove_one, remove_job, sweep], ids=["remove", "remove-job", "sweep-orphans"])
+def test_last_slice_removes_the_libra_group(version: int, remove: Callable[[CpuSlices, Any], None],
+                                            tmp_path: Path, sleepers: list) -> None:
+    cgroup, fs = mount(tmp_path, version)
+    assert not Path(cgroup.base).exists()  # the probe left nothing behind
+    owner = spawn(sleepers)
+    mine, theirs = CpuSlices(cgroup, "job-a"), CpuSlices(cgroup, "job-b")
+    piece = mine.open("rollout-0", 0.25, owner_pid=owner)
+    other = theirs.open("train-0", 0.25)
+    sleepers[0].kill()
+    sleepers[0].wait()
+    remove(mine, piece)
+    assert cgroup.names() == [str(other.name)]  # another job's slice keeps the group
+    theirs.remove(other)
+    assert not Path(cgroup.base).exists() and "libra" in fs.removals
+    assert theirs.open("train-0", 0.5).path == other.path  # made again on demand
+
+
+def test_libra_group_with_a_process_stays(tmp_path: Path, sleepers: list) -> None:
+    cgroup, _ = mount(tmp_path, 1)
+    slices = CpuSlices(cgroup, "job")
+    piece = slices.open("rollout-0", 0.25)
+    pid = spawn(sleepers)
+    assert cgroup.move(pid, cgroup.base)  # cgroup v1: a process may live in the group itself
+    slices.remove(piece)
+    assert Path(cgroup.base).is_dir() and procs_of(cgroup.base) == {pid}
+    assert cgroup.remove_base_if_empty() is False
+
+
+class Racing(DirCgroupFs):
+    """Another job acts on the mount at one moment: `before_rmdir_of_base` just before `libra` is removed,
+    `before_mkdir` just before a slice directory is made (once each)."""
+
+    def __init__(self, root: Path, files: dict[str, str]) -> None:
+        super().__init__(root, files)
+        self.before_rmdir_of_base: Callable[[], None] | None = None
+        self.before_mkdir: Callable[[], None] | None = None
+
+    def rmdir(self, path: str) -> None:
+        if os.path.basename(path) == "libra" and self.before_rmdir_of_base is not None:
+            hook, self.before_rmdir_of_base = self.before_rmdir_of_base, None
+            hook()
+        super().rmdir(path)
+
+    def mkdir(self, path: str) -> None:
+        if os.path.basename(os.path.dirname(path)) == "libra" and self.before_mkdir is not None:
+            hook, self.before_mkdir = self.before_mkdir, None
+            hook()
+        super().mkdir(path)
+
+
+def racing_mount(tmp_path: Path) -> tuple[CpuCgroup, Racing]:
+    fs = Racing(tmp_path, V2_FILES)
+    for name, text in V2_FILES.items():
+        (tmp_path / name).write_text(text)
+    return cgroup_at(str(tmp_path), fs), fs
+
+
+def test_a_slice_made_during_the_removal_keeps_the_group(tmp_path: Path) -> None:
+    cgroup, fs = racing_mount(tmp_path)
+    mine, theirs = CpuSlices(cgroup, "job-a"), CpuSlices(cgroup, "job-b")
+    piece = mine.open("rollout-0", 0.25)
+    made: list[str] = []
+    fs.before_rmdir_of_base = lambda: made.append(str(theirs.open("train-0", 0.25).name))
+    mine.remove(piece)  # the kernel refuses to remove the group now holding job-b's slice: no error
+    assert cgroup.names() == made and len(made) == 1
+
+
+def test_a_group_removed_by_another_job_is_made_again(tmp_path: Path) -> None:
+    cgroup, fs = racing_mount(tmp_path)
+    fs.before_mkdir = lambda: cgroup.remove_base_if_empty()  # another job's last slice went just now
+    piece = CpuSlices(cgroup, "job").open("train-0", 0.5)
+    assert Path(piece.path).is_dir() and cgroup.quota(piece.path) == 0.5
+    assert fs.removals.count("libra") == 2  # after the probe, and by the other job
+
+
+def test_a_group_removed_by_another_job_at_the_same_moment(tmp_path: Path) -> None:
+    cgroup, fs = racing_mount(tmp_path)
+    slices = CpuSlices(cgroup, "job")
+    piece = slices.open("train-0", 0.5)
+    # both see the last slice gone; the other removes `libra` first
+    fs.before_rmdir_of_base = lambda: DirCgroupFs.rmdir(fs, cgroup.base)
+    slices.remove(piece)
+    assert not Path(cgroup.base).exists()
+    assert cgroup.remove_base_if_empty() is True

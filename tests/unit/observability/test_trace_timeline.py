@@ -1,12 +1,13 @@
-"""Rollout-instance timelines of reconfigurations: lifecycles, requests and windows read from the executor's
-spans, and the pictures drawn from them (`libra trace timeline`)."""
+"""Pool timelines of reconfigurations: rollout lifecycles, training-resize phases and rank steps, requests and
+windows read from the executor's spans, and the pictures drawn from them (`libra trace timeline`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
-from trace_fixtures import T0, S, build_reconfiguration
+from trace_fixtures import T0, S, build_reconfiguration, build_train_resize
 
 from libra.cli.main import main
 from libra.observability import trace_timeline as tt
@@ -116,3 +117,33 @@ def test_cli(trace_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["trace", "timeline", str(trace_dir), "--out", str(tmp_path / "t.png"), *extra]) == code
     captured = capsys.readouterr()
     assert said in (captured.out if code == 0 else captured.err)
+
+
+def test_training_resize_phases_and_rank_steps(tmp_path: Path) -> None:
+    timeline = tt.read_timeline(build_train_resize(tmp_path / "traces").directory)
+    assert seconds(timeline.train_phases) == [("saving checkpoint", 12, 13), ("stopping ranks", 13, 14),
+                                              ("starting ranks", 14, 26), ("loading checkpoint", 26, 28)]
+    assert sorted(timeline.train_steps) == [0, 1, 2]
+    assert len(timeline.train_steps[0]) == 12 and timeline.train_steps[2][0] == (T0 + 28 * S, T0 + int(29.5 * S))
+    # the resize's phases are the training pool's, not a rollout member's lifecycle
+    assert sorted(timeline.members) == ["rollout-0"]
+
+
+@pytest.mark.parametrize(("build", "train_rows"), [
+    (build_train_resize, ["training pool", "train rank 0", "train rank 1", "train rank 2"]),
+    (build_reconfiguration, []),
+], ids=["train-resize", "rollout-only"])
+def test_render_draws_training_rows_of_a_resize(tmp_path: Path, build: Any, train_rows: list[str]) -> None:
+    out = tmp_path / "timeline.png"
+    info = tt.render_timeline(build(tmp_path / "traces").directory, out)
+    assert info["train_rows"] == train_rows
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_window_without_a_resize_has_no_training_rows(tmp_path: Path) -> None:
+    from trace_fixtures import build_run
+
+    trace = build_run(tmp_path / "plain", steps=2)  # training steps, but no resize of the pool
+    assert tt.read_timeline(trace.directory).train_steps and not tt.read_timeline(trace.directory).train_phases
+    with pytest.raises(ValueError, match="no rollout instance has a lifecycle to draw"):
+        tt.render_timeline(trace.directory, tmp_path / "x.png")

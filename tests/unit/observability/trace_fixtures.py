@@ -136,3 +136,36 @@ def build_reconfiguration(directory: Path) -> SyntheticTrace:
         (directory / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
         trace.records.extend(recs)
     return trace
+
+
+def build_train_resize(directory: Path) -> SyntheticTrace:
+    """A training-pool resize from 2 to 3 ranks as the training edge records it (times in seconds from T0):
+    change requested at 10 s, done at 30 s; phases save 12-13, stop 13-14, start 14-26, load 26-28 s (the
+    controller's spans, attr pool "train"); ranks 0 and 1 step every 2 s from 0 to 12 s and 28 to 40 s, rank 2
+    only from 28 s. One rollout instance serves throughout."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def t(seconds: float) -> int:
+        return T0 + int(seconds * S)
+
+    def span(name: str, a: float, b: float, **attrs: Any) -> dict[str, Any]:
+        return _rec(name, "controller", 0, None, t(a), t(b), attrs=attrs)
+
+    controller = [
+        span("reconfigure.start", 0, 1, member_id="rollout-0", tp=1),
+        span("reconfigure.swap", 1, 1, serving=["rollout-0"]),
+        span("reconfigure.change", 10, 30, strategy="train_resize", change="train_2_to_3"),
+        *[span(name, a, b, pool="train", phase=f"train_resize.{phase}", step=6, gpus=3) for name, phase, a, b in (
+            ("checkpoint.save", "save", 12, 13), ("reconfigure.stop", "stop", 13, 14),
+            ("reconfigure.start", "start", 14, 26), ("checkpoint.load", "load", 26, 28))],
+    ]
+    files = {"phase_trace_rank0.jsonl": controller}
+    for rank, starts in ((0, [*range(0, 12, 2), *range(28, 40, 2)]), (1, [*range(0, 12, 2), *range(28, 40, 2)]),
+                         (2, list(range(28, 40, 2)))):
+        files[f"phase_trace_rank{1000 + rank}.jsonl"] = [
+            _rec("train.step", "train", 1000 + rank, i, t(a), t(a + 1.5)) for i, a in enumerate(starts)]
+    trace = SyntheticTrace(directory)
+    for name, recs in files.items():
+        (directory / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+        trace.records.extend(recs)
+    return trace

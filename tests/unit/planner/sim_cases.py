@@ -11,7 +11,7 @@ from planner_cases import inputs
 from planner.layout import TrainLayout
 from planner.sim.allocation import Allocation
 from planner.sim.costs import PhaseCosts
-from planner.sim.engine import SimJob
+from planner.sim.engine import Engine, SimJob
 from planner.sim.lengths import BatchStats, LengthModel
 from planner.sim.scenario import build_job
 from planner.workload import CostParams, PlannerInputs
@@ -77,3 +77,19 @@ def real_job(steps: int = 30, start: float = 400, end: float = 3000, drift: bool
 
 def split(job: SimJob, train: int, tp: int = 1, pp: int = 1, rollout_tp: int = 1) -> Allocation:
     return Allocation(train, job.total_gpus - train, TrainLayout(tp=tp, pp=pp), rollout_tp)
+
+
+@dataclass
+class SwitchOnce:
+    """A policy that runs `first`, then switches to `second` after step 2."""
+
+    first: Allocation
+    second: Allocation
+    name: str = "switch"
+    ehp: bool = False
+
+    def initial(self) -> Allocation:
+        return self.first
+
+    def decide(self, engine: Engine) -> Allocation | None:
+        return self.second if engine.trained == 2 else None

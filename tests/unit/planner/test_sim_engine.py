@@ -3,10 +3,12 @@ failures, EHP, determinism."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+import time
+from dataclasses import replace
 
 import pytest
-from sim_cases import fixed_job, real_job, split
+from sim_cases import SwitchOnce, fixed_job, real_job, split
 
 from planner.sim.allocation import Allocation
 from planner.sim.engine import STRATEGIES, Engine, SimJob, SimOptions
@@ -58,22 +60,6 @@ def test_asynchronous_overlaps_generation_with_training() -> None:
     assert async_wall < sync_wall
 
 
-@dataclass
-class SwitchOnce:
-    """Runs `first`, then switches to `second` after step 2."""
-
-    first: Allocation
-    second: Allocation
-    name: str = "switch"
-    ehp: bool = False
-
-    def initial(self) -> Allocation:
-        return self.first
-
-    def decide(self, engine: Engine) -> Allocation | None:
-        return self.second if engine.trained == 2 else None
-
-
 FREE = CostParams(rollout_restart_s=0.0, train_restart_s=0.0)
 PRICED = CostParams(rollout_restart_s=30.0, train_restart_s=50.0)
 
@@ -121,11 +107,15 @@ def test_failures_reduce_capacity(rate: float) -> None:
 
 
 def test_failures_are_repaired() -> None:
+    """Each failed node rejoins its pool `repair_s` later (a repaired node can fail again: failures hit
+    working nodes only)."""
     job = real_job(steps=30, drift=False)
-    allocation = split(job, 8, tp=2)
-    slow = run(job, allocation, node_failures_per_node_hour=4.0, repair_s=1e6).result
-    quick = run(job, allocation, node_failures_per_node_hour=4.0, repair_s=60.0).result
-    assert quick.samples_per_s > slow.samples_per_s
+    engine = run(job, split(job, 8, tp=2), node_failures_per_node_hour=4.0, repair_s=60.0, record_events=True)
+    failed = [(t, kind.split("_")[1]) for t, kind, _ in engine.result.events if kind.startswith("failure_")]
+    rejoined = [(t, kind.split("_")[1]) for t, kind, _ in engine.result.events if kind.startswith("rejoin_")]
+    assert len(failed) >= 2
+    due = [(t + 60.0, pool) for t, pool in failed if t + 60.0 <= engine.result.wall_s]
+    assert [(pytest.approx(t), pool) for t, pool in due] == rejoined
 
 
 def test_ehp_borrows_idle_rollout_gpus_in_a_synchronous_job() -> None:
@@ -158,3 +148,28 @@ def test_bad_options_name_the_field(options: dict[str, object], field: str) -> N
     job = fixed_job()
     with pytest.raises(ValueError, match=field):
         Engine(job, StaticPolicy(split(job, 2)), replace(SimOptions(), **options))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("repair_s, outcome", [
+    pytest.param(math.inf, "no_capacity", id="no-repair-ends-when-a-pool-is-gone"),
+    pytest.param(3600.0, "completed", id="slow-repair-completes"),
+])
+def test_failures_faster_than_repair_finish_fast(repair_s: float, outcome: str) -> None:
+    """30 failures per node-hour: nodes fail faster than they come back (a job of ~10 minutes loses every node)."""
+    job = real_job(steps=30, drift=False)
+    began = time.process_time()
+    result = run(job, split(job, 8, tp=2), node_failures_per_node_hour=30.0, repair_s=repair_s).result
+    assert time.process_time() - began < 10.0
+    assert result.outcome == outcome and result.failures > 0
+    if outcome == "no_capacity":
+        assert 0 <= result.steps < 30 and len(result.step_end_s) == result.steps
+        assert result.samples == int(job.batches.count[: result.steps].sum())
+        assert "pool lost every GPU" in result.outcome_detail and "repair_s=inf" in result.outcome_detail
+    else:
+        assert result.steps == 30 and result.outcome_detail == ""
+
+
+def test_repair_time_must_be_positive() -> None:
+    job = fixed_job()
+    with pytest.raises(ValueError, match="repair_s: 0"):
+        Engine(job, StaticPolicy(split(job, 2)), SimOptions(steps=2, repair_s=0.0))

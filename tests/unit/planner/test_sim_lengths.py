@@ -5,7 +5,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner.sim.lengths import LengthModel, draw_batches
+from planner.sim.lengths import DriftCurve, LengthModel, draw_batches
+
+
+@pytest.mark.parametrize("curve, progress, value", [
+    pytest.param(DriftCurve(500, 3000, 1.0), 0.0, 500, id="start"),
+    pytest.param(DriftCurve(500, 3000, 1.0), 0.5, 1750, id="half-way"),
+    pytest.param(DriftCurve(500, 3000, 1.0), 1.0, 3000, id="end"),
+    pytest.param(DriftCurve(500, 3000, 0.4), 0.2, 1750, id="half-way-of-a-short-ramp"),
+    pytest.param(DriftCurve(500, 3000, 0.4), 0.9, 3000, id="after-the-ramp-it-stays"),
+    pytest.param(DriftCurve(8, 64, 100), -5, 8, id="before-the-start"),
+    pytest.param(DriftCurve(900, 300, 10), 5, 600, id="falling"),
+])
+def test_drift_curve(curve: DriftCurve, progress: float, value: float) -> None:
+    assert curve.at(progress) == pytest.approx(value)
 
 
 def test_mean_drifts_from_start_to_end() -> None:
@@ -20,7 +33,7 @@ def test_mean_drifts_from_start_to_end() -> None:
 def test_batches_follow_the_drift_with_a_long_tail_and_truncation() -> None:
     stats = draw_batches(LengthModel(400, 2000, 4096), steps=20, samples_per_step=4000, seed=3)
     early, late = stats.mean(0), stats.mean(19)
-    assert early == pytest.approx(400, rel=0.1) and late > 3 * early
+    assert early == pytest.approx(400 + 1600 * 0.5 / 20, rel=0.1) and late > 3 * early  # step 0 is 1/40 in
     assert stats.length_biased_mean(0) > 1.5 * early  # long tail: E[L^2]/E[L] well above the mean
     assert stats.longest.max() <= 4096
 
@@ -38,6 +51,7 @@ def test_seeded(seed_a: int, seed_b: int, same: bool) -> None:
     pytest.param({"start_mean": 0}, "start_mean", id="start"),
     pytest.param({"end_mean": 10_000}, "end_mean", id="end-above-max"),
     pytest.param({"sigma": -1}, "sigma", id="sigma"),
+    pytest.param({"ramp": 0.0}, "ramp", id="ramp"),
 ])
 def test_bad_models_name_the_field(kwargs: dict[str, float], field: str) -> None:
     values = {"start_mean": 100.0, "end_mean": 200.0, "max_new_tokens": 1000, **kwargs}

