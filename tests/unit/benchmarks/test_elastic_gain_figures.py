@@ -3,28 +3,16 @@ events, the gain over the best static split, and the EHP training-phase figures.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from benchmark_modules import REPO, load_benchmark_module
 
-MODULE = Path(__file__).resolve().parents[3] / "benchmarks" / "elastic_gain_figures.py"
-CONFIG = Path(__file__).resolve().parents[3] / "configs" / "drift.yaml"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("elastic_gain_figures", MODULE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+CONFIG = REPO / "configs" / "drift.yaml"
 
 
-fig = _load()
+fig = load_benchmark_module("elastic_gain_figures")
 
 
 def row(step: int, elapsed: float, samples: float = 16, tokens: float = 64, train: int = 2, rollout: int = 2,

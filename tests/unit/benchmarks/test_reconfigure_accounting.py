@@ -2,26 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+from benchmark_modules import load_benchmark_module
 
-MODULE = Path(__file__).resolve().parents[3] / "benchmarks" / "reconfigure_accounting.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("reconfigure_accounting", MODULE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-acc = _load()
+acc = load_benchmark_module("reconfigure_accounting")
 
 
 def inst(instance_id: str, state: str = "ready", serving: bool = True, pid: int = 0, gpus: int = 1) -> object:

@@ -3,29 +3,13 @@ one rendered from the committed result."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from benchmark_modules import REPO, load_benchmark_module
 
-REPO = Path(__file__).resolve().parents[3]
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("reliability_accounting",
-                                                  REPO / "benchmarks" / "reliability_accounting.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-acc = _load()
+acc = load_benchmark_module("reliability_accounting")
 
 
 def rows(*steps: int, t0: float = 100.0, samples: int = 16) -> list[dict[str, Any]]:
