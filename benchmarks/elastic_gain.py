@@ -2,6 +2,7 @@
 
     python benchmarks/elastic_gain.py --out benchmarks/results/elastic_gain.json           # 8 GPUs, 2 nodes
     python benchmarks/elastic_gain.py --out benchmarks/results/elastic_gain_quick.json --quick
+    python benchmarks/elastic_gain.py --out benchmarks/results/elastic_gain_ehp.json --quick --only-ehp
 
 Starts one local Ray cluster (`RayRuntime.start_nodes`: 2 nodes x 4 logical GPUs, or 1 x 4 with `--quick`)
 and runs `libra launch configs/drift.yaml` on it once per policy, each with `--set` overrides, the same seed
@@ -15,7 +16,9 @@ and the same number of steps, on metered logical GPUs (`cluster.metered_cpu_per_
 Each run's figures come from its own `metrics.jsonl` and `events.jsonl` (benchmarks/elastic_gain_figures.py).
 Then the `ehp` part: configs/dev.yaml made synchronous (`max_head_offpolicyness: 0`), 2 training and 2
 rollout GPUs, without and with elastic hybrid parallelism borrowing both rollout GPUs; its figure is the
-training phase's seconds per step (`time_train_s`). Written besides the issue's keys: `machine_load` (load
+training phase's seconds per step (`time_train_s`, median after the first step; the first borrowing step
+starts the borrowed workers, later ones re-attach them parked, and the first step's figures are written on
+their own). `--only-ehp` runs this part alone. Written besides the issue's keys: `machine_load` (load
 average before and after each run: on a shared, loaded machine the figures are not a gain measurement),
 `slices_left` (metering slices found after each run; must be empty) and `not_covered`.
 """
@@ -32,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -216,9 +219,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-per-gpu", type=float, default=0.2, help="cluster.metered_cpu_per_gpu")
     parser.add_argument("--work-dir", default="", help="where the runs go (default: a temporary folder, removed)")
     parser.add_argument("--skip-ehp", action="store_true", help="leave out the EHP part")
+    parser.add_argument("--only-ehp", action="store_true", help="run the EHP part alone (no policy runs)")
+    parser.add_argument("--ehp-steps", type=int, default=0, help="steps of each EHP run (default: 3 quick, 6 full)")
     args = parser.parse_args(argv)
+    if args.only_ehp and args.skip_ehp:
+        parser.error("--only-ehp and --skip-ehp exclude each other")
+    if args.ehp_steps < 0 or args.ehp_steps == 1:
+        parser.error(f"--ehp-steps {args.ehp_steps}: give at least 2 (the first step is the warm-up)")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     shape = QUICK if args.quick else FULL
+    if args.ehp_steps:
+        shape = replace(shape, ehp_steps=args.ehp_steps)
     config = Path(args.config).resolve()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="libra-gain-")).resolve()
     from libra.cluster.ray_runtime import RayRuntime
@@ -227,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ray_tmp = tempfile.mkdtemp(prefix="libra-gain-ray-")  # short: Ray's socket paths must fit AF_UNIX
     runtime = RayRuntime.start_nodes(num_nodes=shape.nodes, gpus_per_node=shape.gpus_per_node, tmp_dir=ray_tmp,
                                      namespace="libra-gain")
+    if args.only_ehp:
+        return only_ehp(args, shape, runtime, ray_tmp, work, started)
     try:
         base = common_overrides(shape, runtime.address, work / "drift-model", args.cpu_per_gpu)
         allowed, refused = fig.static_splits(shape.gpus, lambda extra: validate(config, [*base, *extra]))
@@ -275,6 +288,47 @@ def main(argv: list[str] | None = None) -> int:
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if len(complete) == len(runs) else 1
+
+
+def only_ehp(args: argparse.Namespace, shape: Shape, runtime: Any, ray_tmp: str, work: Path,
+             started: float) -> int:
+    """`--only-ehp`: the EHP part alone, written with the machine and the load it ran under."""
+    try:
+        ehp = ehp_runs(work, shape, runtime.address, args.cpu_per_gpu)
+    finally:
+        runtime.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    cores = os.cpu_count() or 1
+    loads = [x for name in ("run_without", "run_with") for key in ("load_before", "load_after")
+             for x in (ehp.get(name, {}).get(key) or [0.0])[:1]]
+    notes = [
+        "train_phase_s_without / train_phase_s_with are medians over the steps after the first: the first "
+        "borrowing step starts the borrowed workers (first_attach_s, train_phase_s_with_first_step); the later "
+        "ones re-attach them parked (steps_that_reused). train_phase_s_*_mean_all_steps include the first step.",
+        "Logical GPUs are CPU slices of cluster.metered_cpu_per_gpu cores; a borrowed rank runs in the slice of "
+        "the GPU it borrows, beside the lending server (resident, idle while the training phase runs).",
+    ]
+    if loads and max(loads) > 0.5 * cores:
+        notes.append(f"The machine was shared and loaded (1-minute load average up to {max(loads)} on {cores} "
+                     "cores, see run_without/run_with): other work competed for the cores the metered slices "
+                     "share, so the figures carry that noise.")
+    result: dict[str, Any] = {
+        "metered": True,
+        "cpu_per_gpu": args.cpu_per_gpu,
+        "form": "quick" if args.quick else "full",
+        "ehp_steps": shape.ehp_steps,
+        "ehp": ehp,
+        "not_covered": notes,
+        "benchmark_wall_s": round(time.monotonic() - started, 1),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"[elastic_gain] wrote {args.out}", flush=True)
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    ok = all(ehp.get(f"run_{n}", {}).get("exit_code") == 0 for n in ("without", "with")) and "error" not in ehp
+    return 0 if ok else 1
 
 
 def not_covered(quick: bool, shape: Shape, allowed: list[fig.Split], chosen: list[fig.Split],

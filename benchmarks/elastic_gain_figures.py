@@ -166,7 +166,10 @@ def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], b
                 warmup_steps: int = 1) -> dict[str, Any]:
     """Training-phase seconds per step (median of `time_train_s` after `warmup_steps`) of the same
     synchronous job without and with elastic hybrid parallelism, the part of the phase with EHP spent attaching
-    the borrowed replicas and stepping, and how many steps really borrowed."""
+    the borrowed replicas and stepping, and how many steps really borrowed. The warm-up steps are left out of
+    both medians; with EHP the first borrowing step starts the borrowed workers, which later steps re-attach
+    parked, so that start is reported on its own (`first_attach_s`, `train_phase_s_with_first_step`) and in
+    the mean over every step (`train_phase_s_with_mean_all_steps`), never hidden."""
     a, b = last_session(without), last_session(with_ehp)
     if len(a) <= warmup_steps or len(b) <= warmup_steps:
         raise ValueError(f"the EHP runs wrote {len(a)} and {len(b)} steps: need more than {warmup_steps} each")
@@ -178,6 +181,8 @@ def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], b
         values = [float(r[key]) for r in rows[warmup_steps:] if isinstance(r.get(key), int | float)]
         return round(statistics.median(values), 3) if values else None
 
+    borrowed = [r for r in b if float(r.get("train_ehp_replicas") or 0) > 0]
+    first = borrowed[0] if borrowed else None
     slow, fast = median_train(a), median_train(b)
     return {
         "train_phase_s_without": round(slow, 3),
@@ -188,6 +193,14 @@ def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], b
         "ehp_step_s": median_of(b, "train_ehp_step_s"),
         "borrowed_gpus": borrowed_gpus,
         "steps": [len(a), len(b)],
-        "steps_that_borrowed": sum(1 for r in b if float(r.get("train_ehp_replicas") or 0) > 0),
+        "steps_that_borrowed": len(borrowed),
+        # steps whose borrowed replicas were parked ones re-attached, not started
+        "steps_that_reused": sum(1 for r in borrowed if float(r.get("train_ehp_reused") or 0) > 0),
+        "first_attach_s": round(float(first["train_ehp_attach_s"]), 3)
+        if first is not None and isinstance(first.get("train_ehp_attach_s"), int | float) else None,
+        "train_phase_s_with_first_step": round(float(b[0]["time_train_s"]), 3),
+        "train_phase_s_without_first_step": round(float(a[0]["time_train_s"]), 3),
+        "train_phase_s_with_mean_all_steps": round(statistics.fmean(float(r["time_train_s"]) for r in b), 3),
+        "train_phase_s_without_mean_all_steps": round(statistics.fmean(float(r["time_train_s"]) for r in a), 3),
         "warmup_steps_excluded": warmup_steps,
     }

@@ -12,6 +12,27 @@ Faults (`--faults` picks some):
   sigterm_mid_run             SIGTERM to the launch process alone after step 3, then a new launch
   truncated_newest_checkpoint the job finishes step 4; a tensor shard of its step-4 checkpoint is cut in half;
                               a new launch runs to step END
+  worker_kill_mid_step        after step 2, SIGKILL to the training worker inside its train step; the same
+                              launch restarts the training pool and runs to step END (checkpoint every step)
+  worker_kill_mid_checkpoint  the same, inside the worker's checkpoint write
+  controller_kill_mid_step    on a Ray cluster that outlives the controller, SIGKILL to `libra launch` after
+                              step 2 while the worker is in its train step; a new launch adopts the live
+                              rollout server and runs to step END (checkpoint every step)
+  controller_kill_mid_publish the same while the worker exports the weights of a publish
+  rollout_kill9_mid_generation  a job with 2 rollout instances: SIGKILL to a server's process group while its
+                              engine runs requests; the job goes on and the instance is replaced
+  rollout_kill9_mid_reload    the same job: SIGKILL while a weight publish reloads that server (its /is_paused)
+  rollout_hung_sigstop        the same job: SIGSTOP of a server's process group while it runs requests
+  disk_full_mid_checkpoint    the run directory on a small tmpfs, filled while the worker writes a
+                              checkpoint after step 2; once the filler is removed a new launch runs to step END
+                              (benchmarks/reliability_disk.py)
+  load_queue_and_status       10,000 queued prompts through the job's producer and buffer under
+                              max_concurrent_rollouts (stand-in server), then 1,000 `status` calls a minute to
+                              a launch of LOAD_END_STEP steps while it trains; RSS sampled
+                              (benchmarks/reliability_load.py)
+The three rollout faults are injected one after another into ONE launch (tests/integration/reliability/
+server_fault_rig.py), which runs once whichever of them are picked; each one's figures cover the steps from
+it to the next, and its recovery is until the replacement instance serves.
 Each fault also records what a clean stop must leave: the first launch's exit code, whether its console
 showed a traceback, and the processes of its tree still alive after it exited.
 
@@ -26,6 +47,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import sys
 import tempfile
@@ -35,29 +57,53 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reliability_accounting import fault_figures, render_table, replace_table, target_met  # noqa: E402
+from reliability_accounting import (  # noqa: E402
+    fault_figures,
+    in_run_figures,
+    render_table,
+    replace_table,
+    target_met,
+)
+from reliability_disk import disk_full_mid_checkpoint  # noqa: E402
+from reliability_load import load_queue_and_status  # noqa: E402
 
 from tests.integration.controller.conftest import (  # noqa: E402
     events,
+    live,
     make_workspace,
     metric_rows,
+    ray_holder,
     server_pids,
     stop_everything,
     wait_for,
+)
+from tests.integration.reliability.server_fault_rig import STARTUP_S as SERVER_JOB_STARTUP_S  # noqa: E402
+from tests.integration.reliability.server_fault_rig import ServerFaultRun, server_job  # noqa: E402
+from tests.integration.reliability.test_worker_faults import (  # noqa: E402
+    kill_noting,
+    reap,
+    the_worker,
+    when_worker_runs,
 )
 
 END_STEP = 6
 STARTUP_S = 600.0
 SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4 of the job
+LOAD_END_STEP = 200  # over a minute of training under the status calls (checkpoint every 10 steps)
 NOT_COVERED = [
-    "kill -9 of a rollout server, a training worker or the controller mid-step / mid-reload / mid-publish",
-    "loss of a Ray node; a hung (SIGSTOP) rollout server",
-    "disk full during a checkpoint or trace write",
-    "load: 10,000 queued prompts, 1,000 operator calls per minute",
+    "kill -9 of the controller mid-reconfiguration (tested, not measured: "
+    "tests/integration/controller/test_reconfigure_job.py)",
+    "loss of a Ray node",
+    "a rollout server that hangs in the middle of its own reload; a job with a single rollout instance losing it",
+    "disk full during a trace write (tested, not measured: a full disk drops trace records with one warning, "
+    "tests/unit/training/test_disk_full_writes.py)",
+    "load: 10,000 queued prompts through a real rollout server (measured with a stand-in server: "
+    "benchmarks/reliability_load.py)",
 ]
 
 
@@ -131,11 +177,162 @@ def truncated_newest_checkpoint(root: Path) -> dict[str, Any]:
         stop_everything(run_dir, launches)
 
 
+def _with_checkpoint_every_step(config: Path) -> None:
+    data = yaml.safe_load(config.read_text())
+    data["checkpoint"] = {"interval_steps": 1, "keep_last": 3}
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def worker_kill(root: Path, method: str) -> dict[str, Any]:
+    """SIGKILL to the training worker inside `method` after step 2; the launch recovers by itself."""
+    ws, launches = make_workspace(root)
+    run_dir: Path = ws["run_dir"]
+    _with_checkpoint_every_step(ws["config"])
+    try:
+        launch = ws["launch"]("--max-steps", str(END_STEP))
+        wait_for(lambda: len(metric_rows(run_dir)) >= 2, STARTUP_S, "step 2", launch)
+        note: dict[str, Any] = {}
+        fault_at = when_worker_runs(run_dir, method, kill_noting(note, run_dir, the_worker), launch, STARTUP_S)
+        code = launch.wait(timeout=STARTUP_S + 600)
+        found = events(run_dir)
+        restart = [e for e in found if e["kind"] == "train_restart"]
+        recovered = [e for e in found if e["kind"] == "train_recovered"]
+        before = [{"step": step} for step in note["before"]]  # the rows written when the worker died
+        figures = fault_figures("", before, metric_rows(run_dir), _resumed_step(run_dir), END_STEP,
+                                SAMPLES_PER_STEP, fault_at, code)
+        figures["details"] = {"exit_code": code, "checkpoint_interval": 1, "killed_in": method,
+                              "restart_reason": restart[0]["message"][:200] if restart else "",
+                              "lost_step": recovered[0]["lost_step"] if recovered else None,
+                              "resumed_from_step": _resumed_step(run_dir),
+                              "pool_restart_s": restart[0].get("switch_s") if restart else None,
+                              "recovery_event_s": recovered[0].get("seconds") if recovered else None}
+        return figures
+    finally:
+        stop_everything(run_dir, launches)
+
+
+def controller_kill(root: Path, method: str) -> dict[str, Any]:
+    """SIGKILL to `libra launch` after step 2 while the training worker is inside `method`, on a Ray cluster
+    that outlives it; a new launch adopts the live rollout server."""
+    (root / "job").mkdir()
+    ray_dir = Path(tempfile.mkdtemp(prefix="lrel-", dir="/tmp"))  # Ray's socket paths must stay under 108 bytes
+    try:
+        return _controller_kill(root, method, ray_dir)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+def _controller_kill(root: Path, method: str, ray_dir: Path) -> dict[str, Any]:
+    with ray_holder(2, ray_dir, dict(os.environ)) as address:
+        ws, launches = make_workspace(root / "job", address)
+        run_dir: Path = ws["run_dir"]
+        _with_checkpoint_every_step(ws["config"])
+        try:
+            first = ws["launch"]("--max-steps", str(END_STEP))
+            wait_for(lambda: len(metric_rows(run_dir)) >= 2 and bool(server_pids(run_dir)), STARTUP_S, "step 2", first)
+            servers = server_pids(run_dir)
+            note: dict[str, Any] = {}
+            fault_at = when_worker_runs(run_dir, method,
+                                        kill_noting(note, run_dir, lambda pid: first.proc.pid, lambda: reap(first)),
+                                        first, STARTUP_S)
+            survived_kill = servers == [pid for pid in servers if psutil.pid_exists(pid)]
+            before = metric_rows(run_dir)
+            second = ws["launch"]("--max-steps", str(END_STEP))
+            code = second.wait(timeout=STARTUP_S + 600)
+            found = events(run_dir)
+            session = found[max(i for i, e in enumerate(found) if e["kind"] == "launch"):]
+            figures = fault_figures("", before, metric_rows(run_dir), _resumed_step(run_dir), END_STEP,
+                                    SAMPLES_PER_STEP, fault_at, code)
+            figures["details"] = {"exit_code": code, "checkpoint_interval": 1, "killed_while_worker_in": method,
+                                  "last_step_before_kill": max(note["before"], default=0),
+                                  "resumed_from_step": _resumed_step(run_dir),
+                                  "servers_survived_the_kill": survived_kill,
+                                  "server_adopted": any(e["kind"] == "member_adopted" for e in session)}
+            return figures
+        finally:
+            stop_everything(run_dir, launches)
+
+
+SERVER_FAULTS = {"rollout_kill9_mid_generation": "kill9_mid_generation", "rollout_kill9_mid_reload": "kill9_mid_reload",
+                 "rollout_hung_sigstop": "hung_server"}
+SERVER_END_STEP = 40  # the loop is let go only for the faults (server_fault_rig.py)
+_server_figures: dict[str, dict[str, Any]] = {}
+
+
+def server_faults(root: Path) -> dict[str, dict[str, Any]]:
+    """The three rollout-server faults in one launch of a job with 2 rollout instances (run once, then
+    remembered): each fault's figures by its benchmark name."""
+    if _server_figures:
+        return _server_figures
+    ws, launches = make_workspace(root)
+    run_dir: Path = ws["run_dir"]
+    ws["config"].write_text(yaml.safe_dump(server_job(yaml.safe_load(ws["config"].read_text()), SERVER_END_STEP),
+                                           sort_keys=False))
+    started = time.monotonic()
+    try:
+        launch = ws["launch"]("--max-steps", str(SERVER_END_STEP))
+        run = ServerFaultRun(run_dir, launch)
+        run.start(SERVER_JOB_STARTUP_S)
+        run.kill_mid_generation()
+        run.kill_mid_reload()
+        run.hang()
+        code = run.finish(timeout=900)
+        final = metric_rows(run_dir)
+        names = {rig: name for name, rig in SERVER_FAULTS.items()}
+        for record, following in zip(run.records, [*run.records[1:], None], strict=True):
+            last = following.last_step_before if following else SERVER_END_STEP
+            figures = in_run_figures("", final, SAMPLES_PER_STEP, SERVER_END_STEP, record.last_step_before + 1, last,
+                                     record.fault_at, record.recovered_at, code)
+            figures["details"] = {
+                "exit_code": code, "victim": record.victim, "replacement": record.replacement,
+                "steps_in_figures": [record.last_step_before + 1, last],
+                "detected_s": round(record.detected_at - record.fault_at, 1) if record.detected_at else None,
+                "first_step_after_s": round(record.first_step_after - record.fault_at, 1)
+                if record.first_step_after else None,
+                "requests_resent": record.requests_resent, "left_out_of_publish": record.left_out[:300],
+                "attempts": record.attempts, "victim_processes": len(record.victim_pids),
+                "victim_processes_left": len(live(record.victim_pids)), **record.extra,
+                "job": f"2 rollout instances, 1 training GPU, publish every step, {SERVER_END_STEP} steps, "
+                       "the loop held at a step boundary while each replacement started",
+            }
+            _server_figures[names[record.name]] = figures
+        total = round(time.monotonic() - started, 1)
+        for figures in _server_figures.values():
+            figures["details"]["run_seconds"] = total
+        return _server_figures
+    finally:
+        stop_everything(run_dir, launches)
+
+
+def _server_fault(name: str) -> Callable[[Path], dict[str, Any]]:
+    return lambda root: dict(server_faults(root)[name])
+
+
 FAULTS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "ctrl_c_mid_run": lambda root: signal_mid_run(root, signal.SIGINT, to_group=True),
     "sigterm_mid_run": lambda root: signal_mid_run(root, signal.SIGTERM, to_group=False),
     "truncated_newest_checkpoint": truncated_newest_checkpoint,
+    "worker_kill_mid_step": lambda root: worker_kill(root, "train_step"),
+    "worker_kill_mid_checkpoint": lambda root: worker_kill(root, "save_checkpoint"),
+    "controller_kill_mid_step": lambda root: controller_kill(root, "train_step"),
+    "controller_kill_mid_publish": lambda root: controller_kill(root, "export_hf"),
+    **{name: _server_fault(name) for name in SERVER_FAULTS},
+    "disk_full_mid_checkpoint": lambda root: disk_full_mid_checkpoint(root, END_STEP, SAMPLES_PER_STEP, STARTUP_S,
+                                                                      _with_checkpoint_every_step),
+    "load_queue_and_status": lambda root: load_queue_and_status(root, LOAD_END_STEP, SAMPLES_PER_STEP, STARTUP_S),
 }
+
+
+def _merged(out: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """`result` with the faults of an earlier result in `out` that were not run this time (in their order)."""
+    if not out.exists():
+        return result
+    ran = {f["name"] for f in result["faults"]}
+    kept = [f for f in json.loads(out.read_text()).get("faults", []) if f["name"] not in ran]
+    order = list(FAULTS)
+    faults = sorted(kept + result["faults"], key=lambda f: order.index(f["name"]) if f["name"] in order else len(order))
+    return {**result, "faults": faults, "targets_met": {f["name"]: target_met(f) for f in faults},
+            "all_targets_met": all(target_met(f) for f in faults)}
 
 
 def main() -> None:
@@ -167,6 +364,7 @@ def main() -> None:
                   "1 rollout instance, 1 training GPU, checkpoint every 2 steps)"},
         "not_covered": NOT_COVERED,
     }
+    result = _merged(Path(args.out), result)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     if args.update_doc:
         doc = Path(args.update_doc)

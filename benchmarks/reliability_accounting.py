@@ -8,7 +8,8 @@ step after the resume was done.
 - samples_duplicated  samples of steps counted more than once in the final metrics
 - steps_repeated      steps done before the fault that the resumed job trained again (later than the
                       checkpoint it resumed from)
-- recovery_s          from the fault to the first step completed after it
+- recovery_s          from the fault to the first step completed after it (`in_run_figures`, a fault the
+                      job met without stopping: to the moment the caller says it recovered)
 
 And the table of `cluster_manual/reliability.md`, rendered from the benchmark's JSON.
 """
@@ -55,10 +56,42 @@ def fault_figures(
     }
 
 
+def in_run_figures(
+    name: str,
+    final: Sequence[Mapping[str, Any]],
+    samples_per_step: int,
+    end_step: int,
+    first_step: int,
+    last_step: int,
+    fault_at: float,
+    recovered_at: float | None,
+    last_exit_code: int,
+) -> dict[str, Any]:
+    """The figures of a fault the job met while it kept running (no relaunch), over the steps `first_step` to
+    `last_step` it ran from the fault until the next one: samples missing from or counted more than once in
+    those steps' rows, steps with more than one row (trained again), and `recovered_at - fault_at` as the
+    recovery (what recovered is the caller's: for a rollout server, its replacement serving)."""
+    window = range(first_step, last_step + 1)
+    steps = Counter(int(r["step"]) for r in final if int(r["step"]) in window)
+    recorded: dict[int, float] = {}
+    for row in final:
+        recorded.setdefault(int(row["step"]), float(row.get("samples", 0)))
+    all_steps = {int(r["step"]) for r in final}
+    return {
+        "name": name,
+        "survived": last_exit_code == 0 and bool(all_steps) and max(all_steps) == end_step,
+        "samples_lost": sum(max(0, samples_per_step - int(recorded.get(step, 0))) for step in window),
+        "samples_duplicated": sum(int(recorded[step]) * (count - 1) for step, count in steps.items() if count > 1),
+        "steps_repeated": sum(1 for count in steps.values() if count > 1),
+        "recovery_s": round(recovered_at - fault_at, 1) if recovered_at is not None else None,
+    }
+
+
 def target_met(fault: Mapping[str, Any]) -> bool:
-    """The issue's target: survived with nothing lost, duplicated or repeated."""
+    """The issue's target: survived with nothing lost, duplicated or repeated (and, for a load fault, memory
+    flat: `details.memory_flat`)."""
     return bool(fault["survived"]) and fault["samples_lost"] == 0 and fault["samples_duplicated"] == 0 \
-        and fault["steps_repeated"] == 0
+        and fault["steps_repeated"] == 0 and fault.get("details", {}).get("memory_flat", True) is not False
 
 
 def render_table(result: Mapping[str, Any]) -> str:

@@ -22,6 +22,7 @@ A checkpoint is complete only when its `controller_state.json` exists: it is wri
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -214,11 +215,18 @@ def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def append_jsonl(path: Path, obj: dict[str, Any]) -> None:
-    """Append one object as one line (O_APPEND, a whole line per write)."""
-    line = json.dumps(obj, sort_keys=True, default=str) + "\n"
+    """Append one object as one line (O_APPEND, a whole line per write). A write the disk cut short is taken
+    back, so that the next line, once there is room, does not run into half a line."""
+    data = (json.dumps(obj, sort_keys=True, default=str) + "\n").encode("utf-8")
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line.encode("utf-8"))
+        size = os.fstat(fd).st_size
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, f"only part of a line could be written to {path}")
+        except OSError:
+            os.ftruncate(fd, size)
+            raise
     finally:
         os.close(fd)
 

@@ -26,11 +26,12 @@ from libra.cluster.training_workers import FORWARDED_ENV, TrainingWorkerGroup
 @dataclass(frozen=True)
 class LentGpu:
     """One GPU lent to a borrowed training rank: its id, and the placement group of the rollout instance that
-    holds it ("" = reserve a GPU afresh) with the bundle it is in."""
+    holds it ("" = reserve a GPU afresh) with the bundle it is in, and that instance's id."""
 
     gpu_id: str
     placement_group: str = ""
     bundle_index: int = 0
+    holder: str = ""  # the lending rollout instance, whose CPU slice the rank joins (metered logical GPUs)
 
 
 def lent_by_instance(host_actor_name: str, gpu_ids: Sequence[str]) -> list[LentGpu]:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+import psutil
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -21,6 +22,47 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0
+# Ray gives a starting node 30 s (not configurable) to register with its GCS; on a loaded machine that can
+# run out. A failed start leaves its processes behind, so they are stopped before the next attempt.
+STARTUP_ATTEMPTS = 3
+_STARTUP_TIMEOUT_TEXT = "timed out during startup"
+
+T = TypeVar("T")
+
+
+def is_startup_timeout(exc: BaseException) -> bool:
+    """Whether `exc` is Ray's "the current node timed out during startup" (worth another attempt)."""
+    return _STARTUP_TIMEOUT_TEXT in str(exc)
+
+
+def stop_processes_under(tmp_dir: str) -> list[int]:
+    """Kill this process's descendants whose command line names `tmp_dir` (the processes of a local Ray
+    start that failed half-way); the pids killed."""
+    killed: list[int] = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any(tmp_dir in arg for arg in child.cmdline()):
+                child.kill()
+                killed.append(child.pid)
+        except psutil.Error:
+            continue
+    psutil.wait_procs([psutil.Process(pid) for pid in killed if psutil.pid_exists(pid)], timeout=10)
+    return killed
+
+
+def start_with_retries(start: Callable[[], T], tmp_dir: str, attempts: int = STARTUP_ATTEMPTS) -> T:
+    """`start()`, again (after stopping what the failed attempt left under `tmp_dir`) when Ray reports a
+    startup timeout; any other error, or the last timeout, is raised."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return start()
+        except Exception as exc:
+            if not is_startup_timeout(exc) or attempt == attempts:
+                raise
+            killed = stop_processes_under(tmp_dir)
+            log.warning("Ray did not start in time (attempt %d of %d: %s); stopped %d leftover process(es), "
+                        "starting again", attempt, attempts, exc, len(killed))
+    raise AssertionError("unreachable")
 
 
 @dataclass
@@ -56,7 +98,7 @@ class RayRuntime:
         tmp = tmp_dir or tempfile.mkdtemp(prefix="libra-ray-")
         os.makedirs(tmp, exist_ok=True)
         os.environ["RAY_TMPDIR"] = tmp
-        ctx: Any = ray.init(
+        ctx: Any = start_with_retries(lambda: ray.init(
             num_gpus=num_gpus,
             num_cpus=num_cpus if num_cpus is not None else max(2 * num_gpus, 4),
             namespace=namespace,
@@ -64,7 +106,7 @@ class RayRuntime:
             log_to_driver=False,
             object_store_memory=object_store_bytes,
             _temp_dir=tmp,
-        )
+        ), tmp)
         log.info("started local Ray with %d logical GPUs at %s", num_gpus, ctx.address_info["gcs_address"])
         return cls(address=ctx.address_info["gcs_address"], owned=True, namespace=namespace, tmp_dir=tmp)
 
@@ -99,8 +141,8 @@ class RayRuntime:
         # the cluster's files go where Ray looks for them under RAY_TMPDIR (its address file among them)
         session_root = os.path.join(tmp, "ray")
         os.makedirs(session_root, exist_ok=True)
-        nodes = Cluster(initialize_head=True, head_node_args={**node_args, "temp_dir": session_root,
-                                                              "include_dashboard": False})
+        nodes = start_with_retries(lambda: Cluster(initialize_head=True, head_node_args={
+            **node_args, "temp_dir": session_root, "include_dashboard": False}), tmp)
         try:
             for _ in range(num_nodes - 1):
                 nodes.add_node(**node_args)

@@ -3,7 +3,9 @@ actor per bundle, and collective calls that fail fast.
 
 Every training entry point is collective (all ranks must enter it), so a call goes to every actor at once and
 the results are awaited together; if any rank raises, that error is raised immediately instead of waiting for
-the other ranks, which would block in a collective forever.
+the other ranks, which would block in a collective forever. When a rank's process has died the error is a
+`WorkerLostError` (a rank that raised because its peer died is given a few seconds to be joined by the dead
+rank's own error), so the caller can start the pool again rather than fail.
 """
 
 from __future__ import annotations
@@ -22,8 +24,19 @@ log = logging.getLogger(__name__)
 FORWARDED_ENV = ("LIBRA_FORCE_CPU", "RL_TRAIN_PHASE_TRACE", "RL_TRAIN_PHASE_TRACE_DIR")
 
 
+LOSS_GRACE_S = 5.0  # how long a failed call waits for a dead rank's error behind a survivor's
+
+
 class CollectiveCallError(RuntimeError):
     """A collective call failed on one rank (the message names it) or timed out."""
+
+
+class WorkerLostError(CollectiveCallError):
+    """A collective call failed because the process of a rank died (killed, crashed, its node lost)."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class TrainingWorkerGroup:
@@ -87,8 +100,28 @@ class TrainingWorkerGroup:
                 try:
                     results[index[ref]] = ray.get(ref)
                 except Exception as exc:
-                    raise CollectiveCallError(f"{self.name}.{method} failed on rank {index[ref]}: {exc}") from exc
+                    raise self._failure(method, index[ref], exc, pending, index) from exc
         return results
+
+    def _failure(self, method: str, rank: int, exc: Exception, pending: list[Any],
+                 index: dict[Any, int]) -> CollectiveCallError:
+        """The error of a call that failed on `rank`: a `WorkerLostError` when that rank's process died, or
+        when another rank's does within `LOSS_GRACE_S` (the ranks of a collective fail together)."""
+        lost = [rank] if isinstance(exc, ray.exceptions.RayActorError) else []
+        if not lost and pending:
+            done, _ = ray.wait(pending, num_returns=len(pending), timeout=LOSS_GRACE_S)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    lost.append(index[ref])
+                except Exception as other:  # another survivor's error says nothing more
+                    log.debug("%s.%s on rank %d: %s", self.name, method, index[ref], other)
+        message = f"{self.name}.{method} failed on rank {rank}: {exc}"
+        if lost:
+            return WorkerLostError(f"{self.name}.{method}: the process of rank(s) {sorted(lost)} died ({message})",
+                                   sorted(lost))
+        return CollectiveCallError(message)
 
     def shutdown(self) -> None:
         for actor in self.actors:

@@ -10,6 +10,7 @@ import shutil
 from typing import Any
 
 from libra.config import Config
+from libra.observability.log_file import DroppingFileHandler
 from libra.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ def setup_logging(run: RunDir, level: str, stderr_level: int = logging.WARNING,
     console view owns stdout), one line each, with their tracebacks only when `debug`. Returns the handlers
     so they can be removed again."""
     root = logging.getLogger()
-    file_handler = logging.FileHandler(run.controller_log, encoding="utf-8")
+    file_handler = DroppingFileHandler(str(run.controller_log), encoding="utf-8")
     file_handler.setFormatter(logging.Formatter(_LOG_FORMAT))
     file_handler.setLevel(getattr(logging, level.upper(), logging.INFO))
     err_handler = logging.StreamHandler()

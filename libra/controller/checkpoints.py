@@ -4,6 +4,10 @@ position in the prompt stream, running totals), with retention.
 `checkpoints/step_NNNNNN/train/` is written by the training pool; `controller_state.json` is written
 last and atomically, so a checkpoint without it (a crash mid-save) is ignored on resume.
 
+A checkpoint write that fails because the run directory's file system is full (`disk_full_error`) becomes a
+`DiskFullError` naming the folder, the checkpoint a new launch resumes from and what to do; the half-written
+folder is removed so that it gives its space back.
+
 A resume (`restore_newest`) takes the newest checkpoint that loads: one whose controller state is unreadable
 or whose training checkpoint the pool refuses (a truncated shard, a damaged `latest` marker) is skipped with
 a warning naming the file, and the one before it is tried. A run whose every checkpoint is damaged stops with
@@ -13,6 +17,7 @@ a warning naming the file, and the one before it is tried. A run whose every che
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import shutil
 import time
@@ -24,6 +29,14 @@ from typing import Any
 from libra.run_dir import CHECKPOINT_PREFIX, CONTROLLER_STATE, CorruptRunStateError, RunDir, write_json_atomic
 
 TRAIN_SUBDIR = "train"
+# what a full disk says once it crossed a process boundary (a Ray worker, dist_checkpointing's writer)
+_DISK_FULL_TEXT = ("No space left on device", "[Errno 28]", "Disk quota exceeded", "[Errno 122]")
+_NEARLY_FULL_BYTES = 64 << 20
+
+
+class DiskFullError(RuntimeError):
+    """A checkpoint could not be written because the run directory's file system is full; the message names
+    the folder, the checkpoint a new launch resumes from, and what to do."""
 
 
 @dataclass
@@ -109,6 +122,42 @@ def restore_newest(
     return None
 
 
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def disk_full_error(store: CheckpointStore, step: int, exc: BaseException) -> DiskFullError | None:
+    """The error to stop with when writing the checkpoint of `step` failed with `exc` on a full disk: an
+    ENOSPC / EDQUOT error, one whose text says so (raised in another process), or any write error while the
+    file system has less room left than the previous checkpoint took (torch reports only "file write
+    failed"). None for any other failure. The half-written folder of `step` is removed."""
+    folder = store.run.checkpoint_dir(step)
+    cause: BaseException | None = exc
+    full = False
+    while cause is not None and not full:
+        full = getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+            text in str(cause) for text in _DISK_FULL_TEXT)
+        cause = cause.__cause__ or cause.__context__
+    previous = [(s, f) for s, f in store.run.checkpoints_by_step() if s != step]
+    try:
+        free = shutil.disk_usage(store.run.root).free
+        needed = max(_NEARLY_FULL_BYTES, _folder_bytes(previous[-1][1]) if previous else 0)
+    except OSError:
+        free, needed = 0, 0
+    if not full and free >= needed:
+        return None
+    if not (folder / CONTROLLER_STATE).is_file():
+        shutil.rmtree(folder, ignore_errors=True)
+    resume = (f"the checkpoint of step {previous[-1][0]} is whole and a new launch resumes from it" if previous
+              else "no earlier checkpoint exists, so a new launch starts from step 0")
+    detail = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
+    return DiskFullError(
+        f"the disk is full: the checkpoint of step {step} could not be written to {folder} ({detail}; "
+        f"{free} bytes free); {resume}. Free space on the file system of {store.run.root} (df -h "
+        f"{store.run.root}; keep_last in the checkpoint section limits how many checkpoints stay), then launch "
+        "again")
+
+
 def retained_steps(steps: list[int], keep_last: int, keep_every: int) -> set[int]:
     """Steps to keep: the newest `keep_last` (0 = all) and every multiple of `keep_every` (0 = none)."""
     keep = set(steps if keep_last <= 0 else steps[-keep_last:])
@@ -161,5 +210,5 @@ class CheckpointStore:
         return read_controller_state(folder / CONTROLLER_STATE, step), folder / TRAIN_SUBDIR
 
 
-__all__ = ["CheckpointStore", "ControllerState", "CorruptRunStateError", "checkpoint_step", "read_controller_state",
-           "restore_newest", "retained_steps"]
+__all__ = ["CheckpointStore", "ControllerState", "CorruptRunStateError", "DiskFullError", "checkpoint_step",
+           "disk_full_error", "read_controller_state", "restore_newest", "retained_steps"]

@@ -7,6 +7,7 @@ the event log and counted, and the next tick runs as usual.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -21,6 +22,16 @@ from libra.controller.tracker import MemberTracker
 from libra.observability.phase_trace import get_tracer
 
 log = logging.getLogger(__name__)
+
+
+def observed_weights(desired: DesiredState, weights_before: int) -> DesiredState:
+    """`desired` with the weight version read before the observation. The RL loop publishes to the instances
+    itself and only then raises `weight_version`; an observation taken during that publish still shows the
+    older weights, and judged against the newer version it would plan a second publish of weights the
+    instances already hold (and keep them busy while it runs)."""
+    if desired.weight_version == weights_before:
+        return desired
+    return dataclasses.replace(desired, weight_version=weights_before)
 
 
 class ControlLoop:
@@ -68,13 +79,14 @@ class ControlLoop:
         self.ticks += 1
         try:
             with get_tracer().span("controller.tick"):
+                weights_before = self.desired().weight_version
                 observed = self.observe()
                 self.last_observed = observed
                 for error in observed.errors:
                     log.debug("error since the last tick: %s", error)
                 if self.on_observed is not None:
                     self.on_observed(observed, self.desired())
-                actions = reconcile(observed, self.desired(), self.timeouts)
+                actions = reconcile(observed, observed_weights(self.desired(), weights_before), self.timeouts)
                 if actions:
                     self.executor.submit(actions)
                 return actions

@@ -45,6 +45,7 @@ from libra.controller.pools import (
     check_pool_specs,
     rollout_fingerprint,
     training_target_problems,
+    training_worker_lost,
 )
 from libra.controller.reconfigure import (
     ReconfigureLimits,
@@ -327,7 +328,15 @@ class Controller:
                           publish_weights=self.publish_weights, served_versions=self.served_versions,
                           wake_reconciler=self.wake_reconciler, pool_status=self.pool_status,
                           pool_text=self.pool_text, tick_errors=self.tick_errors, after_step=self._after_step,
-                          ehp_train_step=self._ehp_train_step())
+                          ehp_train_step=self._ehp_train_step(), restart_training=self._restart_training)
+
+    def _restart_training(self, exc: BaseException) -> dict[str, Any] | None:
+        """A training pool that lost a worker is started again at the same layout, through the executor's
+        training resizer (member bookkeeping, weight gate); None when `exc` is no lost worker."""
+        if self.executor is None or not training_worker_lost(exc):
+            return None
+        first_line = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        return self.executor.training.restart(f"a training worker died: {first_line[:300]}")
 
     def _ehp_train_step(self) -> Callable[[list[Any], int, int], dict[str, float]] | None:
         """The training step with borrowed rollout GPUs when elastic hybrid parallelism acts in this job."""
@@ -450,6 +459,7 @@ class Controller:
             ("stop the rollout producer", self._stop_producer),
             ("stop the control loop", self._stop_control_loop),
             ("save a checkpoint", self._final_checkpoint),
+            ("stop the parked borrowed training replicas", self._stop_borrowed),
             ("stop the rollout pool", self._stop_rollout),
             ("stop the training pool", self._stop_training),
             ("stop Ray", self._stop_ray),
@@ -479,6 +489,8 @@ class Controller:
         """Stop ticking, then let actions in flight (a server still starting) finish so nothing leaks."""
         if self.loop is not None:
             self.loop.stop()
+        if self.replanner is not None:  # no decision after the loop stopped; it leaves the event log
+            self.replanner.close()
         if self.executor is not None:
             if not self.executor.wait_idle(900):
                 log.warning("pool actions still running after 900s; stopping anyway")
@@ -490,6 +502,10 @@ class Controller:
     def _final_checkpoint(self) -> None:
         if self.rl is not None and self.train_edge is not None and self.train_edge.pool is not None:
             self.rl.final_checkpoint()
+
+    def _stop_borrowed(self) -> None:
+        if self.train_edge is not None:  # before the rollout pool: they run on its instances' GPUs
+            self.train_edge.stop_borrowed("the job ends")
 
     def _stop_rollout(self) -> None:
         if self.rollout_edge is not None and self.rollout_edge.pool is not None:

@@ -12,19 +12,31 @@ Where each decision is made:
 
 `EhpBorrower.train_step` carries one borrow out: lend (under the executor's weight gate, so no serving-set
 change of the reconciler interleaves; the lent members are marked busy, so the reconciler neither admits nor
-stops them) -> attach the borrowed replicas -> the step (`EhpSession.train_step`) -> detach -> give back
-(woken, brought to the current weights, serving again). Each borrow is an `ehp_borrow` and an `ehp_return`
-event with the seconds measured, and `ehp.*` spans in the controller's phase trace. A failure while borrowed
-costs the step its borrowed replicas, never the step: the session reruns it on the training pool alone (a
-borrowed rank failed), or the step runs there after a failed lend or attach; the job continues.
+stops them) -> attach the borrowed replicas -> the step (`EhpSession.train_step`) -> park or detach -> give
+back (woken, brought to the current weights, serving again). Each borrow is an `ehp_borrow` and an
+`ehp_return` event with the seconds measured, and `ehp.*` spans in the controller's phase trace.
+
+Parked replicas. When the lending servers stay resident (`lent_gpu_residency` says `resident`), the borrowed
+workers are parked after the step instead of stopped, and the next step that borrows the same GPUs
+re-attaches them without starting a process (its `ehp_borrow` says `reused: true`, `attach_s` ~0; the first
+attach pays the start). `parked_stop_reason` says when a parked group must stop instead: the borrow wants
+other GPUs or sleeping servers, a lending instance stopped, failed or was replaced, or the rollout pool is
+(being) reconfigured; the session itself refuses reuse after a core pool change or a failed parked worker,
+the rollout edge reports an instance it stops (`watch_stops`), and the training edge stops a parked group
+when it resizes the pool or the job ends. Each stop is an `ehp_release` event naming the reason.
+
+A failure while borrowed costs the step its borrowed replicas, never the step: the session reruns it on the
+training pool alone (a borrowed rank failed), or the step runs there after a failed lend or attach; the job
+continues.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from libra.config import Config
@@ -38,6 +50,9 @@ from libra.observability.phase_trace import get_tracer
 from planner.ehp import Residency, RolloutInstanceGpus, plan_borrow
 
 log = logging.getLogger(__name__)
+
+SETTLE_S = 10.0  # how long a step waits for a transient refusal to clear before training without borrowing
+SETTLE_POLL_S = 0.2
 
 
 def lendable_instances(members: Sequence[Member]) -> list[RolloutInstanceGpus]:
@@ -84,6 +99,54 @@ def decide_borrow(
                           plan.serving_gpus)
 
 
+Lender = tuple[str, tuple[str, ...], str]  # (instance key, its GPU ids, its server's pid)
+
+
+def lender_identity(m: Member) -> Lender:
+    """What names one lending instance's server: a replaced server has another pid (or other GPUs)."""
+    return (m.key or m.id, tuple(m.gpu_ids), str(m.info.get("pid", "")))
+
+
+@dataclass(frozen=True)
+class ParkedBorrow:
+    """Borrowed replicas kept alive after a step: who lent their GPUs, the replicas, and the rollout pool's
+    shape when they were parked."""
+
+    lenders: tuple[Lender, ...]
+    replicas: tuple[tuple[str, ...], ...]
+    rollout_shape: tuple[int, int]  # (instances, TP) of the desired state
+
+
+def parked_stop_reason(parked: ParkedBorrow, members: Sequence[Member], desired: DesiredState,
+                       decision: BorrowDecision | None = None) -> str:
+    """Why the parked replicas must stop now, "" when they may stay (pure). `decision`: this step boundary's
+    borrow (None between steps)."""
+    if desired.reconfiguring:
+        return f"the rollout pool is being reconfigured ({desired.reconfiguring})"
+    shape = (desired.rollout_instances, desired.rollout_tp)
+    if shape != parked.rollout_shape:
+        return (f"the rollout pool was reconfigured ({parked.rollout_shape[0]} x TP{parked.rollout_shape[1]} -> "
+                f"{shape[0]} x TP{shape[1]})")
+    by_key = {m.key or m.id: m for m in members}
+    for key, gpus, pid in parked.lenders:
+        m = by_key.get(key)
+        if m is None or m.state in (MemberState.DRAINING, MemberState.STOPPED):
+            return f"lending instance {key} stopped"
+        if m.state == MemberState.FAILED:
+            return f"lending instance {key} failed"
+        if lender_identity(m) != (key, gpus, pid):
+            return (f"lending instance {key} was replaced (GPUs {list(gpus)}, pid {pid or '?'} -> "
+                    f"GPUs {list(m.gpu_ids)}, pid {m.info.get('pid', '?')})")
+    if decision is not None and decision.lend:
+        if decision.sleep:
+            return ("the lending servers must sleep this step (residency sleep): a borrowed rank fits only "
+                    "beside a sleeping server, so none stays between steps")
+        if decision.replicas != parked.replicas:
+            return (f"the step borrows GPUs {[list(r) for r in decision.replicas]}, the parked replicas hold "
+                    f"{[list(r) for r in parked.replicas]}")
+    return ""
+
+
 class EhpBorrower:
     """Runs the training step of a step boundary with borrowed rollout GPUs (see the module docstring).
     `rollout` / `train` are the controller's pool edges (`libra.controller.pools`)."""
@@ -98,10 +161,32 @@ class EhpBorrower:
         self.gate = gate
         self.events = events
         self.desired = desired
+        self.settle_s = SETTLE_S
         self._last_skip = ""
+        self._parked: ParkedBorrow | None = None
+        self._session: Any = None  # the session whose replicas may be parked
+        self._lock = threading.Lock()
+        watch = getattr(rollout, "watch_stops", None)
+        if watch is not None:
+            watch(self.instance_stopping)
 
     # ---- deciding ---------------------------------------------------------------------------------------
     def decide(self, session: Any, rollout_in_flight: int) -> BorrowDecision:
+        """The borrow of this step boundary. What an action in flight holds up (a publish ACK, a serving-set
+        flip, an instance given back a moment ago) clears within seconds while the synchronous job's rollout
+        pool idles, so a transient refusal is decided again for up to `settle_s` before the step gives up its
+        borrowed replicas."""
+        deadline = time.monotonic() + self.settle_s
+        while True:
+            decision, transient = self._decide_now(session, rollout_in_flight)
+            if decision.lend or not transient or time.monotonic() >= deadline:
+                return decision
+            time.sleep(SETTLE_POLL_S)
+
+    def _decide_now(self, session: Any, rollout_in_flight: int) -> tuple[BorrowDecision, bool]:
+        """This moment's decision, and whether its refusal is transient: an action in flight, or a live rollout
+        member that is busy, READY between serving sets or LOADING (the step boundary's weight reload), outside
+        a reconfiguration, which takes longer."""
         desired = self.desired()
         observed = self.tracker.snapshot(time.time(), take_errors=False)
         busy = ""
@@ -111,16 +196,21 @@ class EhpBorrower:
             busy = "an action on the " + ("training" if observed.train.busy else "rollout") + " pool is in flight"
         elif rollout_in_flight:
             busy = f"{rollout_in_flight} rollout group(s) are still generating"
+        transient = not desired.reconfiguring and not rollout_in_flight and (
+            observed.train.busy or observed.rollout.busy
+            or any(m.busy or m.state == MemberState.LOADING or (m.state == MemberState.READY and not m.serving)
+                   for m in observed.of(ROLLOUT) if m.live))
         layout = session.pool.layout
         try:
             size = session.replica_size()
         except ValueError as exc:  # a configured size that the pool's current layout does not divide
-            return BorrowDecision((), (), False, "", str(exc))
+            return BorrowDecision((), (), False, "", str(exc)), False
 
         def residency(replicas: int) -> Residency:
             return self._residency(layout, replicas, desired.rollout_tp)
 
-        return decide_borrow(observed.of(ROLLOUT), size, session.settings.min_rollout_gpus, residency, busy)
+        decision = decide_borrow(observed.of(ROLLOUT), size, session.settings.min_rollout_gpus, residency, busy)
+        return decision, transient
 
     def _residency(self, layout: Any, replicas: int, rollout_tp: int) -> Residency:
         from libra.planning import planner_inputs
@@ -137,7 +227,9 @@ class EhpBorrower:
     def train_step(self, samples: list[Any], step: int, rollout_in_flight: int = 0) -> dict[str, float]:
         """One training step at this step boundary, with borrowed replicas when the plan lends any."""
         session = self.train.ehp_session()
+        self._adopt(session)
         decision = self.decide(session, rollout_in_flight)
+        self._check_parked(session, decision)
         if not decision.lend:
             if decision.reason != self._last_skip:  # once per reason, not once per step
                 self.events.emit("ehp_idle", f"step {step} borrows no rollout GPUs: {decision.reason}", step=step)
@@ -162,7 +254,7 @@ class EhpBorrower:
         member_ids = [members[k].id for k in keys]
         times: dict[str, float] = {}
         metrics: dict[str, float] | None = None
-        lent = False
+        lent = reused = False
         stage = "lend"
         for member_id in member_ids:  # the reconciler leaves them alone while lent
             self.tracker.set_busy(member_id, True)
@@ -178,14 +270,16 @@ class EhpBorrower:
                     times["lend_s"] = time.monotonic() - t
                 times["sleep_s"] = max((float(r.sleep_s) for r in reports), default=0.0)
                 stage = "attach"
-                with tracer.span("ehp.attach", step, gpus=sum(len(r) for r in decision.replicas)):
+                with tracer.span("ehp.attach", step, gpus=sum(len(r) for r in decision.replicas)) as span:
                     t = time.monotonic()
-                    session.attach(self._lent_gpus(decision))
+                    reused = bool(session.attach(self._lent_gpus(decision)))
                     times["attach_s"] = time.monotonic() - t
+                    span.set(reused=reused)
                 self.events.emit("ehp_borrow", f"step {step} borrows {len(decision.replicas)} replica(s) on "
-                                 f"{', '.join(keys)} ({decision.residency})", step=step, instances=keys,
+                                 f"{', '.join(keys)} ({decision.residency}"
+                                 f"{', parked replicas re-attached' if reused else ''})", step=step, instances=keys,
                                  replicas=len(decision.replicas), gpus=[g for r in decision.replicas for g in r],
-                                 residency=decision.residency, serving_gpus=decision.serving_gpus,
+                                 residency=decision.residency, serving_gpus=decision.serving_gpus, reused=reused,
                                  **{k: round(v, 3) for k, v in times.items()})
                 stage = "step"
                 with tracer.span("ehp.step", step, replicas=len(decision.replicas)):
@@ -193,11 +287,14 @@ class EhpBorrower:
                     metrics = dict(session.train_step(samples, step))
                     times["step_s"] = time.monotonic() - t
                 stage = "detach"
-                with tracer.span("ehp.detach", step):
+                park = not decision.sleep
+                with tracer.span("ehp.detach", step, parked=park):
                     t = time.monotonic()
-                    session.detach()
+                    self._park_or_detach(session, decision, members, keys, park)
                     times["detach_s"] = time.monotonic() - t
             except Exception as exc:
+                with self._lock:
+                    self._parked = None
                 session.detach(clean=False)
                 if stage == "step":  # a core rank failed: the job's own failure path, after the GPUs go back
                     self._give_back(keys, member_ids, lent, step, times, failed=stage)
@@ -210,11 +307,68 @@ class EhpBorrower:
             metrics = dict(session.train_step(samples, step))
             metrics["ehp_fallback"] = 1.0
         metrics.update({f"ehp_{k}": round(v, 4) for k, v in times.items()})
+        metrics["ehp_reused"] = 1.0 if reused and "ehp_fallback" not in metrics else 0.0
         return metrics
 
+    # ---- parked replicas ------------------------------------------------------------------------------
+    def _adopt(self, session: Any) -> None:
+        """Follow the training edge's session: a new one (the pool was replaced) starts with nothing parked."""
+        with self._lock:
+            if session is not self._session:
+                self._session, self._parked = session, None
+            session.on_parked_stop = self._parked_stopped
+
+    def _check_parked(self, session: Any, decision: BorrowDecision) -> None:
+        """Stop the parked replicas when this step boundary's state or borrow says so (`parked_stop_reason`)."""
+        with self._lock:
+            if not session.parked:
+                self._parked = None
+                return
+            parked = self._parked
+        if parked is None:  # parked by someone else: whose GPUs they hold is not known here
+            session.release("parked replicas of unknown lenders")
+            return
+        reason = parked_stop_reason(parked, self.tracker.members(ROLLOUT), self.desired(), decision)
+        if reason:
+            session.release(reason)
+
+    def _park_or_detach(self, session: Any, decision: BorrowDecision, members: dict[str, Member],
+                        keys: list[str], park: bool) -> None:
+        """After the step: park the replicas (and remember who lent their GPUs) or stop them."""
+        if not park:
+            session.detach()
+            return
+        session.park()
+        desired = self.desired()
+        with self._lock:
+            self._parked = ParkedBorrow(tuple(lender_identity(members[k]) for k in keys), decision.replicas,
+                                        (desired.rollout_instances, desired.rollout_tp))
+
+    def instance_stopping(self, key: str) -> None:
+        """The rollout edge is about to stop instance `key`: parked replicas on its GPUs stop first."""
+        with self._lock:
+            parked, session = self._parked, self._session
+        if parked is not None and session is not None and key in {lender[0] for lender in parked.lenders}:
+            session.release(f"lending instance {key} is being stopped")
+
+    def close(self, reason: str = "the job ends") -> None:
+        """Stop parked replicas (nothing left running)."""
+        with self._lock:
+            session = self._session
+        if session is not None:
+            session.release(reason)
+
+    def _parked_stopped(self, reason: str, gpu_ids: list[str]) -> None:
+        with self._lock:
+            self._parked = None
+        self.events.emit("ehp_release", f"parked borrowed replicas on GPU(s) {', '.join(gpu_ids)} stopped: {reason}",
+                         gpus=gpu_ids, reason=reason)
+
     def _lent_gpus(self, decision: BorrowDecision) -> list[Any]:
-        """The `LentGpu`s of the decision's replicas, replica by replica (consecutive GPUs form one)."""
-        by_id = {str(g.gpu_id): g for key in decision.lend for g in self.rollout.lent_gpus(key)}
+        """The `LentGpu`s of the decision's replicas, replica by replica (consecutive GPUs form one), each
+        naming the instance that lends it (a borrowed rank joins that instance's CPU slice when metered)."""
+        by_id = {str(g.gpu_id): replace(g, holder=key) for key in decision.lend
+                 for g in self.rollout.lent_gpus(key)}
         return [by_id[gpu] for replica in decision.replicas for gpu in replica]
 
     def _give_back(self, keys: list[str], member_ids: list[str], lent: bool, step: int, times: dict[str, float],
@@ -234,13 +388,16 @@ class EhpBorrower:
             times["wake_s"] = max((float(r.wake_s) for r in reports), default=0.0)
             times["reload_s"] = max((float(r.reload_s) for r in reports), default=0.0)
             errors = {r.instance_id: r.error for r in reports if r.error}
+            parked = self._parked is not None and not failed
             self.events.emit("ehp_return", f"step {step} gave {', '.join(keys)} back; serving again: "
-                             f"{', '.join(sorted(serving)) or 'none'}", step=step, instances=keys,
-                             serving=sorted(serving), errors=errors, failed=failed,
+                             f"{', '.join(sorted(serving)) or 'none'}"
+                             f"{'; the borrowed replicas stay parked beside them' if parked else ''}", step=step,
+                             instances=keys, serving=sorted(serving), errors=errors, failed=failed, parked=parked,
                              **{k: round(v, 3) for k, v in times.items()})
         finally:
             for member_id in member_ids:
                 self.tracker.set_busy(member_id, False)
 
 
-__all__ = ["BorrowDecision", "EhpBorrower", "decide_borrow", "lendable_instances"]
+__all__ = ["BorrowDecision", "EhpBorrower", "ParkedBorrow", "decide_borrow", "lendable_instances", "lender_identity",
+           "parked_stop_reason"]

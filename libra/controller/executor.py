@@ -53,6 +53,7 @@ class PublishOutcome:
 
     acks: dict[str, int]
     details: dict[str, Any] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)  # instance id -> why: its server failed, to replace
 
 
 class RolloutEdge(Protocol):
@@ -339,6 +340,11 @@ class Executor:
     def _record_acks(self, outcome: PublishOutcome) -> None:
         by_key = {m.key: m.id for m in self.tracker.members(ROLLOUT) if m.key}
         self.tracker.record_acks({by_key[k]: v for k, v in outcome.acks.items() if k in by_key})
+        for key, why in sorted(outcome.left_out.items()):
+            # The publish went on without it (its server failed): FAILED now, so the next tick replaces it.
+            self.events.emit("publish_left_out", f"{key} did not take the weights: {why}", key=key)
+            if key in by_key:
+                self.tracker.move(by_key[key], S.FAILED, self.clock(), f"server failed during a publish: {why}")
 
 
 def _touched(action: Action) -> tuple[str, ...]:

@@ -112,6 +112,10 @@ class RolloutPoolEdge(_PoolEdge):
     """The rollout pool as an actuator: the reconciler names every instance (its member id), the pool starts,
     adopts, stops, reloads and routes exactly what it is told."""
 
+    def __init__(self, cfg: Config, run: RunDir, runtime: Any, trace: TraceSettings | None = None) -> None:
+        super().__init__(cfg, run, runtime, trace)
+        self._stop_watchers: list[Callable[[str], None]] = []
+
     def create(self, member_ids: Sequence[str], spec: RolloutSpec) -> list[MemberView]:
         """Open the pool, adopt the live servers an earlier controller left (those whose launch settings
         still hold; the others are stopped), start the missing `member_ids` and serve every instance on the
@@ -202,16 +206,20 @@ class RolloutPoolEdge(_PoolEdge):
             return instance_view(pool.start_instance(member_id, launch))
 
     def stop(self, key: str, drain: bool) -> None:
+        for stopping in self._stop_watchers:  # borrowed training ranks parked on its GPUs stop first
+            stopping(key)
         with get_tracer().span("reconfigure.drain" if drain else "reconfigure.stop", member_id=key):
             self._pool().stop_instance(key, drain=drain)
 
     def publish(self, weights: WeightsRef, keys: Sequence[str] | None) -> PublishOutcome:
         pool = self._pool()
         targets = None if keys is None else list(keys)
-        report = pool.publish_weights(weights.version, weights.path, weights.checksum, instance_ids=targets)
+        # An instance whose server failed does not fail the job's publish: it is left out and replaced.
+        report = pool.publish_weights(weights.version, weights.path, weights.checksum, instance_ids=targets,
+                                      leave_out_failed=True)
         acks = {str(a.instance_id): int(a.weight_version) for a in getattr(report, "acks", ())
                 if hasattr(a, "instance_id") and hasattr(a, "weight_version")}
-        return PublishOutcome(acks, {"report": report})
+        return PublishOutcome(acks, {"report": report}, left_out=dict(getattr(report, "left_out", ())))
 
     def set_serving(self, keys: Sequence[str]) -> None:
         with get_tracer().span("reconfigure.swap", serving=list(keys)):
@@ -235,6 +243,10 @@ class RolloutPoolEdge(_PoolEdge):
     def lent_gpus(self, key: str) -> list[Any]:
         """The `LentGpu`s through which borrowed training ranks join instance `key`'s GPUs."""
         return list(self._pool().lendable_gpus(key))
+
+    def watch_stops(self, stopping: Callable[[str], None]) -> None:
+        """Call `stopping(key)` before an instance is stopped (parked borrowed ranks on its GPUs go first)."""
+        self._stop_watchers.append(stopping)
 
     def _pool(self) -> Any:
         if self.pool is None:
@@ -270,6 +282,20 @@ def instance_view(info: Any) -> MemberView:
     )
 
 
+def training_worker_lost(exc: BaseException) -> bool:
+    """Whether `exc` (or an error it was raised from) says that a training rank's process died."""
+    from libra.cluster.training_workers import WorkerLostError
+
+    seen: BaseException | None = exc
+    for _ in range(16):  # the chain of causes, bounded
+        if seen is None:
+            return False
+        if isinstance(seen, WorkerLostError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def rollout_fingerprint(cfg: Config, run: RunDir, tp: int) -> str:
     """The launch fingerprint of one rollout instance of TP `tp` under this configuration."""
     return str(rollout_spec(cfg, run, 1).instance_spec(tp).fingerprint())
@@ -285,6 +311,7 @@ class TrainingPoolEdge(_PoolEdge):
         self.gpus = 0
         self.layout = TrainLayout()
         self.epoch = 0  # resizes so far: a resize replaces every rank, so its members get new keys
+        self._ehp: Any = None  # the EhpSession of the current pool (`ehp_session`)
 
     def create(self, gpus: int, layout: TrainLayout) -> list[MemberView]:
         from libra.training.pool import TrainingPool
@@ -312,6 +339,7 @@ class TrainingPoolEdge(_PoolEdge):
         in progress). A resize that fails after its checkpoint was written is retried once at once from that
         checkpoint, so the RL loop does not find the pool down; the phases go into the controller's trace."""
         pool = self._pool()
+        self.stop_borrowed("the training pool is resized")
         phases: list[tuple[str, int]] = []
 
         def measured(cost: Any) -> None:
@@ -332,17 +360,35 @@ class TrainingPoolEdge(_PoolEdge):
         self.epoch += 1
         return self.views(), cost.to_dict()
 
+    def restart(self) -> tuple[list[MemberView], dict[str, Any]]:
+        """Replace every rank after one was lost, at the same GPU count and layout (`TrainingPool.
+        replace_workers`); the new ranks hold the initial weights until the RL loop loads a checkpoint."""
+        self.stop_borrowed("a training worker was lost")
+        cost = self._pool().replace_workers()
+        self.epoch += 1
+        return self.views(), cost.to_dict()
+
     def _pool(self) -> Any:
         if self.pool is None:
             raise RuntimeError("the training pool has not been created")
         return self.pool
 
     def ehp_session(self) -> Any:
-        """An `EhpSession` (`libra.training.ehp`) of the running pool with the job's elastic hybrid parallelism
-        settings: it plans, attaches and detaches borrowed replicas and runs their shared step."""
+        """The `EhpSession` (`libra.training.ehp`) of the running pool with the job's elastic hybrid parallelism
+        settings: it plans, attaches, parks and detaches borrowed replicas and runs their shared step. One per
+        pool object, so that replicas parked after a step are there for the next one."""
         from libra.training.ehp import EhpSession, EhpSettings
 
-        return EhpSession(self._pool(), EhpSettings.from_planner_options(self.cfg.global_resource_planner))
+        pool = self._pool()
+        if self._ehp is None or self._ehp.pool is not pool:
+            self.stop_borrowed("the training pool was replaced")
+            self._ehp = EhpSession(pool, EhpSettings.from_planner_options(self.cfg.global_resource_planner))
+        return self._ehp
+
+    def stop_borrowed(self, reason: str) -> None:
+        """Stop borrowed replicas parked between steps (a resize, the job's end)."""
+        if self._ehp is not None:
+            self._ehp.release(reason)
 
     def views(self) -> list[MemberView]:
         if self.pool is None or not self.pool.running:  # down after a failed resize: no rank runs

@@ -12,6 +12,14 @@ foreground, so its own row carries them.
 
 The loop is given a `JobSession` (typed training and generation services, the desired-state store, the
 weight publish through the executor's gate, pool read-outs), never the controller itself.
+
+A training worker that dies (its process killed or crashed) fails the training call of the step in flight
+(a train step, the export of a publish, a checkpoint save). The job goes on without a human: the session
+restarts the training pool at the same layout, and the loop resumes as a new launch would, from the newest
+complete checkpoint (a checkpoint the dead worker left half-written is never complete), dropping the metric
+rows after it and drawing the prompts again from its position; the steps after that checkpoint are trained
+again. A worker lost more than `MAX_TRAINING_RESTARTS` times in a row, with no checkpoint saved in between,
+fails the job.
 """
 
 from __future__ import annotations
@@ -26,7 +34,13 @@ from typing import Any, cast
 
 from libra.config import Config
 from libra.controller.batching import SampleBuffer
-from libra.controller.checkpoints import CheckpointStore, ControllerState, checkpoint_step, restore_newest
+from libra.controller.checkpoints import (
+    CheckpointStore,
+    ControllerState,
+    checkpoint_step,
+    disk_full_error,
+    restore_newest,
+)
 from libra.controller.events import EventLog
 from libra.controller.producer import RolloutProducer, SamplingSettings
 from libra.controller.reporting import Reporter
@@ -38,6 +52,11 @@ from libra.observability.phase_trace import get_tracer
 from libra.run_dir import RunDir, truncate_jsonl_after_step
 
 PHASES = ("rollout", "train", "sync", "eval", "checkpoint")
+MAX_TRAINING_RESTARTS = 3  # restarts after lost training workers with no checkpoint saved in between
+
+
+class TrainingWorkersLostError(RuntimeError):
+    """The training pool lost a worker again and again: the job stops instead of restarting it forever."""
 
 
 class RLLoop:
@@ -62,13 +81,26 @@ class RLLoop:
         self.producer: RolloutProducer | None = None
         self.store = CheckpointStore(run, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
         self._last_checkpoint_step = -1
+        self._disk_full = False  # a checkpoint write met a full disk: no second try at shutdown
         self._loop_started: float | None = None
         self._eval_runner: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending_eval: tuple[int, concurrent.futures.Future[dict[str, float]]] | None = None
+        self.training_restarts = 0  # in this session
+        self._step_in_flight = 0
+        self._restarts_in_a_row = 0  # since the last checkpoint saved
+        self._training_state_lost = False  # a worker died and no checkpoint is loaded yet: nothing to save
 
     # ---- resume ---------------------------------------------------------------------------------------
     def restore(self) -> None:
         """Load the newest checkpoint (if any), set up the producer, align the rollout weights."""
+        self._load_newest(self.cfg.checkpoint.resume)
+        self._make_producer()
+        self._align_rollout_weights(self.state.step)
+
+    def _load_newest(self, use_checkpoints: bool, after: str = "") -> None:
+        """Load the newest checkpoint that loads into the training pool and take its controller state (a fresh
+        state without one); drop the metric rows after its step. `after` names what made a running loop
+        go back to it (then the session's counters are kept)."""
         def load(train_dir: str) -> int:
             self.reporter.set_state("starting", message=f"resuming from {train_dir}")
             with get_tracer().span("checkpoint.load", step=checkpoint_step(train_dir)):
@@ -78,7 +110,8 @@ class RLLoop:
             self.events.emit("warning", message)
 
         # the newest checkpoint that loads; damaged ones are skipped with a warning naming the file
-        latest = restore_newest(self.store, load, warn) if self.cfg.checkpoint.resume else None
+        latest = restore_newest(self.store, load, warn) if use_checkpoints else None
+        current = self.state
         if latest is not None:
             state, train_dir, loaded = latest
             if int(loaded) != state.step:
@@ -86,16 +119,22 @@ class RLLoop:
             state.sessions += 1
             self.state = state
             self._last_checkpoint_step = state.step
-            self.events.emit("resumed", f"resumed from step {state.step}", step=state.step, checkpoint=str(train_dir))
+            self.events.emit("resumed", f"resumed from step {state.step}" + (f" after {after}" if after else ""),
+                             step=state.step, checkpoint=str(train_dir))
         else:
             self.state = ControllerState(sessions=1)
+            self._last_checkpoint_step = -1
+            if after:
+                self.events.emit("resumed", f"started again from step 0 after {after} (no checkpoint yet)", step=0)
+        if after:  # the same session goes on: its wall time and launch count are not the checkpoint's
+            self.state.sessions, self.state.train_seconds = current.sessions, current.train_seconds
         metrics = self.run.metrics_jsonl
         dropped = truncate_jsonl_after_step(metrics, self.state.step) if metrics.exists() else 0
         if dropped:
             self.events.emit("metrics_truncated", f"dropped {dropped} metric rows after step {self.state.step}")
-        self.start_step = self.state.step
-        self._make_producer()
-        self._align_rollout_weights(self.state.step)
+        self.rows = [row for row in self.rows if int(row["step"]) <= self.state.step]
+        if not after:
+            self.start_step = self.state.step
 
     def _align_rollout_weights(self, step: int) -> None:
         """Make the rollout servers serve the trainer's weights of `step` (adopted servers may hold others)."""
@@ -165,7 +204,15 @@ class RLLoop:
             while self.state.step < self.end_step and not self.stop.requested:
                 if self.gate is not None and not self.gate.proceed(self.stop.event, self._on_hold):
                     break
-                row = self._one_step()
+                try:
+                    row = self._one_step()
+                except Exception as exc:
+                    if not self._recover_training(exc):
+                        raise
+                    self.producer.start()
+                    last_tokens, last_time = self.producer.response_tokens, time.monotonic()
+                    last_busy = self.producer.busy.total()
+                    continue
                 now = time.monotonic()
                 row["rollout_tokens_per_s"] = (self.producer.response_tokens - last_tokens) / max(1e-9, now - last_time)
                 # what online re-planning measures: generated tokens and generating seconds since the last row
@@ -187,6 +234,45 @@ class RLLoop:
             self.state.train_seconds += self.timings["loop"]
             self._loop_started = None
 
+    def _recover_training(self, exc: Exception) -> bool:
+        """After a training call failed: when a worker died, the session restarts the training pool and the
+        loop goes back to the newest complete checkpoint with a new producer; False for any other error."""
+        restart = self.session.restart_training
+        if restart is None:
+            return False
+        step = self._step_in_flight
+        started = time.monotonic()
+        self._training_state_lost = True  # until a checkpoint is loaded, the pool's state is not the loop's
+        cost = restart(exc)
+        if cost is None:
+            self._training_state_lost = False
+            return False
+        self.training_restarts += 1
+        self._restarts_in_a_row += 1
+        self.events.emit("train_worker_lost", f"a training worker died during step {step}; the training pool was "
+                         f"started again ({self.training_restarts} time(s) in this session)", step=step,
+                         restarts=self.training_restarts, restart_s=cost.get("switch_s"))
+        if self._restarts_in_a_row > MAX_TRAINING_RESTARTS:
+            raise TrainingWorkersLostError(
+                f"the training pool lost a worker {self._restarts_in_a_row} times in a row without saving a "
+                f"checkpoint in between (last during step {step}); the job stops. Look for the cause in "
+                f"{self.run.controller_log} and the Ray worker logs (memory, a failing node), then launch the job "
+                "again on this run directory to resume from its newest checkpoint") from exc
+        # the step in flight is abandoned: its evaluation and generation go, samples are drawn again
+        self._settle_pending_evaluation()
+        self.stop_producer()
+        self.reporter.set_state("starting", step=self.state.step, message="restarting the training pool")
+        self._load_newest(True, after=f"a training worker died during step {step}")
+        self._training_state_lost = False
+        self._make_producer()
+        self._align_rollout_weights(self.state.step)
+        self.events.emit("train_recovered", f"continuing from step {self.state.step} after a training worker died "
+                         f"during step {step}", step=self.state.step, lost_step=step,
+                         steps_repeated=max(0, step - 1 - self.state.step),
+                         seconds=round(time.monotonic() - started, 3))
+        self.reporter.set_state("running", step=self.state.step)
+        return True
+
     def _on_hold(self, holding: bool) -> None:
         reason = self.gate.reason if self.gate is not None else ""
         if holding:
@@ -202,7 +288,7 @@ class RLLoop:
         cfg = self.cfg
         assert self.buffer is not None and self.producer is not None
         index = self.state.step  # 0-based index of this step = the policy version it trains
-        number = index + 1
+        number = self._step_in_flight = index + 1
         gpr = cfg.global_resource_planner
         times: dict[str, float] = {}
         started = time.monotonic()
@@ -371,17 +457,27 @@ class RLLoop:
         step = self.state.step
         if step == self._last_checkpoint_step:
             return
-        with get_tracer().span("checkpoint.save", step=step):
-            target = self.store.begin(step)
-            self.session.training.save_checkpoint(str(target), step)
-            snapshot = ControllerState.from_dict(self.state.to_dict())
-            if self._loop_started is not None:
-                snapshot.train_seconds += time.monotonic() - self._loop_started
-            folder = self.store.commit(snapshot)
+        try:
+            with get_tracer().span("checkpoint.save", step=step):
+                target = self.store.begin(step)
+                self.session.training.save_checkpoint(str(target), step)
+                snapshot = ControllerState.from_dict(self.state.to_dict())
+                if self._loop_started is not None:
+                    snapshot.train_seconds += time.monotonic() - self._loop_started
+                folder = self.store.commit(snapshot)
+        except Exception as exc:
+            full = disk_full_error(self.store, step, exc)
+            if full is None:
+                raise
+            self._disk_full = True
+            raise full from exc
         self._last_checkpoint_step = step
+        self._restarts_in_a_row = 0
         self.events.emit("checkpoint", f"saved step {step}", step=step, path=str(folder))
 
     def final_checkpoint(self) -> None:
+        if self._training_state_lost or self._disk_full:  # the pool lost its state / a save cannot be written
+            return
         if self.state.step > 0 and self.state.step != self._last_checkpoint_step:
             self.checkpoint()
 

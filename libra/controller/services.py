@@ -58,3 +58,6 @@ class JobSession:
     # (samples, step, rollout groups in flight) -> metrics: one training step with borrowed rollout GPUs
     # (elastic hybrid parallelism, `libra.controller.ehp_borrow`); None when it is off
     ehp_train_step: Callable[[list[Any], int, int], dict[str, float]] | None = None
+    # (error of a training call) -> the restart's cost when the error says a training worker died and the pool
+    # was started again at the same layout (its ranks then hold the initial weights); None for any other error
+    restart_training: Callable[[BaseException], dict[str, Any] | None] | None = None

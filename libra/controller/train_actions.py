@@ -12,6 +12,10 @@ With `runtime_training_pool_plan_only` nothing of this runs: `record_plan_only` 
 event log (`train_plan_only`) and the trace (`reconfigure.plan`), and the status shows it
 (`DesiredState.planned_training`).
 
+A training pool that lost a worker (its process died) is restarted the same way (`TrainingResizer.restart`,
+asked by the RL loop, which then resumes from the newest complete checkpoint): every rank replaced at the same
+GPU count and layout, recorded as `train_restart`.
+
 Each resize is recorded with its measured cost in the event log (`train_resize`, and
 `train_resize_first_step` once the first step at the new layout ran) and in the switch-cost log
 (`libra.controller.switch_costs`) the online re-planner reads.
@@ -41,12 +45,17 @@ S = MemberState
 class ResizableTrainingEdge(Protocol):
     """The training pool edge as a resize needs it (the real one is `pools.TrainingPoolEdge`)."""
 
+    gpus: int
     layout: TrainLayout
 
     def resize(self, gpus: int, layout: TrainLayout,
                on_measured: Callable[[dict[str, Any]], None] | None = None) -> tuple[list[MemberView], dict[str, Any]]:
         """Move the pool; returns the new ranks' views and the resize's cost (`ResizeCost.to_dict()`).
         `on_measured` is called with the cost once the first step at the new layout has run."""
+        ...
+
+    def restart(self) -> tuple[list[MemberView], dict[str, Any]]:
+        """Replace every rank at the same GPU count and layout after one was lost; views and cost."""
         ...
 
 
@@ -78,13 +87,40 @@ class TrainingResizer:
             t.move(member_id, S.STARTING, now, action.kind)
 
     def run_resize(self, action: ResizeTrainingPool) -> None:
+        resize_id = f"{action.generation}.{next(self._ids)}.{int(self.clock())}"
+        cost = self._replace_ranks(action, f"resize the training pool to {action.gpus} GPUs {action.layout.label()}",
+                                   lambda: _resize(self.train, action.gpus, action.layout,
+                                                   lambda measured: self._measured(resize_id, measured)))
+        record = {"resize_id": resize_id, "generation": action.generation, "reason": action.reason, **cost}
+        self.costs.append(RESIZE, record)
+        self.events.emit("train_resize", str(cost.get("label", "")), **record)
+        get_tracer().counter("pool.gpus", {"train": float(action.gpus)})
+
+    def restart(self, reason: str) -> dict[str, Any]:
+        """Replace every rank of a training pool that lost one, at the same GPU count and layout, on the
+        caller's thread (the RL loop's, which then loads the newest complete checkpoint). The bookkeeping is a
+        resize's: the old ranks are STOPPED, the new ones bound. Returns the restart's cost (not a resize's:
+        the switch-cost log the re-planner reads is left alone)."""
+        t = self.tracker
+        used = {m.id for m in t.members()} | {m.key for m in t.members() if m.key}
+        live = [m for m in t.members(TRAIN) if m.live]
+        generation = max((m.generation for m in live), default=0)
+        action = ResizeTrainingPool(reason, self.train.gpus, self.train.layout,
+                                    next_member_ids(used, TRAIN, self.train.gpus), generation)
+        self.begin_resize(action, self.clock())
+        cost = self._replace_ranks(action, f"restart the training pool: {reason}", self.train.restart)
+        self.events.emit("train_restart", reason, generation=generation, **cost)
+        return cost
+
+    def _replace_ranks(self, action: ResizeTrainingPool, why: str,
+                       move: Callable[[], tuple[list[MemberView], dict[str, Any]]]) -> dict[str, Any]:
+        """Run `move` (the edge's resize or restart) under the weight gate and move the members begun by
+        `begin_resize`: the new ones to what the pool reports, the old ones to STOPPED."""
         t = self.tracker
         old = self._replaced.pop(action, ())
-        resize_id = f"{action.generation}.{next(self._ids)}.{int(self.clock())}"
         try:
-            with self.gate.hold(f"resize the training pool to {action.gpus} GPUs {action.layout.label()}"):
-                views, cost = _resize(self.train, action.gpus, action.layout,
-                                      lambda measured: self._measured(resize_id, measured))
+            with self.gate.hold(why):
+                views, cost = move()
         except Exception:
             now = self.clock()
             for member_id in old:
@@ -108,10 +144,7 @@ class TrainingResizer:
             t.set_busy(member_id, False)
             t.move(member_id, S.STOPPED, now, "replaced by the resize")
         t.set_pool(TRAIN, busy=False, size=action.gpus, error="")
-        record = {"resize_id": resize_id, "generation": action.generation, "reason": action.reason, **cost}
-        self.costs.append(RESIZE, record)
-        self.events.emit("train_resize", str(cost.get("label", "")), **record)
-        get_tracer().counter("pool.gpus", {"train": float(action.gpus)})
+        return cost
 
     def _measured(self, resize_id: str, cost: dict[str, Any]) -> None:
         record = {"resize_id": resize_id, "first_step_s": cost.get("first_step_s")}

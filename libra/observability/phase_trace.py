@@ -19,6 +19,7 @@ import atexit
 import functools
 import inspect
 import json
+import logging
 import math
 import multiprocessing.util
 import os
@@ -325,8 +326,13 @@ class PhaseTracer:
             while view:
                 written = os.write(self._fd, view)
                 view = view[written:]
-        except OSError:
+        except OSError as exc:
             self.write_errors += 1  # never raise into training; the records are lost
+            if self.write_errors == 1:
+                logging.getLogger(__name__).warning(
+                    "cannot write phase trace %s (%s); its records are dropped from now on while this lasts, "
+                    "training goes on. Free space on that file system to keep tracing (or set phase_trace_enabled: "
+                    "false)", self.path, exc.strerror or exc)
 
     def _template(self, table: _LineTemplates, name: str) -> str:
         static = f'{{"schema":{SCHEMA_VERSION},"name":{json.dumps(str(name))}{self._prefix}'

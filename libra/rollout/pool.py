@@ -13,7 +13,8 @@ weights are published; the pool carries that out and reports what it observed:
   `start()` adopts what it can, trims to `spec.num_instances`, names new instances itself and serves them all.
 
 Parts: `membership.py` (start/adopt/stop/serving set), `generation.py` (requests, abort), `publisher.py`
-(weight reloads and ACKs), `lifecycle.py` (server processes and the registry), `router.py` (routing).
+(weight reloads and ACKs), `lifecycle.py` (server processes and the registry), `router.py` (routing),
+`health.py` (the health rule and its monitor).
 Managed pools (`manage_processes=True`) run their own vLLM servers; unmanaged pools serve the `endpoints`.
 
 Phase traces: generation batches (`rollout.generate`) and publishes (`weight_sync.publish`, the flow source)
@@ -36,7 +37,7 @@ import aiohttp
 
 from libra.cluster.ehp_workers import LentGpu, lent_by_instance
 from libra.observability.phase_trace import get_tracer
-from libra.rollout import lending
+from libra.rollout import health, lending
 from libra.rollout.endpoints import connect_endpoints
 from libra.rollout.generation import Generation, check_request, check_sampling_options
 from libra.rollout.lending import LendingError
@@ -45,7 +46,7 @@ from libra.rollout.loop_thread import LoopThread
 from libra.rollout.membership import Membership
 from libra.rollout.publisher import CurrentWeights, WeightPublisher, publish_problems
 from libra.rollout.reload import AckExpectation, ReloadReport, WeightSyncError
-from libra.rollout.router import FAILED, READY, STOPPED, Router
+from libra.rollout.router import STOPPED, Router
 from libra.rollout.spec import (
     Completion,
     GenerationAborted,
@@ -72,10 +73,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-HEALTH_INTERVAL_S = 5.0
-HEALTH_TIMEOUT_S = 10.0
-HEALTH_FAILURES_TO_FAIL = 3  # ~30 s without /health before an idle-looking instance is declared failed
 
 
 class _Parts:
@@ -165,7 +162,7 @@ class RolloutPool:
             self._current.checksum = record.checksum
         else:
             self._current.version = await connect_endpoints(self.spec, session, router)
-        parts.monitor = asyncio.get_running_loop().create_task(self._health_monitor(router))
+        parts.monitor = asyncio.get_running_loop().create_task(health.monitor(router))
 
     def shutdown(self, keep_servers: bool = False) -> None:
         """Abort in-flight requests and stop the pool. keep_servers=True leaves managed servers running (and
@@ -347,13 +344,16 @@ class RolloutPool:
         *,
         method: str | None = None,
         strategy: str | None = None,
+        leave_out_failed: bool = False,
     ) -> ReloadReport:
         """Reload the instances `instance_ids` (default: every live one) with the HF weights in `hf_dir`, wait
         for one ACK per instance and validate the batch; raises WeightSyncError naming each instance whose
         ACK is missing or wrong. An instance's weight_version changes only from its validated ACK; a publish
         that validates makes `version` the pool's current one. Publishing the current version to a newly
         started instance brings it up to date. `method` / `strategy` override the spec's reload_method /
-        reload_strategy for this publish."""
+        reload_strategy for this publish. `leave_out_failed`: instances whose server failed (before or during
+        the publish) stay FAILED on their old weights, named in the report's `left_out`, instead of failing
+        the publish (it still fails when no instance took the weights)."""
         method = method or self.spec.reload_method
         strategy = strategy or self.spec.reload_strategy
         problems = publish_problems(
@@ -370,23 +370,8 @@ class RolloutPool:
         ):
             expect = AckExpectation(version, expected_checksum, method, strategy)
             hf_dir = os.path.abspath(hf_dir)
-            return self._run(self._call_async(lambda p: p.publisher.publish(expect, hf_dir, targets)))
-
-    # ---- health ----------------------------------------------------------------------------------------
-
-    async def _health_monitor(self, router: Router) -> None:
-        misses: dict[str, int] = {}
-        while True:
-            await asyncio.sleep(HEALTH_INTERVAL_S)
-            for slot in sorted(router.slots.values(), key=lambda s: s.id):
-                if slot.state != READY:
-                    continue
-                if await slot.client.health(HEALTH_TIMEOUT_S):
-                    misses[slot.id] = 0
-                    continue
-                misses[slot.id] = misses.get(slot.id, 0) + 1
-                if misses[slot.id] >= HEALTH_FAILURES_TO_FAIL and slot.state == READY:
-                    await router.set_state(slot, FAILED, failure="/health stopped answering")
+            return self._run(self._call_async(
+                lambda p: p.publisher.publish(expect, hf_dir, targets, leave_out_failed)))
 
     # ---- helpers ---------------------------------------------------------------------------------------
 

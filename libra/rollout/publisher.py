@@ -5,6 +5,10 @@ weights (the version new instances load and the serving set must hold).
 An instance's `weight_version` changes only from the report of its own reload. A reload first takes the
 instance out of routing and waits for its requests in flight, which therefore finish on the old weights and
 carry the old version; the server-side pause then only waits for other clients' requests.
+
+With `leave_out_failed`, an instance whose server has failed (FAILED before the publish, or killed or hung
+during its reload: the reload broke and /health no longer answers) does not fail the publish: it stays
+FAILED on its old weights for the caller to replace, and the publish validates the other instances.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from libra.observability.phase_trace import now_ns
+from libra.rollout.client import InstanceFailure
+from libra.rollout.health import HEALTH_FAILURES_TO_FAIL, HEALTH_TIMEOUT_S, answers_health, failure_reason
 from libra.rollout.lifecycle import InstanceManager, worker_report
 from libra.rollout.reload import (
     AckExpectation,
@@ -26,6 +32,7 @@ from libra.rollout.reload import (
     WeightSyncError,
     ack_problem,
     build_report,
+    leave_out_failed_servers,
     parallel_waves,
     serial_waves,
     validate_acks,
@@ -112,7 +119,7 @@ class WeightPublisher:
         self.current = current
 
     async def publish(
-        self, expect: AckExpectation, hf_dir: str, instance_ids: Sequence[str] | None
+        self, expect: AckExpectation, hf_dir: str, instance_ids: Sequence[str] | None, leave_out_failed: bool = False
     ) -> ReloadReport:
         router = self.router
         members = publish_targets(router.slots, instance_ids)
@@ -128,11 +135,19 @@ class WeightPublisher:
             self.tracers.record_reloads(wave_acks, expect.version, start_ns)
             for ack in wave_acks:
                 problem = ack_problem(expect, ack)
-                await router.set_state(
-                    router.slots[ack.instance_id], FAILED if problem else READY, failure=problem
-                )
+                slot = router.slots[ack.instance_id]
+                if ack.server_failed:
+                    await router.fail_instance(slot, problem)  # requests hanging on it run elsewhere
+                else:
+                    await router.set_state(slot, FAILED if problem else READY, failure=problem)
             acks.extend(wave_acks)
         total_s = time.monotonic() - start
+        left_out: dict[str, str] = {}
+        if leave_out_failed:
+            expect, acks, left_out = leave_out_failed_servers(expect, acks)
+            for iid, why in sorted(left_out.items()):
+                log.warning("weights v%d: %s left out, its server failed (%s); it is replaced", expect.version,
+                            iid, why)
         failures = validate_acks(expect, acks)
         if not failures:
             self.current.version, self.current.model_path = expect.version, hf_dir
@@ -144,7 +159,7 @@ class WeightPublisher:
             self.manager.save()
         if failures:
             raise WeightSyncError(expect.version, failures, acks)
-        report = build_report(expect, acks, total_s, waves)
+        report = build_report(expect, acks, total_s, waves, left_out)
         log.info(
             "weights v%d on %d instance(s) by %s/%s in %.2fs; slowest %s (%.2fs)",
             expect.version, len(acks), expect.method, expect.strategy, total_s, report.slowest_instance,
@@ -176,7 +191,13 @@ class WeightPublisher:
             }  # fmt: skip
             if slot.state in (FAILED, STOPPED):
                 error = f"instance is {slot.state}" + (f" ({slot.failure})" if slot.failure else "")
-                return ReloadAck(**fields, **unchanged, total_s=time.monotonic() - start, error=error)
+                return ReloadAck(**fields, **unchanged, total_s=time.monotonic() - start, error=error,
+                                 server_failed=slot.state == FAILED)
+            # A hung server would hold the drain below for reload_timeout_s: it has failed, per the health rule.
+            if not await answers_health(slot.client):
+                error = f"its server is hung or gone: {failure_reason(HEALTH_FAILURES_TO_FAIL)}"
+                return ReloadAck(**fields, **unchanged, total_s=time.monotonic() - start, error=error,
+                                 server_failed=True)
             await router.set_state(slot, RELOADING)
             try:
                 if not await router.wait_drained(slot, self.spec.reload_timeout_s):
@@ -189,11 +210,16 @@ class WeightPublisher:
                         slot, expect.version, hf_dir
                     )
             except Exception as exc:
+                # Killed or hung mid-reload, or a reload the server refused? The reload broke already, so one
+                # check decides: a server that does not answer it has failed; one that answers and refused the
+                # weights fails the publish.
+                server_failed = isinstance(exc, InstanceFailure) and not await slot.client.health(HEALTH_TIMEOUT_S)
                 return ReloadAck(
                     **fields,
                     **unchanged,
                     total_s=time.monotonic() - start,
                     error=f"{type(exc).__name__}: {exc}",
+                    server_failed=server_failed,
                 )
             ack = ReloadAck(
                 **fields,

@@ -4,7 +4,9 @@ the refresh report. The pool (`pool.py`) runs the protocol; everything here is p
 One publish covers the complete instance set. Each instance answers with one ACK; the publisher accepts the
 refresh only when every expected instance ACKed the published weight version with the published checksum,
 reported no parameter left unloaded or differing, and agrees across its TP workers. Anything else is a
-`WeightSyncError` that names each failing instance and why.
+`WeightSyncError` that names each failing instance and why. A publish may instead leave out the instances
+whose server failed (it was failed already, or died or hung during its reload: `ReloadAck.server_failed`);
+they keep their old weights, stay failed for the caller to replace, and are named in `ReloadReport.left_out`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class ReloadAck:
     started_s: float = 0.0  # offsets from the publish start: show the serial / parallel schedule
     finished_s: float = 0.0
     error: str = ""
+    server_failed: bool = False  # the error is its server's failure (no /health), not a wrong reload
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,6 +63,7 @@ class ReloadReport:
     slowest_instance: str
     slowest_total_s: float
     order: tuple[tuple[str, ...], ...] = ()  # the waves in which instances were reloaded
+    left_out: tuple[tuple[str, str], ...] = ()  # (instance id, why) of instances whose server failed
 
     def phase_summary(self) -> dict[str, dict[str, float]]:
         """max and mean of every ACK timing over the batch."""
@@ -158,8 +162,22 @@ def parallel_waves(instances: Iterable[tuple[str, str]]) -> list[list[str]]:
     return [ids] if ids else []
 
 
+def leave_out_failed_servers(
+    expect: AckExpectation, acks: Sequence[ReloadAck]
+) -> tuple[AckExpectation, list[ReloadAck], dict[str, str]]:
+    """The expectation and ACKs without the instances whose server failed, and those instances with why. When
+    every instance failed, nothing is left out: the publish reached no server and fails naming them all."""
+    failed = {a.instance_id: ack_problem(expect, a) for a in acks if a.server_failed}
+    if len(failed) == len(acks):
+        return expect, list(acks), {}
+    kept_ids = [iid for iid in expect.instance_ids if iid not in failed]
+    kept = AckExpectation(expect.version, expect.checksum, expect.method, expect.strategy, kept_ids)
+    return kept, [a for a in acks if a.instance_id not in failed], failed
+
+
 def build_report(
-    expect: AckExpectation, acks: Sequence[ReloadAck], total_s: float, waves: Sequence[Sequence[str]]
+    expect: AckExpectation, acks: Sequence[ReloadAck], total_s: float, waves: Sequence[Sequence[str]],
+    left_out: dict[str, str] | None = None,
 ) -> ReloadReport:
     slowest = max(acks, key=lambda a: a.total_s) if acks else None
     return ReloadReport(
@@ -174,6 +192,7 @@ def build_report(
         slowest_instance=slowest.instance_id if slowest else "",
         slowest_total_s=slowest.total_s if slowest else 0.0,
         order=tuple(tuple(w) for w in waves),
+        left_out=tuple(sorted((left_out or {}).items())),
     )
 
 

@@ -1,7 +1,7 @@
 """Request routing over the pool's instances: global admission, the serving set (the instances that receive
 new requests, replaced in one step), least-outstanding-requests choice among them, retry on another instance
-when one fails mid-request, aborting one instance's requests, and the per-instance state the reload protocol
-locks.
+when one fails mid-request or is declared failed while its requests hang (`fail_instance`), aborting one
+instance's requests, and the per-instance state the reload protocol locks.
 
 Everything here runs on the pool's event loop thread; no locking beyond asyncio is needed.
 """
@@ -9,6 +9,7 @@ Everything here runs on the pool's event loop thread; no locking beyond asyncio 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ STARTING, READY, RELOADING, DRAINING, FAILED, STOPPED = (
     "stopped",
 )
 TRANSITIONAL = (STARTING, RELOADING)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -113,6 +116,19 @@ class Router:
         self.serving = frozenset(instance_ids)
         await self.notify()
 
+    async def fail_instance(self, slot: InstanceSlot, failure: str) -> int:
+        """Declare `slot` FAILED and send its requests in flight to another instance: a hung server (stopped,
+        deadlocked) keeps their connections open and would answer none of them before the request timeout.
+        Returns how many were re-sent."""
+        await self.set_state(slot, FAILED, failure=failure)
+        requests = [r for r in slot.requests if not r.done()]
+        for request in requests:
+            request.cancel()  # `_send_with_retry` sees its instance FAILED and sends the request elsewhere
+        if requests:
+            log.warning("%s failed (%s); its %d request(s) in flight are sent to another instance",
+                        slot.id, failure, len(requests))
+        return len(requests)
+
     def abort_requests_of(self, slot: InstanceSlot, reason: str) -> int:
         """Cancel `slot`'s requests in flight; each one's caller gets InstanceStoppedError. Returns how many."""
         slot.stopped_reason = reason
@@ -165,12 +181,19 @@ class Router:
                 return response, slot, version
             except asyncio.CancelledError:
                 current = asyncio.current_task()
-                if request.cancelled() and slot.stopped_reason and not (current and current.cancelling()):
+                if not request.cancelled() or (current and current.cancelling()):
+                    raise  # cancelled by its caller (abort_all, shutdown)
+                if slot.stopped_reason:
                     raise InstanceStoppedError(
                         f"{slot.id} was stopped without draining ({slot.stopped_reason}); the request was "
                         "aborted and produced nothing: requeue its prompt"
                     ) from None
-                raise
+                if slot.state != FAILED:
+                    raise
+                # `fail_instance`: its server hangs; the request produced nothing there, so it runs elsewhere.
+                errors.append(f"{slot.id}: {slot.failure}")
+                tried.add(slot.id)
+                self.retries += 1
             except InstanceFailure as exc:
                 # The server broke mid-request: take it out of rotation and run the request elsewhere.
                 errors.append(str(exc))
@@ -178,6 +201,7 @@ class Router:
                 self.retries += 1
                 if slot.state in (READY, DRAINING):
                     await self.set_state(slot, FAILED, failure=str(exc))
+                    log.warning("%s failed mid-request (%s); the request is sent to another instance", slot.id, exc)
             finally:
                 slot.requests.discard(request)
                 slot.outstanding -= 1

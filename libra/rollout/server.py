@@ -257,6 +257,8 @@ class ServerProcess:
         was_alive = self.alive()
         if was_alive:
             self._signal_group(signal.SIGTERM)
+            # A stopped (SIGSTOP) server keeps SIGTERM pending until it runs again: let it run and handle it.
+            self._signal_group(signal.SIGCONT)
             while self.alive() and time.monotonic() - start < timeout_s:
                 time.sleep(0.1)
         if was_alive or self._popen is not None:

@@ -3,7 +3,14 @@ GPUs as extra data-parallel replicas, and gives them back before the next rollou
 
 `EhpSession` is the entry point a controller calls at step boundaries: `plan(instances)` (which rollout GPUs
 may be lent, `planner.ehp.plan_borrow`), `attach(gpus)`, `train_step(samples, step)` (the pool's step, with
-the borrowed replicas when attached) and `detach()`.
+the borrowed replicas when attached), then `park()` or `detach()`.
+
+Parking. Starting borrowed workers (Ray actors, torch.distributed, the model) costs seconds while a step
+costs a fraction of one, so when the lending server stays resident beside the borrowed rank, the workers may
+stay alive between steps ("parked": idle, blocked on their actor's call queue) and the next `attach` of the
+same GPUs to the same core pool re-attaches them without starting anything (the parameters are copied from
+the core pool every step anyway). `release(reason)` stops a parked group; `attach` does so itself when the
+GPUs differ, the core pool was resized, re-laid-out or restarted, or a parked worker no longer answers.
 
 Design. Megatron's parallel state is fixed per torch.distributed world, so borrowed replicas do not join the
 core pool's world: they are extra `TrainingWorker`s (same model, TP / PP / CP as the core pool, no
@@ -32,8 +39,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +57,8 @@ from planner.ehp import BorrowPlan, RolloutInstanceGpus, plan_borrow, replica_si
 from planner.layout import TrainLayout
 
 log = logging.getLogger(__name__)
+
+PING_TIMEOUT_S = 30.0  # a parked worker answers a call at once; one that does not is treated as failed
 
 
 class EhpError(RuntimeError):
@@ -112,7 +122,14 @@ class EhpSession:
         self.gpus: list[LentGpu] = []
         self._layout: TrainLayout | None = None
         self._core_gpus = 0
+        self._core_group: Any = None  # the core pool's worker group at attach: a new one means restarted workers
         self._core_keys: list[tuple[int, int, int]] = []
+        self._parked = False
+        self._lock = threading.RLock()
+        self.last_attach_reused = False  # the last attach re-attached a parked group (started nothing)
+        self.last_stop_reason = ""  # why the last parked group was stopped
+        # called with the reason whenever a parked group is stopped (for the job's event log)
+        self.on_parked_stop: Callable[[str, list[str]], None] | None = None
 
     # ---- planning ----------------------------------------------------------------------------------
     def replica_size(self) -> int:
@@ -125,18 +142,93 @@ class EhpSession:
 
     @property
     def attached(self) -> bool:
-        return bool(self.worlds)
+        return bool(self.worlds) and not self._parked
+
+    @property
+    def parked(self) -> bool:
+        """Borrowed workers are alive between steps, not attached to a step."""
+        return bool(self.worlds) and self._parked
+
+    def parked_pids(self) -> list[int]:
+        """The process ids of the parked workers (empty when nothing is parked)."""
+        if not self.parked:
+            return []
+        return [int(pid) for w in self.worlds for pid in w.group.call("process_id", timeout=60)]
 
     @property
     def replicas(self) -> int:
         return len(self.gpus) // self.replica_size() if self.gpus else 0
 
     # ---- attach / detach ---------------------------------------------------------------------------
-    def attach(self, gpus: Sequence[LentGpu]) -> None:
-        """Start borrowed replicas on `gpus` (a multiple of the replica size; consecutive GPUs form a
-        replica) with the pool's current parameters for the next `train_step`."""
-        if self.attached:
-            raise EhpError(f"{self.name}: already attached to {len(self.gpus)} GPUs; detach() first")
+    def attach(self, gpus: Sequence[LentGpu]) -> bool:
+        """Borrowed replicas on `gpus` (a multiple of the replica size; consecutive GPUs form a replica) for the
+        next `train_step`, which copies the pool's current parameters into them. A group parked on exactly
+        these GPUs for this core pool is re-attached (returns True: nothing started); otherwise a parked group
+        is stopped and new workers start (returns False)."""
+        with self._lock:
+            if self.attached:
+                raise EhpError(f"{self.name}: already attached to {len(self.gpus)} GPUs; detach() first")
+            self.last_attach_reused = False
+            if self.parked:
+                problem = self.reuse_problem(gpus)
+                if not problem:
+                    self._parked = False
+                    self.last_attach_reused = True
+                    log.info("%s: re-attached the %d parked borrowed replica(s)", self.name, self.replicas)
+                    return True
+                self.release(problem)
+            self._start(gpus)
+            return False
+
+    def reuse_problem(self, gpus: Sequence[LentGpu]) -> str:
+        """Why the parked group cannot serve a borrow of `gpus` now ("" when it can): other GPUs, a changed core
+        pool, or a parked worker that does not answer."""
+        wanted, parked = [g.gpu_id for g in gpus], [g.gpu_id for g in self.gpus]
+        if list(gpus) != self.gpus:
+            return f"the step borrows GPUs {wanted}, the parked replicas hold {parked}"
+        pool = self.pool
+        if (not pool.running or pool.group is not self._core_group or pool.layout != self._layout
+                or pool.spec.num_gpus != self._core_gpus):
+            return "the training pool was resized, re-laid-out or restarted since the replicas were parked"
+        try:  # every world asked at once: one round trip, not one per world
+            pings = [ehp_workers.call_refs(w.group, "ehp", "shard_key") for w in self.worlds]
+            for world, refs in zip(self.worlds, pings, strict=True):
+                keys = [tuple(k) for k in ehp_workers.gather(world.group, "shard_key", refs, PING_TIMEOUT_S)]
+                if keys != world.keys:
+                    return f"{world.group.name} answers as another layout ({keys} != {world.keys})"
+        except Exception as exc:
+            return f"a parked borrowed worker failed ({type(exc).__name__}: {exc})"
+        return ""
+
+    def park(self) -> None:
+        """After a step: keep the attached workers alive for the next `attach` of the same GPUs (the lending
+        servers stay resident beside them)."""
+        with self._lock:
+            if self.attached:
+                self._parked = True
+                log.info("%s: %d borrowed replica(s) parked on GPUs %s", self.name, self.replicas,
+                         [g.gpu_id for g in self.gpus])
+
+    def release(self, reason: str) -> bool:
+        """Stop a parked group (`reason` says why, for the log and `on_parked_stop`); False when none is
+        parked. An attached group is left to its step's `detach`."""
+        if not self.parked:  # no wait for an attach in progress (seconds when it starts workers)
+            return False
+        with self._lock:
+            if not self.parked:
+                return False
+            gpu_ids = [g.gpu_id for g in self.gpus]
+            log.info("%s: stopping the parked borrowed replicas on GPUs %s: %s", self.name, gpu_ids, reason)
+            self.last_stop_reason = reason
+            self.detach()
+        if self.on_parked_stop is not None:
+            try:
+                self.on_parked_stop(reason, gpu_ids)
+            except Exception:
+                log.exception("%s: reporting the stop of the parked replicas failed", self.name)
+        return True
+
+    def _start(self, gpus: Sequence[LentGpu]) -> None:
         pool, layout = self.pool, self.pool.layout
         if layout.ep > 1:
             raise EhpError(f"{self.name}: elastic hybrid parallelism with expert parallelism (ep={layout.ep}) is "
@@ -162,6 +254,10 @@ class EhpSession:
                 self.worlds.append(world)
                 group.start()
                 addr = group.rendezvous_host()
+                if pool.spec.metering.enabled:  # each rank computes on its lent GPU's share of the CPU
+                    refs = ehp_workers.call_each(group, "ehp", [("join_lent_slice", pool.spec.metering, g.holder)
+                                                                for g in world_gpus])
+                    ehp_workers.gather(group, "join_lent_slice", refs, timeout)
                 port = group.call_rank(0, "rendezvous_port", addr, timeout=timeout)
                 group.call("setup", addr, port, timeout=timeout)
                 world.keys = [tuple(k) for k in group.call("ehp", "shard_key", timeout=timeout)]  # type: ignore[misc]
@@ -170,23 +266,27 @@ class EhpSession:
             self.detach()
             raise
         self.gpus = list(gpus)
-        self._layout, self._core_gpus = layout, pool.spec.num_gpus
+        self._layout, self._core_gpus, self._core_group = layout, pool.spec.num_gpus, pool.group
         log.info("%s: %d borrowed replicas of %d GPUs in %d world(s) attached in %.1fs", self.name,
                  len(gpus) // size, size, len(self.worlds), time.perf_counter() - t0)
 
     def detach(self, clean: bool = True) -> None:
         """Stop every borrowed worker; the lent GPUs go back to their rollout instances. `clean=False` kills
-        the workers without their collective tear-down (after one of them failed)."""
-        worlds, self.worlds = self.worlds, []
-        self.gpus = []
-        for world in worlds:
-            try:
-                if clean and world.group.actors and world.keys:
-                    world.group.call("shutdown", timeout=60)
-            except Exception as exc:
-                log.warning("%s: clean shutdown of %s failed (%s); killing it", self.name, world.group.name, exc)
-            finally:
-                world.group.shutdown()
+        the workers without their collective tear-down (after one of them failed). Also stops a parked group."""
+        with self._lock:
+            worlds, self.worlds = self.worlds, []
+            self.gpus = []
+            self._parked = False
+            self._core_group = None
+            for world in worlds:
+                try:
+                    if clean and world.group.actors and world.keys:
+                        world.group.call("shutdown", timeout=60)
+                except Exception as exc:
+                    log.warning("%s: clean shutdown of %s failed (%s); killing it", self.name, world.group.name,
+                                exc)
+                finally:
+                    world.group.shutdown()
 
     # ---- the step ----------------------------------------------------------------------------------
     def train_step(self, samples: list[TrainSample], step: int) -> dict[str, float]:
@@ -195,7 +295,8 @@ class EhpSession:
         if not self.attached:
             return self.pool.train_step(samples, step)
         pool = self.pool
-        if pool.layout != self._layout or pool.spec.num_gpus != self._core_gpus or not pool.running:
+        if (not pool.running or pool.group is not self._core_group or pool.layout != self._layout
+                or pool.spec.num_gpus != self._core_gpus):
             raise EhpError(f"{self.name}: the training pool changed (now {pool.layout.describe(pool.spec.num_gpus)}) "
                            "since the borrowed replicas were attached; detach() and attach() again")
         t0 = time.perf_counter()
@@ -206,14 +307,19 @@ class EhpSession:
         timeout = pool.spec.call_timeout_s
         core_refs: list[Any] = []
         try:
-            self._sync_params([w for w, _ in active], timeout)
+            # Submitted at once, awaited later: a (synchronous) actor runs its calls in the order they were
+            # submitted, so each borrowed rank loads the parameters before its forward, while the core ranks
+            # already compute theirs.
+            loads = self._send_params([w for w, _ in active])
             core_refs = ehp_workers.call_refs(pool.group, "ehp", "core_forward_backward",
                                               ehp_workers.share(core_samples), step)
             world_refs = [ehp_workers.call_refs(w.group, "ehp", "borrowed_forward_backward",
                                                 ehp_workers.share(samples[a:b]), step) for w, (a, b) in active]
+            grads = [ehp_workers.call_refs(w.group, "ehp", "export_grads", step) for w, _ in active]
+            for (w, _), refs in zip(active, loads, strict=True):  # a failed load fails the step's borrow
+                ehp_workers.gather(w.group, "load_params", refs, timeout)
             summaries = [ehp_workers.gather(w.group, "borrowed_forward_backward", refs, timeout)
                          for (w, _), refs in zip(active, world_refs, strict=True)]
-            grads = [ehp_workers.call_refs(w.group, "ehp", "export_grads", step) for w, _ in active]
         except CollectiveCallError as exc:
             return self._fall_back(samples, step, core_refs, exc)
         ehp_workers.gather(pool.group, "core_forward_backward", core_refs, timeout)
@@ -235,14 +341,14 @@ class EhpSession:
                        ehp_borrowed_samples=float(sum(b - a for _, (a, b) in active)))
         return metrics
 
-    def _sync_params(self, worlds: list[BorrowedWorld], timeout: float) -> None:
-        """Copy the core pool's current parameters into every rank of `worlds`, shard by shard."""
+    def _send_params(self, worlds: list[BorrowedWorld]) -> list[list[Any]]:
+        """Start copying the core pool's current parameters into every rank of `worlds`, shard by shard (the
+        core ranks export them, the borrowed ranks load them, never through the driver); per world, the
+        references of the loads."""
         exported = ehp_workers.call_refs(self.pool.group, "ehp", "export_params")
         by_shard = {(k[0], k[1]): ref for k, ref in zip(self._core_keys, exported, strict=True) if k[2] == 0}
-        for world in worlds:
-            refs = ehp_workers.call_each(world.group, "ehp",
-                                         [("load_params", by_shard[(k[0], k[1])]) for k in world.keys])
-            ehp_workers.gather(world.group, "load_params", refs, timeout)
+        return [ehp_workers.call_each(world.group, "ehp", [("load_params", by_shard[(k[0], k[1])]) for k in world.keys])
+                for world in worlds]
 
     def _fall_back(self, samples: list[TrainSample], step: int, core_refs: list[Any],
                    exc: CollectiveCallError) -> dict[str, float]:
@@ -263,9 +369,10 @@ class EhpSession:
 
 def borrowed_spec(core: TrainingPoolSpec, gpus: int) -> TrainingPoolSpec:
     """The spec of a borrowed world of `gpus` GPUs: the core pool's model, layout, batch and algorithm, without
-    the distributed optimizer (a borrowed rank never steps), and without phase traces and CPU metering: both
-    name a rank's files and slices by its rank number, which would be a core rank's (a borrowed rank belongs
-    in the lending GPU's slice, which the rollout instance owns)."""
+    the distributed optimizer (a borrowed rank never steps), and without phase traces and the worker's own
+    CPU slice: both name a rank's files and slices by its rank number, which would be a core rank's. A
+    borrowed rank joins the lending GPU's slice instead, which the rollout instance owns (`attach`,
+    `ehp_steps.join_lent_slice`)."""
     meg = dataclasses.replace(core.megatron, use_distributed_optimizer=False, use_precision_aware_optimizer=False,
                               optimizer_cpu_offload=False)
     return dataclasses.replace(core, num_gpus=gpus, megatron=meg, trace=None, metering=METERING_OFF)

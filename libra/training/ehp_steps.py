@@ -43,6 +43,8 @@ from libra.training.pipeline import is_last_stage
 from libra.training.spec import TrainSample
 
 if TYPE_CHECKING:
+    from libra.metering.cgroup import CpuCgroup
+    from libra.metering.spec import CpuMetering
     from libra.training.worker import TrainingWorker
 
 ChunkTensors = list[dict[str, torch.Tensor]]  # per model chunk: parameter name -> tensor
@@ -265,7 +267,44 @@ def shard_key(worker: TrainingWorker) -> tuple[int, int, int]:
     return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), _dp_cp_rank()
 
 
+def join_lent_slice(worker: TrainingWorker, metering: CpuMetering, holder: str) -> str:
+    """Metered logical GPUs: run this borrowed rank, and what it starts, in the CPU slice of the GPU it
+    borrows, so it computes on that GPU's share of the CPU (beside the lending server), whether stepping or
+    parked. `holder` is the lending rollout instance ("" = a GPU reserved afresh: the rank gets a slice of
+    its own). Returns the slice's name ("" with metering off)."""
+    import os
+
+    if not metering.enabled:
+        return ""
+    if not holder:
+        from libra.metering.holder import GpuHolderSlice
+
+        own = GpuHolderSlice(metering, f"borrowed-{worker.rank}-{os.getpid()}")
+        worker._ehp_cpu = own  # type: ignore[attr-defined]  # the slice lasts as long as this rank
+        piece = own.hold(os.getpid())
+        return str(piece.name) if piece is not None else ""
+    from libra.metering.cgroup import find_cpu_cgroup
+
+    return join_holder_slice(find_cpu_cgroup(metering.cgroup_root), metering.job, holder, os.getpid())
+
+
+def join_holder_slice(cgroup: CpuCgroup, job: str, holder: str, pid: int) -> str:
+    """Move `pid` (and its descendants) into the live slice of GPU holder `holder` of job `job`; its name."""
+    from libra.metering.slices import CpuSlices, Slice, safe_part
+
+    slices = CpuSlices(cgroup, job)
+    live = [n for n in slices.names() if n.holder == safe_part(holder) and n.owner_alive()]
+    if not live:
+        raise RuntimeError(f"metered logical GPUs: rollout instance {holder!r} has no live CPU slice in job "
+                           f"{job!r} (slices: {[str(n) for n in slices.names()]}), so a borrowed rank on its GPU "
+                           "cannot be metered; the step trains on the training pool alone")
+    name = live[0]
+    slices.join(Slice(name, cgroup.path(str(name)), 0.0), pid)
+    return str(name)
+
+
 OPS: dict[str, Callable[..., Any]] = {
+    "join_lent_slice": join_lent_slice,
     "export_params": export_params,
     "core_forward_backward": core_forward_backward,
     "core_finish": core_finish,

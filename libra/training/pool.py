@@ -8,6 +8,9 @@ gets the same arguments and the pool returns rank 0's answer (all ranks agree on
 `libra.training.resize`). Every entry point takes the pool's lock, so a relayout asked for while a step runs
 waits for the step to end, and the next step waits for the relayout: the caller never sees a half-moved
 pool. The handle keeps its identity across a relayout (the RL loop holds it).
+
+`replace_workers` starts the pool again at the same spec after one of its processes died (a call then fails
+with `libra.cluster.training_workers.WorkerLostError`).
 """
 
 from __future__ import annotations
@@ -194,6 +197,28 @@ class TrainingPool:
             except BaseException:
                 self.kill()
                 raise
+
+    def replace_workers(self) -> ResizeCost:
+        """After a rank's process died: kill every worker at once (the others may be blocked in a collective
+        with the dead one) and start a fresh set at the same spec. The new workers hold the model's initial
+        weights until the caller loads a checkpoint (`load_checkpoint`). Returns the cost, with the kill as
+        `stop_s` and `recovered` set."""
+        with self._lock:
+            dims = self.layout.dims(self.spec.num_gpus)
+            cost = ResizeCost(from_gpus=self.spec.num_gpus, from_layout=dims, to_gpus=self.spec.num_gpus,
+                              to_layout=dims, step=self.step, checkpoint="", recovered=True)
+            started = time.perf_counter()
+            self.kill()
+            cost.stop_s = round(time.perf_counter() - started, 4)
+            t = time.perf_counter()
+            self.start()
+            cost.start_s = round(time.perf_counter() - t, 4)
+            cost.switch_s = round(time.perf_counter() - started, 4)
+            self.step = 0
+            self._unmeasured = None
+            log.warning("training pool %s: every worker replaced after a worker was lost, in %.1fs", self.name,
+                        cost.switch_s)
+            return cost
 
     def _consistent_checkpoint(self, root: str) -> str:
         ckpt = checkpoint.resolve(root)

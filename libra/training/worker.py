@@ -27,7 +27,7 @@ from libra.device import cuda_available, dist_backend, torch_device
 from libra.metering.holder import GpuHolderSlice
 from libra.observability.phase_trace import PhaseTracer, now_ns
 from libra.observability.trace_schema import rank_for
-from libra.training import batching, checkpoint, cpu_compat, export, megatron_setup
+from libra.training import batching, checkpoint, child_processes, cpu_compat, export, megatron_setup
 from libra.training.batching import StepBatch
 from libra.training.convert import HFWeightReader, ParamMapping, chunk_mappings, load_chunk_from_hf
 from libra.training.hf_arch import padded_vocab_size, read_training_model
@@ -88,6 +88,8 @@ class TrainingWorker:
         self.tracer = open_rank_tracer(spec, rank)
         self._writer_warm_up: threading.Thread | None = None
         self._cpu = GpuHolderSlice(spec.metering, f"train-{rank}")
+        # a checkpoint writer forked from this process must not outlive it: Ray would not see the worker die
+        child_processes.install_for_forks()
 
     # ---- set-up ------------------------------------------------------------------------------------
     def rendezvous_port(self, host: str) -> int:
@@ -125,6 +127,7 @@ class TrainingWorker:
         with contextlib.suppress(AttributeError, OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WARM_UP_NICENESS)
         try:
+            child_processes.start_checkpoint_results_queue()
             checkpoint.warm_up_writer()
         except Exception as exc:  # the first save then starts the writer itself
             log.warning("checkpoint writer warm-up failed: %s: %s", type(exc).__name__, exc)

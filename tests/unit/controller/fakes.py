@@ -171,5 +171,16 @@ class FakeTrainingEdge:
             on_measured({**cost, "first_step_s": 0.3})
         return self.views(), cost
 
+    @property
+    def gpus(self) -> int:
+        return len(self.workers)
+
+    def restart(self):  # type: ignore[no-untyped-def]
+        """Every rank replaced at the same size and layout (after a worker was lost)."""
+        self.epoch += 1
+        self.workers = [f"rank-{i}@{self.epoch}" for i in range(len(self.workers))]
+        return self.views(), {"from_gpus": self.gpus, "to_gpus": self.gpus, "stop_s": 0.1, "start_s": 0.2,
+                              "switch_s": 0.3, "recovered": True}
+
     def views(self) -> list[MemberView]:
         return [MemberView(w, MemberState.READY, fingerprint=self.layout.label()) for w in self.workers]

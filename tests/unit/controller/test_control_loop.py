@@ -3,6 +3,7 @@ action errors as observed state, and a tick that survives anything."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -166,3 +167,36 @@ def test_failed_stop_still_leaves_the_pool(harness: Harness) -> None:
     harness.settle()
     states = sorted(harness.states().values())
     assert states == ["READY", "STOPPED"]
+
+
+@pytest.mark.parametrize(("before", "now", "judged"), [
+    (3, 3, 3),
+    (3, 4, 3),  # the RL loop published v4 while the tick observed: the observation may still show v3
+    (0, 1, 0),
+], ids=["unchanged", "published-during-observation", "first-publish"])
+def test_a_tick_judges_weights_by_the_version_before_it_observed(before: int, now: int, judged: int) -> None:
+    from libra.controller.control_loop import observed_weights
+
+    desired = DesiredState(rollout_instances=2, rollout_tp=1, train_gpus=2, train_layout=TrainLayout(),
+                           weight_version=now, generation=7)
+    out = observed_weights(desired, before)
+    assert out.weight_version == judged
+    assert out.generation == 7 and out.rollout_instances == 2
+
+
+def test_a_publish_during_observation_plans_no_publish_of_the_newer_version(harness: Harness) -> None:
+    """An instance waits outside serving on the current weights (given back after a lend) while the RL loop
+    publishes: the tick's observation predates the publish, so it must not plan a publish of its own."""
+    harness.settle()
+    harness.rollout.instances["rollout-1"].serving = False
+    harness.tracker.set_serving(["rollout-0"])
+    observe = harness.rollout.views
+
+    def views_while_the_loop_publishes():  # the RL loop raises the version while the tick observes
+        views = observe()
+        harness.want = dataclasses.replace(harness.want, weight_version=harness.want.weight_version + 1)
+        return views
+
+    harness.rollout.views = views_while_the_loop_publishes  # type: ignore[method-assign]
+    planned = harness.loop.tick()
+    assert [type(a).__name__ for a in planned] == ["SetServing"]

@@ -1,9 +1,11 @@
 """Elastic hybrid parallelism at the step boundary (`libra.controller.ehp_borrow`): which rollout members lend
-(a table of cases), and the borrow carried out with fake pool edges: lend, attach, step, detach, give back,
-the events and the reconciler's view of the lent members; attach and core failures; plan-only."""
+(a table of cases), and the borrow carried out with fake pool edges: lend, attach, step, park or detach, give
+back, the events and the reconciler's view of the lent members; attach and core failures; plan-only; when
+parked borrowed replicas are re-attached and when they stop (a table row per stop reason)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +13,14 @@ from typing import Any
 import pytest
 
 from libra.config.elastic_hybrid import EhpSwitch
-from libra.controller.ehp_borrow import EhpBorrower, decide_borrow, lendable_instances
+from libra.controller.ehp_borrow import (
+    BorrowDecision,
+    EhpBorrower,
+    ParkedBorrow,
+    decide_borrow,
+    lendable_instances,
+    parked_stop_reason,
+)
 from libra.controller.events import EventLog
 from libra.controller.gate import WeightGate
 from libra.controller.members import Member, MemberState
@@ -101,6 +110,15 @@ class FakeRollout:
     ops: list[str] = field(default_factory=list)
     lent: set[str] = field(default_factory=set)
     fail_lend: bool = False
+    watchers: list[Any] = field(default_factory=list)
+
+    def watch_stops(self, stopping: Any) -> None:
+        self.watchers.append(stopping)
+
+    def stop(self, key: str) -> None:
+        for stopping in self.watchers:
+            stopping(key)
+        self.ops.append(f"stop {key}")
 
     def lend(self, keys: list[str], sleep: bool) -> list[LendReport]:
         if self.fail_lend:
@@ -121,6 +139,7 @@ class FakeRollout:
 @dataclass(frozen=True)
 class Gpu:
     gpu_id: str
+    holder: str = ""
 
 
 @dataclass
@@ -140,15 +159,41 @@ class FakeSession:
     pool: FakePool = field(default_factory=FakePool)
     settings: Settings = field(default_factory=Settings)
     attached_to: list[str] = field(default_factory=list)
+    parked_on: list[str] = field(default_factory=list)
+    on_parked_stop: Any = None
+    holders: list[str] = field(default_factory=list)  # the lending instance of each attached GPU
 
     def replica_size(self) -> int:
         return 1
 
-    def attach(self, gpus: list[Gpu]) -> None:
+    @property
+    def parked(self) -> bool:
+        return bool(self.parked_on)
+
+    def attach(self, gpus: list[Gpu]) -> bool:
         if self.fail == "attach":
             raise RuntimeError("a borrowed worker did not start")
-        self.ops.append(f"attach {[g.gpu_id for g in gpus]}")
-        self.attached_to = [g.gpu_id for g in gpus]
+        ids = [g.gpu_id for g in gpus]
+        self.holders = [g.holder for g in gpus]
+        reused = self.parked_on == ids
+        if self.parked_on and not reused:
+            self.release(f"other GPUs {ids}")
+        self.ops.append(f"{'re-attach' if reused else 'attach'} {ids}")
+        self.attached_to, self.parked_on = ids, []
+        return reused
+
+    def park(self) -> None:
+        self.ops.append("park")
+        self.parked_on, self.attached_to = self.attached_to, []
+
+    def release(self, reason: str) -> bool:
+        if not self.parked_on:
+            return False
+        gpus, self.parked_on = self.parked_on, []
+        self.ops.append(f"stop parked {gpus}: {reason}")
+        if self.on_parked_stop is not None:
+            self.on_parked_stop(reason, gpus)
+        return True
 
     def train_step(self, samples: list[Any], step: int) -> dict[str, float]:
         if self.attached_to and self.fail == "core":
@@ -160,9 +205,9 @@ class FakeSession:
         return metrics
 
     def detach(self, clean: bool = True) -> None:
-        if self.attached_to:
+        if self.attached_to or self.parked_on:
             self.ops.append("detach")
-        self.attached_to = []
+        self.attached_to, self.parked_on = [], []
 
 
 @dataclass
@@ -180,26 +225,32 @@ class Rig:
     session: FakeSession
     tracker: MemberTracker
     events: list[dict[str, Any]]
+    desired: list[DesiredState]  # the last one is the desired state the borrower reads
 
     def kinds(self) -> list[str]:
         return [e["kind"] for e in self.events if e["kind"].startswith("ehp")]
 
 
-def rig(mode: str = "on", fail: str = "", fail_lend: bool = False) -> Rig:
+def rollout_views(pids: tuple[int, int] = (100, 101)) -> list[MemberView]:
+    return [MemberView(key=f"rollout-{i}", state=S.READY, gpu_ids=(str(2 + i),), serving=True,
+                       info={"host": "n0", "pid": pids[i]}) for i in range(2)]
+
+
+def rig(mode: str = "on", fail: str = "", fail_lend: bool = False, residency: Residency = "resident") -> Rig:
     events = EventLog(None)
     seen: list[dict[str, Any]] = []
     events.subscribe(seen.append)
     tracker = MemberTracker(events)
-    tracker.observe(ROLLOUT, [MemberView(key=f"rollout-{i}", state=S.READY, gpu_ids=(str(2 + i),), serving=True,
-                                         info={"host": "n0"}) for i in range(2)], time.time())
+    tracker.observe(ROLLOUT, rollout_views(), time.time())
     ops: list[str] = []
     rollout = FakeRollout(ops, fail_lend=fail_lend)
     session = FakeSession(ops, fail=fail)
     desired = DesiredState(train_gpus=2, rollout_instances=2, rollout_tp=1, train_layout=TrainLayout())
+    holder: list[DesiredState] = [desired]
     borrower = EhpBorrower(None, EhpSwitch(mode, "test"), rollout, FakeTrain(session),  # type: ignore[arg-type]
-                           tracker, WeightGate(), events, lambda: desired)
-    borrower._residency = lambda layout, replicas, tp: "resident"  # type: ignore[method-assign]
-    return Rig(borrower, rollout, session, tracker, seen)
+                           tracker, WeightGate(), events, lambda: holder[-1])
+    borrower._residency = lambda layout, replicas, rollout_tp: residency  # type: ignore[method-assign]
+    return Rig(borrower, rollout, session, tracker, seen, holder)
 
 
 def serving(tracker: MemberTracker) -> list[str]:
@@ -210,8 +261,9 @@ def test_a_step_borrows_and_gives_back() -> None:
     r = rig()
     metrics = r.borrower.train_step([object()] * 4, step=3)
     assert r.rollout.ops == ["lend ['rollout-0', 'rollout-1'] sleep=False", "attach ['2', '3']",
-                             "step 3 on 2 borrowed GPU(s)", "detach", "give_back ['rollout-0', 'rollout-1']"]
+                             "step 3 on 2 borrowed GPU(s)", "park", "give_back ['rollout-0', 'rollout-1']"]
     assert metrics["ehp_replicas"] == 2.0 and "ehp_fallback" not in metrics
+    assert r.session.holders == ["rollout-0", "rollout-1"]  # whose CPU slice each borrowed rank joins
     assert metrics["ehp_attach_s"] >= 0 and metrics["ehp_wake_s"] == 0.02
     assert r.kinds() == ["ehp_borrow", "ehp_return"]
     borrow, back = (e for e in r.events if e["kind"] in ("ehp_borrow", "ehp_return"))
@@ -293,8 +345,6 @@ def test_a_replica_size_the_layout_does_not_divide_borrows_nothing() -> None:
 # ---- the RL loop hands its step to the borrower ------------------------------------------------------------
 @pytest.mark.parametrize("with_ehp", [True, False], ids=["ehp-on", "ehp-off"])
 def test_rl_loop_trains_through_the_borrower_when_it_is_on(tmp_path: Any, with_ehp: bool) -> None:
-    import dataclasses
-
     from libra.config import load_dict
     from libra.controller.desired_store import DesiredStore
     from libra.controller.reporting import Reporter
@@ -339,3 +389,171 @@ def test_rl_loop_trains_through_the_borrower_when_it_is_on(tmp_path: Any, with_e
     metrics = loop._train_step([object()], 3)
     assert calls == ([("ehp", 3, 0)] if with_ehp else [("pool", 3, -1)])
     assert ("ehp_replicas" in metrics) == with_ehp
+
+
+# ---- a transient refusal is decided again -----------------------------------------------------------------
+@pytest.mark.parametrize(("hold", "clears_after_s", "borrows"), [
+    ("member", 0.3, True),
+    ("pool", 0.3, True),
+    ("loading", 0.3, True),
+    ("member", None, False),
+], ids=["busy-member-clears", "pool-action-clears", "weight-reload-clears", "busy-member-stays"])
+def test_a_step_waits_for_a_transient_refusal_to_clear(hold: str, clears_after_s: float | None,
+                                                       borrows: bool) -> None:
+    import threading
+
+    r = rig()
+    r.borrower.settle_s = 1.0
+    members = [m.id for m in r.tracker.members(ROLLOUT)]
+
+    def set_held(value: bool) -> None:
+        if hold == "pool":
+            r.tracker.set_pool(ROLLOUT, busy=value)
+        elif hold == "loading":  # the instances reload the step's weights
+            views = rollout_views()
+            r.tracker.observe(ROLLOUT, [dataclasses.replace(v, state=S.LOADING if value else S.READY) for v in views],
+                              time.time())
+        else:
+            for member_id in members:
+                r.tracker.set_busy(member_id, value)
+
+    set_held(True)
+    timer = threading.Timer(clears_after_s, set_held, (False,)) if clears_after_s is not None else None
+    if timer is not None:
+        timer.start()
+    started = time.monotonic()
+    metrics = r.borrower.train_step([object()], step=1)
+    waited = time.monotonic() - started
+    if timer is not None:
+        timer.join()
+    assert ("ehp_replicas" in metrics) is borrows
+    assert r.kinds() == (["ehp_borrow", "ehp_return"] if borrows else ["ehp_idle"])
+    assert waited >= (clears_after_s or r.borrower.settle_s) * 0.9
+
+
+def test_rollout_work_in_flight_is_not_waited_for() -> None:
+    r = rig()
+    started = time.monotonic()
+    r.borrower.train_step([object()], step=1, rollout_in_flight=2)
+    assert time.monotonic() - started < r.borrower.settle_s / 2 and r.kinds() == ["ehp_idle"]
+
+
+# ---- parked borrowed replicas: when they stay, when they stop ------------------------------------------------
+def lender(n: int, pid: int = 0, **kw: Any) -> Member:
+    m = member(n, (str(2 + n),), **kw)
+    m.info["pid"] = pid or 100 + n
+    return m
+
+
+PARKED = ParkedBorrow(lenders=(("rollout-0", ("2",), "100"), ("rollout-1", ("3",), "101")),
+                      replicas=(("2",), ("3",)), rollout_shape=(2, 1))
+SHAPE = DesiredState(rollout_instances=2, rollout_tp=1, train_gpus=2, train_layout=TrainLayout())
+LENDERS = [lender(0), lender(1)]
+
+
+def borrow(*replicas: tuple[str, ...], sleep: bool = False) -> BorrowDecision:
+    return BorrowDecision(tuple(f"rollout-{int(r[0]) - 2}" for r in replicas), replicas, sleep,
+                          "sleep" if sleep else "resident", "idle")
+
+
+NO_BORROW = BorrowDecision((), (), False, "", "2 rollout group(s) are still generating")
+
+# (members, desired state, this step's decision) -> the stop reason ("" = the parked replicas stay)
+PARK_STOPS = [
+    pytest.param(LENDERS, SHAPE, borrow(("2",), ("3",)), "", id="same-borrow-reuses"),
+    pytest.param(LENDERS, SHAPE, None, "", id="between-steps-stays"),
+    pytest.param(LENDERS, SHAPE, NO_BORROW, "", id="a-step-without-borrow-keeps-them"),
+    pytest.param([lender(0, state=S.LOADING), lender(1)], SHAPE, None, "", id="lender-reloading-weights-stays"),
+    pytest.param(LENDERS, SHAPE, borrow(("2",)), "the step borrows GPUs [['2']]", id="other-gpus"),
+    pytest.param(LENDERS, SHAPE, borrow(("2",), ("3",), sleep=True), "residency sleep", id="residency-sleep"),
+    pytest.param([lender(0)], SHAPE, None, "lending instance rollout-1 stopped", id="lender-gone"),
+    pytest.param([lender(0), lender(1, state=S.DRAINING)], SHAPE, None, "lending instance rollout-1 stopped",
+                 id="lender-draining"),
+    pytest.param([lender(0, state=S.FAILED), lender(1)], SHAPE, None, "lending instance rollout-0 failed",
+                 id="lender-failed"),
+    pytest.param([lender(0, pid=555), lender(1)], SHAPE, None, "lending instance rollout-0 was replaced",
+                 id="lender-replaced"),
+    pytest.param(LENDERS, dataclasses.replace(SHAPE, reconfiguring="rollout 2 x TP1 -> 1 x TP2"), None,
+                 "the rollout pool is being reconfigured", id="rollout-reconfiguring"),
+    pytest.param(LENDERS, dataclasses.replace(SHAPE, rollout_instances=3), None, "the rollout pool was reconfigured",
+                 id="rollout-reconfigured"),
+]
+
+
+@pytest.mark.parametrize(("members", "desired", "decision", "reason"), PARK_STOPS)
+def test_parked_stop_reason(members: list[Member], desired: DesiredState, decision: BorrowDecision | None,
+                            reason: str) -> None:
+    got = parked_stop_reason(PARKED, members, desired, decision)
+    assert (got == "") if not reason else reason in got, got
+
+
+def test_the_next_step_re_attaches_the_parked_replicas() -> None:
+    r = rig()
+    first = r.borrower.train_step([object()] * 4, step=1)
+    second = r.borrower.train_step([object()] * 4, step=2)
+    assert r.rollout.ops == [
+        "lend ['rollout-0', 'rollout-1'] sleep=False", "attach ['2', '3']", "step 1 on 2 borrowed GPU(s)", "park",
+        "give_back ['rollout-0', 'rollout-1']",
+        "lend ['rollout-0', 'rollout-1'] sleep=False", "re-attach ['2', '3']", "step 2 on 2 borrowed GPU(s)", "park",
+        "give_back ['rollout-0', 'rollout-1']"]
+    borrows = [e for e in r.events if e["kind"] == "ehp_borrow"]
+    assert [e["reused"] for e in borrows] == [False, True] and all("attach_s" in e for e in borrows)
+    assert [e["parked"] for e in r.events if e["kind"] == "ehp_return"] == [True, True]
+    assert first["ehp_replicas"] == second["ehp_replicas"] == 2.0
+    assert (first["ehp_reused"], second["ehp_reused"]) == (0.0, 1.0)
+    assert r.session.parked and "ehp_release" not in r.kinds()
+
+
+def test_sleeping_servers_never_keep_replicas_parked() -> None:
+    r = rig(residency="sleep")
+    for step in (1, 2):
+        r.borrower.train_step([object()], step=step)
+    assert [op for op in r.rollout.ops if op.split()[0] in ("attach", "re-attach", "park", "detach")] == [
+        "attach ['2', '3']", "detach", "attach ['2', '3']", "detach"]
+    assert [e["parked"] for e in r.events if e["kind"] == "ehp_return"] == [False, False]
+    assert not r.session.parked
+
+
+def _replace_lender(r: Rig) -> None:
+    r.tracker.observe(ROLLOUT, rollout_views(pids=(100, 999)), time.time())
+
+
+def _reconfigure(r: Rig) -> None:
+    r.desired.append(dataclasses.replace(r.desired[-1], reconfiguring="rollout 2 x TP1 -> 1 x TP2"))
+
+
+# what happens between step 1 and step 2 -> the reason the parked replicas stop with, and whether step 2 borrows
+BETWEEN_STEPS = [
+    pytest.param(lambda r: r.rollout.stop("rollout-1"), "lending instance rollout-1 is being stopped", True,
+                 id="lender-stopped-by-the-reconciler"),
+    pytest.param(_replace_lender, "lending instance rollout-1 was replaced", True, id="lender-replaced"),
+    pytest.param(_reconfigure, "the rollout pool is being reconfigured", False, id="rollout-reconfigured"),
+    pytest.param(lambda r: r.borrower.close(), "the job ends", True, id="job-ends"),
+]
+
+
+@pytest.mark.parametrize(("between", "reason", "borrows_again"), BETWEEN_STEPS)
+def test_parked_replicas_stop_and_say_why(between: Any, reason: str, borrows_again: bool) -> None:
+    r = rig()
+    r.borrower.train_step([object()], step=1)
+    assert r.session.parked
+    between(r)
+    metrics = r.borrower.train_step([object()], step=2)
+    releases = [e for e in r.events if e["kind"] == "ehp_release"]
+    assert len(releases) == 1 and reason in releases[0]["reason"] and releases[0]["gpus"] == ["2", "3"]
+    assert any(op.startswith("stop parked ['2', '3']") for op in r.rollout.ops)
+    assert "re-attach ['2', '3']" not in r.rollout.ops  # never reused after a stop
+    assert ("ehp_replicas" in metrics) is borrows_again
+    if borrows_again:
+        assert [e["reused"] for e in r.events if e["kind"] == "ehp_borrow"] == [False, False]
+
+
+def test_a_failed_step_leaves_nothing_parked() -> None:
+    r = rig()
+    r.borrower.train_step([object()], step=1)
+    r.session.fail = "core"
+    with pytest.raises(RuntimeError, match="training rank 0 died"):
+        r.borrower.train_step([object()], step=2)
+    assert not r.session.parked and not r.session.attached_to
+    assert r.rollout.ops[-2:] == ["detach", "give_back ['rollout-0', 'rollout-1']"]
+    assert [e["parked"] for e in r.events if e["kind"] == "ehp_return"] == [True, False]

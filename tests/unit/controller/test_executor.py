@@ -10,7 +10,7 @@ import pytest
 
 from libra.controller import actions as action_module
 from libra.controller.events import EventLog
-from libra.controller.executor import Executor
+from libra.controller.executor import Executor, PublishOutcome
 from libra.controller.gate import WeightsRef
 from libra.controller.members import MemberState
 from libra.controller.reconcile import (
@@ -98,6 +98,20 @@ def test_publish_action_records_acks_only(executor: Executor) -> None:
     assert versions == {"rollout-0": 0, "rollout-1": 7}
     assert not executor.tracker.member("rollout-1").busy
 
+
+
+def test_a_member_left_out_of_a_publish_is_failed_for_replacement(executor: Executor) -> None:
+    """The pool left out an instance whose server failed during the publish: its member is FAILED at once (the
+    next tick replaces it), keeps its old version, and the event log says why."""
+    def publish(weights: WeightsRef, keys: object) -> PublishOutcome:
+        return PublishOutcome({"rollout-0": weights.version}, {}, left_out={"rollout-1": "reload failed: gone"})
+
+    executor.rollout.publish = publish  # type: ignore[method-assign]
+    executor.publish_weights(WeightsRef(5, "/w/5", "c5"))
+    members = {m.id: (m.state, m.weight_version) for m in executor.tracker.members(ROLLOUT)}
+    assert members == {"rollout-0": (S.READY, 5), "rollout-1": (S.FAILED, 0)}
+    assert "server failed during a publish" in executor.tracker.member("rollout-1").error
+    assert "publish_left_out" in kinds(executor)
 
 def test_refused_flip_is_an_error_and_changes_nothing(executor: Executor) -> None:
     executor.gate.set_current(WeightsRef(7, "/w/7", "c7"))

@@ -104,3 +104,16 @@ def test_shrink_lends_gpus_at_a_layout_that_fits(executor: Executor, gpus: int, 
     run(executor, ShrinkTrainingPool("cluster_swap: the green set needs more GPUs", lend))
     assert executor.train.resizes[-1] == expected  # type: ignore[attr-defined]
     assert len([m for m in executor.tracker.members(TRAIN) if m.live]) == expected[0]
+
+
+def test_restart_after_a_lost_worker_replaces_every_rank_at_the_same_layout(executor: Executor) -> None:
+    cost = executor.training.restart("a training worker died: rank 0")
+    assert cost["switch_s"] == 0.3
+    assert states(executor) == {"train-0": "STOPPED", "train-1": "STOPPED", "train-2": "READY", "train-3": "READY"}
+    assert {m.key for m in executor.tracker.members(TRAIN) if m.live} == {"rank-0@1", "rank-1@1"}
+    observed = executor.tracker.snapshot(1000.0)
+    assert observed.train.size == 2 and not observed.train.busy
+    (restart,) = events(executor, "train_restart")
+    assert restart["message"] == "a training worker died: rank 0" and restart["to_gpus"] == 2
+    assert events(executor, "train_resize") == []  # not a resize: the re-planner's switch costs stay as they were
+    assert read_switch_costs(Path(executor.events.path or "").parent / "switch_costs.jsonl") == []

@@ -180,3 +180,41 @@ def test_cancelling_the_caller_is_not_an_instance_stop() -> None:
         return None
 
     assert isinstance(asyncio.run(scenario()), asyncio.CancelledError)
+
+
+def test_a_failed_instance_s_hanging_requests_run_on_another_instance() -> None:
+    async def scenario() -> tuple[list[object], int, int, str]:
+        hung, kept = slot("hung"), slot("kept")
+        hung.client, kept.client = _HangingClient("hung"), _HangingClient("kept")  # type: ignore[assignment]
+        router = router_with(hung, kept, serving=("hung", "kept"))
+        requests = [asyncio.create_task(router.send({"i": i})) for i in range(4)]
+        await asyncio.sleep(0.05)
+        assert (hung.outstanding, kept.outstanding) == (2, 2)
+        resent = await router.fail_instance(hung, "/health did not answer")
+        await asyncio.sleep(0.05)
+        assert (hung.outstanding, kept.outstanding) == (0, 4), "re-sent at once, not at the request timeout"
+        kept.client.release.set()  # type: ignore[attr-defined]
+        results: list[object] = list(await asyncio.gather(*requests, return_exceptions=True))
+        return results, resent, router.retries, hung.state
+
+    results, resent, retries, state = asyncio.run(scenario())
+    assert resent == retries == 2 and state == FAILED
+    assert [r[1].id for r in results] == ["kept"] * 4  # type: ignore[index]
+
+
+def test_a_failed_instance_with_no_other_instance_fails_its_requests() -> None:
+    async def scenario() -> BaseException | None:
+        hung = slot("hung")
+        hung.client = _HangingClient("hung")  # type: ignore[assignment]
+        router = router_with(hung, serving=("hung",))
+        request = asyncio.create_task(router.send({}))
+        await asyncio.sleep(0.02)
+        await router.fail_instance(hung, "/health did not answer")
+        try:
+            await asyncio.wait_for(request, 2)
+        except BaseException as exc:
+            return exc
+        return None
+
+    error = asyncio.run(scenario())
+    assert isinstance(error, NoHealthyInstanceError) and "/health did not answer" in str(error)

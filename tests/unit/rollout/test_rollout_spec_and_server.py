@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -169,6 +170,22 @@ def test_stop_kills_the_whole_process_group_after_the_grace_period(tmp_path: os.
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
 
+
+
+def test_stop_of_a_stopped_server_ends_it_by_sigterm_at_once() -> None:
+    """A hung (SIGSTOP) server's group holds SIGTERM pending until it runs: stop() lets it run, so it ends by its
+    SIGTERM at once instead of waiting out the grace period for SIGKILL."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        server = ServerProcess.attach(launch(), proc.pid, process_start_ticks(proc.pid))
+        os.killpg(proc.pid, signal.SIGSTOP)
+        elapsed = server.stop(timeout_s=20.0)
+        assert proc.wait(timeout=10) == -signal.SIGTERM and elapsed < 10
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
 
 def test_pid_alive_checks_the_start_time() -> None:
     me = os.getpid()

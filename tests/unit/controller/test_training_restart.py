@@ -1,0 +1,196 @@
+"""A training worker lost during a step (fake pools): the RL loop has the session restart the training pool,
+goes back to the newest complete checkpoint (never one the dead worker left half-written), trains the later
+steps again and counts each step once; a worker lost again and again fails the job with a clear error, and
+any other training error fails it unchanged."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from libra.cluster.training_workers import WorkerLostError
+from libra.config import load_dict
+from libra.controller.desired_store import DesiredStore
+from libra.controller.events import EventLog
+from libra.controller.pools import training_worker_lost
+from libra.controller.reporting import Reporter
+from libra.controller.rl_loop import MAX_TRAINING_RESTARTS, RLLoop, TrainingWorkersLostError
+from libra.controller.services import JobSession
+from libra.controller.signals import StopRequest
+from libra.controller.state import DesiredState, TrainLayout
+from libra.observability.console import NullConsole
+from libra.run_dir import RunDir
+
+END_STEP = 6
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+
+
+class Task:
+    def train_prompts(self, seed: int) -> Any:
+        index = 0
+        while True:
+            index += 1
+            yield Prompt([index % 7 + 1, 2])
+
+    def reward(self, prompt: Any, response_ids: list[int], text: str) -> float:
+        return float(response_ids[0] % 2)
+
+
+class Tokenizer:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+class Rollout:
+    def __init__(self) -> None:
+        self.version = 0
+        self.calls = 0
+
+    def publish_weights(self, version: int, hf_dir: str, checksum: str) -> dict[str, Any]:
+        self.version = version
+        return {}
+
+    async def generate(self, prompt_ids: list[int], n: int = 1, **sampling: Any) -> list[Completion]:
+        self.calls += 1
+        return [Completion([self.calls + i, 3], [-0.5, -0.5], "stop", self.version) for i in range(n)]
+
+
+class Training:
+    """A training pool whose worker dies in the calls named by `deaths` ((method, step) pairs, or `always`)."""
+
+    def __init__(self, deaths: set[tuple[str, int]], always: bool = False, other_error: bool = False) -> None:
+        self.deaths = set(deaths)
+        self.always = always
+        self.other_error = other_error
+        self.step = 0
+        self.trained: list[int] = []
+        self.restarts = 0
+
+    def _maybe_die(self, method: str, step: int) -> None:
+        if self.other_error:
+            raise ValueError("a bug in the loss")
+        if self.always or (method, step) in self.deaths:
+            self.deaths.discard((method, step))
+            try:
+                raise WorkerLostError(f"libra-train.{method}: the process of rank(s) [0] died", [0])
+            except WorkerLostError as lost:  # the pool's wrapper re-raises with the worker error as cause
+                raise RuntimeError(f"{method} failed") from lost
+
+    def train_step(self, samples: list[Any], step: int) -> dict[str, float]:
+        self._maybe_die("train_step", step)
+        self.trained.append(step)
+        self.step = step
+        return {"loss": 0.1, "tokens": float(len(samples) * 2)}
+
+    def export_hf(self, out_dir: str) -> str:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        return "sha256t1:fake"
+
+    def save_checkpoint(self, ckpt_dir: str, step: int) -> str:
+        (Path(ckpt_dir) / "partial").write_text("written before the worker died")
+        self._maybe_die("save_checkpoint", step)
+        (Path(ckpt_dir) / "step.json").write_text(json.dumps({"step": step}))
+        return ckpt_dir
+
+    def load_checkpoint(self, ckpt_dir: str) -> int:
+        self.step = int(json.loads((Path(ckpt_dir) / "step.json").read_text())["step"])
+        return self.step
+
+    def restart(self, exc: BaseException) -> dict[str, Any] | None:
+        if not training_worker_lost(exc):
+            return None
+        self.restarts += 1
+        self.step = 0  # the new workers hold the initial weights
+        return {"switch_s": 0.5}
+
+
+def run_loop(tmp_path: Path, training: Training) -> tuple[RLLoop, RunDir]:
+    cfg = load_dict({"model_path": str(tmp_path / "m"), "rollout_kv_cache_bytes": 2**26,
+                     "cluster": {"gpu_type": "cpu-logical", "logical_gpus": True, "gpus_per_node": 2},
+                     "train_gpus": 1, "rollout_gpus": 1, "megatron_params_dtype": "fp32", "max_model_len": 256,
+                     "max_new_tokens": 2, "batch_size": 2, "n_samples": 2, "total_steps": END_STEP,
+                     "max_head_offpolicyness": 0, "megatron_use_cpu_initialization": True,
+                     "optimizer": {"clip_grad": 0}, "task": {"eval_interval": 0},
+                     "checkpoint": {"interval_steps": 2, "keep_last": 5},
+                     "build_tiny_model": {"enabled": True, "num_heads": 2, "num_kv_heads": 1}})
+    run = RunDir.at(tmp_path / "run").create()
+    events = EventLog(run.events_jsonl)
+    rollout = Rollout()
+    store = DesiredStore(None, DesiredState(rollout_instances=1, rollout_tp=1, train_gpus=1, train_layout=TrainLayout()))
+    session = JobSession(training=training, generation=rollout, desired=store,  # type: ignore[arg-type]
+                         publish_weights=rollout.publish_weights, served_versions=lambda: [rollout.version],
+                         wake_reconciler=lambda: None, pool_status=dict, pool_text=dict, tick_errors=lambda: 0,
+                         restart_training=training.restart)
+    loop = RLLoop(cfg, run, session, events, Reporter(run, "t", END_STEP, NullConsole(), events, None), Task(),
+                  Tokenizer(), StopRequest(), END_STEP)
+    loop.restore()
+    try:
+        loop.run_steps()
+    finally:
+        loop.stop_producer()
+    return loop, run
+
+
+def _events(run: RunDir, kind: str) -> list[dict[str, Any]]:
+    return [e for e in map(json.loads, run.events_jsonl.read_text().splitlines()) if e["kind"] == kind]
+
+
+@pytest.mark.parametrize(
+    ("deaths", "trained", "resumed", "repeated"),
+    [
+        pytest.param({("train_step", 3)}, [1, 2, 3, 4, 5, 6], [2], [0], id="mid-step-after-a-checkpoint"),
+        pytest.param({("train_step", 4)}, [1, 2, 3, 3, 4, 5, 6], [2], [1], id="mid-step-repeats-the-step-after-it"),
+        pytest.param({("train_step", 1)}, [1, 2, 3, 4, 5, 6], [0], [0], id="before-any-checkpoint"),
+        pytest.param({("save_checkpoint", 4)}, [1, 2, 3, 4, 3, 4, 5, 6], [2], [1],
+                     id="mid-checkpoint-write-resumes-the-one-before"),
+        pytest.param({("train_step", 3), ("save_checkpoint", 6)}, [1, 2, 3, 4, 5, 6, 5, 6], [2, 4], [0, 1],
+                     id="two-losses"),
+    ],
+)
+def test_a_lost_worker_resumes_from_the_newest_complete_checkpoint(
+        tmp_path: Path, deaths: set[tuple[str, int]], trained: list[int], resumed: list[int], repeated: list[int]) -> None:
+    training = Training(deaths)
+    loop, run = run_loop(tmp_path, training)
+    assert loop.state.step == END_STEP and training.trained == trained
+    assert training.restarts == len(resumed) == loop.training_restarts
+    rows = [json.loads(line) for line in run.metrics_jsonl.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, END_STEP + 1)), "each step counted once"
+    assert [r["step"] for r in loop.rows] == list(range(1, END_STEP + 1))
+    assert [e["step"] for e in _events(run, "resumed")] == resumed
+    recovered = _events(run, "train_recovered")
+    assert [e["steps_repeated"] for e in recovered] == repeated
+    assert [e["lost_step"] for e in _events(run, "train_recovered")] == [s for _, s in sorted(deaths, key=lambda d: d[1])]
+    assert len(_events(run, "train_worker_lost")) == len(resumed)
+
+
+def test_a_worker_lost_again_and_again_fails_the_job(tmp_path: Path) -> None:
+    training = Training(set(), always=True)
+    with pytest.raises(TrainingWorkersLostError, match="times in a row without saving a checkpoint") as failure:
+        run_loop(tmp_path, training)
+    assert training.restarts == MAX_TRAINING_RESTARTS + 1
+    assert "launch the job again on this run directory" in str(failure.value)
+    assert failure.value.__cause__ is not None
+    assert failure.value.__cause__.__cause__.__class__ is WorkerLostError
+
+
+def test_another_training_error_is_not_a_lost_worker(tmp_path: Path) -> None:
+    training = Training(set(), other_error=True)
+    with pytest.raises(ValueError, match="a bug in the loss"):
+        run_loop(tmp_path, training)
+    assert training.restarts == 0

@@ -1,0 +1,129 @@
+"""A weight publish that meets failed servers: with `leave_out_failed`, an instance whose server is gone (FAILED
+already, killed or hung during its reload: the reload broke and /health does not answer) is left out, stays
+FAILED with its requests sent elsewhere, and the publish validates the others and moves the pool's version;
+a live server that refused the reload, or a publish that reached no server at all, still fails it."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from libra.metering.spec import CpuMetering
+from libra.rollout import health
+from libra.rollout.client import InstanceFailure
+from libra.rollout.publisher import CurrentWeights, WeightPublisher
+from libra.rollout.reload import AckExpectation, WeightSyncError, leave_out_failed_servers
+from libra.rollout.router import FAILED, READY, InstanceSlot, Router
+from libra.rollout.spec import RolloutPoolSpec
+from libra.rollout.tracing import InstanceTracers
+
+SUM = "sha256t1:" + "ab" * 32
+
+
+@pytest.fixture(autouse=True)
+def no_pause_between_health_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(health, "HEALTH_INTERVAL_S", 0.0)
+
+
+class FakeServer:
+    """A server's control endpoints; `mode`: ok | dies (the reload breaks and /health stops answering) |
+    refuses (the reload breaks, the server stays up) | hung (nothing answers /health)."""
+
+    def __init__(self, instance_id: str, mode: str) -> None:
+        self.instance_id = instance_id
+        self.mode = mode
+        self.reloaded = False
+
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        return self.mode in ("ok", "refuses")
+
+    async def pause(self, mode: str = "wait", timeout_s: float = 60.0) -> None:
+        return None
+
+    async def rpc(self, method: str, kwargs: dict[str, str], timeout_s: float) -> list[dict[str, Any]]:
+        if self.mode in ("dies", "refuses"):
+            raise InstanceFailure(f"{self.instance_id}: /collective_rpc failed: ServerDisconnectedError")
+        self.reloaded = True
+        return [{"weight_version": int(kwargs["weight_version"]), "checksum": SUM, "load_s": 0.01}]
+
+    async def reset_prefix_cache(self, timeout_s: float = 60.0) -> bool:
+        return True
+
+    async def resume(self, timeout_s: float = 60.0) -> None:
+        return None
+
+
+def spec() -> RolloutPoolSpec:
+    return RolloutPoolSpec(
+        model_path="/m", num_instances=2, tp_size=1, max_model_len=64, kv_cache_bytes=0, port_base=0,
+        enforce_eager=True, manage_processes=False, endpoints=("http://a", "http://b"), reload_method="inplace",
+        reload_strategy="parallel", max_concurrent_requests=4, seed=0, gpu_memory_utilization=0.5,
+        metering=CpuMetering(cores_per_gpu=0.0, job="", cgroup_root=""),
+    )  # fmt: skip
+
+
+def publish(modes: dict[str, str], leave_out_failed: bool, failed_before: tuple[str, ...] = ()) -> tuple[
+        Any, dict[str, str], int]:  # fmt: skip
+    """Publish v1 to instances in `modes`; (report or the WeightSyncError, states after, pool version)."""
+
+    async def scenario() -> tuple[Any, dict[str, str], int]:
+        router = Router(max_concurrent=4, request_timeout_s=5, wait_for_instance_s=0.1)
+        for iid, mode in modes.items():
+            router.slots[iid] = InstanceSlot(id=iid, client=FakeServer(iid, mode), host="h", port=1,  # type: ignore[arg-type]
+                                             weight_version=0, state=FAILED if iid in failed_before else READY)
+        current = CurrentWeights(version=0, model_path="/m", checksum=SUM)
+        publisher = WeightPublisher(spec(), router, None, InstanceTracers(None), current)
+        try:
+            outcome: Any = await publisher.publish(AckExpectation(1, SUM, "inplace", "parallel"), "/w/1", None,
+                                                   leave_out_failed)
+        except WeightSyncError as exc:
+            outcome = exc
+        return outcome, {iid: s.state for iid, s in router.slots.items()}, current.version
+
+    return asyncio.run(scenario())
+
+
+CASES = {
+    # name: (modes, leave_out_failed, failed before the publish, left out, states after, pool version)
+    "killed-mid-reload-left-out": ({"a": "ok", "b": "dies"}, True, (), {"b"}, {"a": READY, "b": FAILED}, 1),
+    "hung-before-reload-left-out": ({"a": "ok", "b": "hung"}, True, (), {"b"}, {"a": READY, "b": FAILED}, 1),
+    "failed-before-left-out": ({"a": "ok", "b": "ok"}, True, ("b",), {"b"}, {"a": READY, "b": FAILED}, 1),
+}
+ERRORS = {
+    # name: (modes, leave_out_failed, failed before, instances the error names)
+    "without-leave-out-a-dead-server-fails-it": ({"a": "ok", "b": "dies"}, False, (), {"b"}),
+    "a-live-server-refusing-fails-it": ({"a": "ok", "b": "refuses"}, True, (), {"b"}),
+    "no-server-took-the-weights": ({"a": "dies", "b": "hung"}, True, (), {"a", "b"}),
+}
+
+
+@pytest.mark.parametrize(("modes", "leave_out", "before", "left_out", "states", "version"), CASES.values(),
+                         ids=CASES.keys())
+def test_a_failed_server_is_left_out(modes: dict[str, str], leave_out: bool, before: tuple[str, ...],
+                                     left_out: set[str], states: dict[str, str], version: int) -> None:
+    report, after, pool_version = publish(modes, leave_out, before)
+    assert not isinstance(report, WeightSyncError), report
+    assert {iid for iid, _ in report.left_out} == left_out
+    assert all("reload failed" in why for _, why in report.left_out)
+    assert report.acks_expected == report.acks_validated == len(modes) - len(left_out)
+    assert after == states and pool_version == version
+
+
+@pytest.mark.parametrize(("modes", "leave_out", "before", "named"), ERRORS.values(), ids=ERRORS.keys())
+def test_a_publish_still_fails(modes: dict[str, str], leave_out: bool, before: tuple[str, ...],
+                               named: set[str]) -> None:
+    error, _, pool_version = publish(modes, leave_out, before)
+    assert isinstance(error, WeightSyncError) and set(error.failures) == named
+    assert pool_version == 0, "the pool's version moves only with a validated publish"
+
+
+def test_leave_out_keeps_everything_when_every_server_failed() -> None:
+    from libra.rollout.reload import ReloadAck
+
+    expect = AckExpectation(1, SUM, "inplace", "parallel", ["a", "b"])
+    acks = [ReloadAck(iid, "h", "inplace", "parallel", 0, "", 0.0, 0.0, 0.0, 0.0, error="gone", server_failed=True)
+            for iid in ("a", "b")]
+    kept, kept_acks, left_out = leave_out_failed_servers(expect, acks)
+    assert (kept, kept_acks, left_out) == (expect, acks, {})
