@@ -35,6 +35,7 @@ class OperatorServer:
     address: str
     run_root: Path
     info: dict[str, Any]
+    service: OperatorService | None = None
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop serving (calls in flight get `grace_s`) and remove the address and token files."""
@@ -42,6 +43,8 @@ class OperatorServer:
             self.server.stop(grace_s).wait(grace_s + 1.0)
         finally:
             remove_files(self.run_root)
+            if self.service is not None:
+                self.service.close()
 
 
 def start_operator_api(job: JobControl) -> OperatorServer | None:
@@ -64,7 +67,8 @@ def start_operator_api(job: JobControl) -> OperatorServer | None:
                  ("grpc.so_reuseport", 0)],
         maximum_concurrent_rpcs=4 * WORKERS,
     )
-    pb_grpc.add_OperatorServicer_to_server(OperatorService(job, token), server)
+    service = OperatorService(job, token)
+    pb_grpc.add_OperatorServicer_to_server(service, server)
     where = target(api.bind_address, api.port)
     try:
         if tls:
@@ -75,10 +79,11 @@ def start_operator_api(job: JobControl) -> OperatorServer | None:
             port = server.add_insecure_port(where)
     except RuntimeError as exc:
         remove_files(run_root)
+        service.close()
         raise OperatorApiError(f"the operator API cannot listen on {where}: {exc}; choose another "
                                "operator_api.port (0 = any free port)") from exc
     server.start()
     info = write_address(run_root, api.bind_address, port, api.tls_cert_path if tls else "")
     job.events.emit("operator_api", f"operator API on {target(api.bind_address, port)}"
                     f"{' (TLS)' if tls else ''}", address=info["address"], tls=tls)
-    return OperatorServer(server, info["address"], run_root, info)
+    return OperatorServer(server, info["address"], run_root, info, service)

@@ -23,7 +23,7 @@ from libra.api.generated import operator_pb2 as pb
 from libra.api.generated import operator_pb2_grpc as pb_grpc
 from libra.api.job import JobControl
 from libra.api.requests import InvalidRequest, validate_request
-from libra.api.status import REPLAN_KIND, last_reconfiguration, last_replan_decision, pool_fields
+from libra.api.status import StatusDigest, pool_fields
 from libra.config.errors import format_value
 from libra.controller.reconfigure import ReconfigureRefused, plan_reconfigure
 from libra.run_dir import read_json, read_jsonl
@@ -45,6 +45,11 @@ class OperatorService(pb_grpc.OperatorServicer):
     def __init__(self, job: JobControl, token: str) -> None:
         self.job = job
         self._token = token
+        self.digest, self._stop_digest = StatusDigest.follow(job.events.subscribe, job.run.events_jsonl)
+
+    def close(self) -> None:
+        """Stop following the job's events (the server has stopped)."""
+        self._stop_digest()
 
     # ---- guards ----------------------------------------------------------------------------------------
     def _authorized(self, call: str, context: grpc.ServicerContext) -> bool:
@@ -102,12 +107,8 @@ class OperatorService(pb_grpc.OperatorServicer):
         return "running" if state == "paused" else state  # resumed: the loop has not written it yet
 
     def status_object(self) -> dict[str, Any]:
-        desired = self.job.desired
-        events = [e for e in read_jsonl(self.job.run.events_jsonl)
-                  if str(e.get("kind", "")).startswith("reconfigure_") or e.get("kind") in ("operator", REPLAN_KIND)]
-        return {"state": self.state(), "step": self.job.step, **pool_fields(desired),
-                "paused": self.job.step_gate.paused, "last_reconfiguration": last_reconfiguration(events),
-                "last_replan_decision": last_replan_decision(events)}
+        return {"state": self.state(), "step": self.job.step, **pool_fields(self.job.desired),
+                "paused": self.job.step_gate.paused, **self.digest.fields()}
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         def body() -> pb.StatusReply:

@@ -8,7 +8,10 @@ Top-level keys: `state`, `step`, `rollout_gpus`, `rollout_instances`, `rollout_t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from libra.controller.state import DesiredState
@@ -81,3 +84,71 @@ def run_dir_fields(run: RunDir) -> dict[str, Any]:
     fields["last_reconfiguration"] = last_reconfiguration(events)
     fields["last_replan_decision"] = last_replan_decision(events)
     return fields
+
+
+def _reconfiguration_event(event: dict[str, Any]) -> bool:
+    """Whether `last_reconfiguration` reads `event`."""
+    kind = event.get("kind")
+    return kind in _RECONFIGURE_KINDS or (kind == "operator" and event.get("call") == "Reconfigure"
+                                          and event.get("outcome") == "accepted")
+
+
+def _event_key(event: dict[str, Any]) -> tuple[Any, ...]:
+    return event.get("ts"), event.get("kind"), event.get("generation"), event.get("message")
+
+
+class StatusDigest:
+    """What a live status reports from the event log (the last reconfiguration, the last re-planning decision),
+    kept in memory as the job emits the events, so that a status call reads no file: read once from the run's
+    `events.jsonl` (earlier launches of the run included), then followed."""
+
+    KEEP_RECONFIGURATION_EVENTS = 64  # a reconfiguration writes up to 3 of them; the newest one is what counts
+
+    def __init__(self) -> None:
+        self._reconfiguration: deque[dict[str, Any]] = deque(maxlen=self.KEEP_RECONFIGURATION_EVENTS)
+        self._replan: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    def add(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            if _reconfiguration_event(event):
+                self._reconfiguration.append(event)
+            elif event.get("kind") == REPLAN_KIND:
+                self._replan = event
+
+    @classmethod
+    def follow(cls, subscribe: Callable[[Callable[[dict[str, Any]], None]], Callable[[], None]],
+               events_jsonl: Path) -> tuple[StatusDigest, Callable[[], None]]:
+        """A digest of `events_jsonl` that follows the events `subscribe` delivers from now on; with the
+        unsubscribe. Events emitted while the file is read are added once, after it."""
+        digest = cls()
+        arrived: list[dict[str, Any]] = []
+        handoff = threading.Lock()
+        seeded = False
+
+        def listener(event: dict[str, Any]) -> None:
+            with handoff:
+                if seeded:
+                    digest.add(event)
+                else:
+                    arrived.append(event)
+
+        unsubscribe = subscribe(listener)
+        on_file = set()
+        for event in read_jsonl(events_jsonl):
+            if _reconfiguration_event(event) or event.get("kind") == REPLAN_KIND:
+                digest.add(event)
+                on_file.add(_event_key(event))
+        with handoff:
+            for event in arrived:
+                if _event_key(event) not in on_file:
+                    digest.add(event)
+            seeded = True
+        return digest, unsubscribe
+
+    def fields(self) -> dict[str, Any]:
+        """`last_reconfiguration` and `last_replan_decision`, as `run_dir_fields` reads them from the file."""
+        with self._lock:
+            reconfiguration = list(self._reconfiguration)
+            replan = self._replan
+        return {"last_reconfiguration": last_reconfiguration(reconfiguration), "last_replan_decision": replan}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,30 @@ PLACEMENT_TIMEOUT_S = 60.0
 STARTUP_ATTEMPTS = 3
 _STARTUP_TIMEOUT_TEXT = "timed out during startup"
 
+# Ray puts Unix sockets at TMP/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store and refuses a path
+# over 107 bytes (the AF_UNIX limit), so a deep temp dir (a run directory, a test's tmp path) cannot hold
+# them; such a dir is reached through a short link instead.
+AF_UNIX_PATH_MAX = 107
+_RAY_SOCKET_SUFFIX_BYTES = len("/session_2026-12-01_22-54-30_984217_4194304/sockets/plasma_store")
+
 T = TypeVar("T")
+
+
+def socket_safe_dir(tmp_dir: str, reserve: str = "") -> tuple[str, str | None]:
+    """`tmp_dir`, or (when Ray's socket paths under `tmp_dir + reserve` would pass the AF_UNIX limit) a short
+    link to it in the system's temp dir; second item: the folder holding the link, to remove at shutdown."""
+    if len(os.fsencode(tmp_dir + reserve)) + _RAY_SOCKET_SUFFIX_BYTES <= AF_UNIX_PATH_MAX:
+        return tmp_dir, None
+    base = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+    link_dir = tempfile.mkdtemp(prefix="lr-", dir=base)
+    link = os.path.join(link_dir, "r")
+    os.symlink(os.path.abspath(tmp_dir), link)
+    if len(os.fsencode(link + reserve)) + _RAY_SOCKET_SUFFIX_BYTES > AF_UNIX_PATH_MAX:
+        shutil.rmtree(link_dir, ignore_errors=True)
+        raise OSError(f"Ray's socket paths under {tmp_dir} (and under a link to it in {base}) would be longer "
+                      f"than {AF_UNIX_PATH_MAX} bytes; set TMPDIR to a short directory")
+    log.info("Ray's temp dir %s is too deep for its sockets; reached through %s", tmp_dir, link)
+    return link, link_dir
 
 
 def is_startup_timeout(exc: BaseException) -> bool:
@@ -75,6 +99,7 @@ class RayRuntime:
     tmp_dir: str = ""
     _placement_groups: list[PlacementGroup] = field(default_factory=list)
     _local_nodes: Any = None  # the `ray.cluster_utils.Cluster` of `start_nodes`, stopped by `shutdown`
+    _link_dir: str | None = None  # the short link's folder of `socket_safe_dir`, removed by `shutdown`
 
     @classmethod
     def start(
@@ -95,20 +120,27 @@ class RayRuntime:
             ray.init(address=address, namespace=namespace, log_to_driver=False)
             return cls(address=address, owned=False, namespace=namespace)
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        tmp = tmp_dir or tempfile.mkdtemp(prefix="libra-ray-")
-        os.makedirs(tmp, exist_ok=True)
+        if tmp_dir:
+            os.makedirs(tmp_dir, exist_ok=True)
+        tmp, link_dir = socket_safe_dir(tmp_dir or tempfile.mkdtemp(prefix="libra-ray-"))
         os.environ["RAY_TMPDIR"] = tmp
-        ctx: Any = start_with_retries(lambda: ray.init(
-            num_gpus=num_gpus,
-            num_cpus=num_cpus if num_cpus is not None else max(2 * num_gpus, 4),
-            namespace=namespace,
-            include_dashboard=False,
-            log_to_driver=False,
-            object_store_memory=object_store_bytes,
-            _temp_dir=tmp,
-        ), tmp)
+        try:
+            ctx: Any = start_with_retries(lambda: ray.init(
+                num_gpus=num_gpus,
+                num_cpus=num_cpus if num_cpus is not None else max(2 * num_gpus, 4),
+                namespace=namespace,
+                include_dashboard=False,
+                log_to_driver=False,
+                object_store_memory=object_store_bytes,
+                _temp_dir=tmp,
+            ), tmp)
+        except BaseException:
+            if link_dir is not None:
+                shutil.rmtree(link_dir, ignore_errors=True)
+            raise
         log.info("started local Ray with %d logical GPUs at %s", num_gpus, ctx.address_info["gcs_address"])
-        return cls(address=ctx.address_info["gcs_address"], owned=True, namespace=namespace, tmp_dir=tmp)
+        return cls(address=ctx.address_info["gcs_address"], owned=True, namespace=namespace, tmp_dir=tmp,
+                   _link_dir=link_dir)
 
     @classmethod
     def start_nodes(
@@ -132,8 +164,9 @@ class RayRuntime:
         from ray.cluster_utils import Cluster
 
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        tmp = tmp_dir or tempfile.mkdtemp(prefix="libra-ray-")
-        os.makedirs(tmp, exist_ok=True)
+        if tmp_dir:
+            os.makedirs(tmp_dir, exist_ok=True)
+        tmp, link_dir = socket_safe_dir(tmp_dir or tempfile.mkdtemp(prefix="libra-ray-"), reserve="/ray")
         os.environ["RAY_TMPDIR"] = tmp
         cpus = cpus_per_node if cpus_per_node is not None else max(2 * gpus_per_node, 4)
         node_args: dict[str, Any] = {"num_gpus": gpus_per_node, "num_cpus": cpus,
@@ -141,19 +174,24 @@ class RayRuntime:
         # the cluster's files go where Ray looks for them under RAY_TMPDIR (its address file among them)
         session_root = os.path.join(tmp, "ray")
         os.makedirs(session_root, exist_ok=True)
-        nodes = start_with_retries(lambda: Cluster(initialize_head=True, head_node_args={
-            **node_args, "temp_dir": session_root, "include_dashboard": False}), tmp)
+        nodes = None
         try:
+            nodes = start_with_retries(lambda: Cluster(initialize_head=True, head_node_args={
+                **node_args, "temp_dir": session_root, "include_dashboard": False}), tmp)
             for _ in range(num_nodes - 1):
                 nodes.add_node(**node_args)
             nodes.wait_for_nodes()
             ray.init(address=nodes.address, namespace=namespace, log_to_driver=False)
         except BaseException:
-            nodes.shutdown()
+            if nodes is not None:
+                nodes.shutdown()
+            if link_dir is not None:
+                shutil.rmtree(link_dir, ignore_errors=True)
             raise
         log.info("started a local Ray cluster of %d nodes x %d logical GPUs at %s", num_nodes, gpus_per_node,
                  nodes.address)
-        return cls(address=nodes.address, owned=True, namespace=namespace, tmp_dir=tmp, _local_nodes=nodes)
+        return cls(address=nodes.address, owned=True, namespace=namespace, tmp_dir=tmp, _local_nodes=nodes,
+                   _link_dir=link_dir)
 
     @staticmethod
     def node_gpus() -> dict[str, tuple[int, int]]:
@@ -246,3 +284,6 @@ class RayRuntime:
         if self._local_nodes is not None:
             self._local_nodes.shutdown()
             self._local_nodes = None
+        if self._link_dir is not None:
+            shutil.rmtree(self._link_dir, ignore_errors=True)
+            self._link_dir = None

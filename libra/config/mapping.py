@@ -23,7 +23,7 @@ from libra.config.schema import AlgorithmConfig, CheckpointConfig, Config, Optim
 from libra.metering.spec import CpuMetering
 from libra.models.tiny import TinyModelSpec
 from libra.observability.phase_trace import TraceSettings
-from libra.rollout.spec import RolloutPoolSpec
+from libra.rollout.spec import HealthRule, RolloutPoolSpec
 from libra.training.spec import CheckpointRetention, MegatronOptions, OptimizerSpec, TrainingPoolSpec
 from planner.layout import TrainLayout
 from planner.workload import MemoryBudget, RolloutOptions, TrainOptions, Workload
@@ -145,6 +145,9 @@ def rollout_pool_spec(cfg: Config, num_instances: int, kv_cache_bytes: int, run_
         gpu_memory_utilization=cfg.rollout_gpu_memory_utilization,
         metering=cpu_metering(cfg),
         trace=trace,
+        health=HealthRule(interval_s=cfg.rollout_health_check_interval_s,
+                          timeout_s=cfg.rollout_health_check_timeout_s,
+                          failures_to_fail=cfg.rollout_health_check_failures),
     )
 
 

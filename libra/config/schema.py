@@ -132,6 +132,13 @@ class Config(DataClassJsonMixin):
     rollout_port_base: int = opt(8100, "First HTTP port of the rollout servers (one port per instance).",
                                  ge=1024, le=65535)
     rollout_enforce_eager: bool = opt(False, "Run vLLM without graph capture/compilation (faster start).")
+    rollout_health_check_interval_s: float = opt(
+        5.0, "Seconds between /health checks of each serving rollout instance (and between a publish's checks "
+        "before it reloads an instance).", gt=0)
+    rollout_health_check_timeout_s: float = opt(10.0, "Seconds one /health check may take.", gt=0)
+    rollout_health_check_failures: int = opt(
+        3, "/health checks in a row without an answer that make a rollout instance failed (it is replaced, its "
+        "requests re-sent). A hung server is failed within failures x (interval + timeout) seconds.", ge=1)
     rollout_temperature: float = opt(1.0, "Sampling temperature of rollouts.", ge=0)
     rollout_top_p: float = opt(1.0, "Nucleus sampling top_p of rollouts.", gt=0, le=1)
     expected_response_tokens: int = opt(

@@ -1,7 +1,9 @@
-"""The health rule of a rollout instance: how often its server's /health is asked, how long an answer may take,
-how many misses in a row make the instance failed, and the bound on detecting a hung server that follows
-from them. The pool's monitor applies it to the serving-ready instances (`monitor`); the publisher applies it
-before a reload (`answers_health`), where a hung server would hold the reload's drain for reload_timeout_s.
+"""The health rule of a rollout instance, applied: the pool's monitor checks each serving-ready instance's
+/health every `HealthRule.interval_s` and fails it after `failures_to_fail` misses in a row (`monitor`); the
+publisher checks an instance the same way before reloading it (`answers_health`), where a hung server would
+hold the reload's drain for reload_timeout_s, and watches it during an in-place reload (`unless_hung`), where
+a server that hangs in the middle would hold the publish for reload_timeout_s. The rule itself (`libra.rollout.spec.HealthRule`) comes from the
+job's `rollout_health_check_*` options; a hung server is failed within `hang_detection_bound_s`.
 
 An instance declared failed has its requests in flight sent to another instance (`Router.fail_instance`).
 """
@@ -9,43 +11,69 @@ An instance declared failed has its requests in flight sent to another instance 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
 
-from libra.rollout.client import ServerClient
+from libra.rollout.client import InstanceFailure, ServerClient
 from libra.rollout.router import READY, Router
+from libra.rollout.spec import HealthRule
 
-HEALTH_INTERVAL_S = 5.0
-HEALTH_TIMEOUT_S = 10.0
-HEALTH_FAILURES_TO_FAIL = 3
-# A server that stops answering (hung, stopped) right after a good check is declared failed within this
-# bound: each of the misses takes the pause between rounds plus a check that runs to its timeout.
-HANG_DETECTION_BOUND_S = HEALTH_FAILURES_TO_FAIL * (HEALTH_INTERVAL_S + HEALTH_TIMEOUT_S)
+T = TypeVar("T")
 
 
-def failure_reason(misses: int) -> str:
-    return f"/health did not answer {misses} checks in a row ({HEALTH_TIMEOUT_S:.0f}s timeout each)"
-
-
-async def answers_health(client: ServerClient) -> bool:
-    """True at the first answer; False once HEALTH_FAILURES_TO_FAIL checks in a row got none."""
-    for attempt in range(HEALTH_FAILURES_TO_FAIL):
+async def answers_health(client: ServerClient, rule: HealthRule) -> bool:
+    """True at the first answer; False once `rule.failures_to_fail` checks in a row got none."""
+    for attempt in range(rule.failures_to_fail):
         if attempt:
-            await asyncio.sleep(HEALTH_INTERVAL_S)
-        if await client.health(HEALTH_TIMEOUT_S):
+            await asyncio.sleep(rule.interval_s)
+        if await client.health(rule.timeout_s):
             return True
     return False
 
 
-async def monitor(router: Router) -> None:
-    """Check every READY instance each round; fail the ones that missed HEALTH_FAILURES_TO_FAIL in a row."""
+async def until_failed(client: ServerClient, rule: HealthRule) -> str:
+    """Check `client` every `rule.interval_s` and return the failure reason once it missed
+    `rule.failures_to_fail` checks in a row (runs until cancelled while it answers)."""
+    misses = 0
+    while True:
+        await asyncio.sleep(rule.interval_s)
+        misses = 0 if await client.health(rule.timeout_s) else misses + 1
+        if misses >= rule.failures_to_fail:
+            return rule.failure_reason(misses)
+
+
+async def unless_hung(work: Awaitable[T], client: ServerClient, rule: HealthRule, what: str) -> T:
+    """`work`, watched by the health rule: a server that stops answering /health while it runs (hung,
+    stopped) ends it with an `InstanceFailure` within the rule's bound, instead of after `work`'s own timeout.
+    Only for work the server answers /health during (an in-place reload; not a restart)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(until_failed(client, rule))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        reason = watch.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise InstanceFailure(f"hung during {what}: {reason}")
+    finally:
+        for pending in (task, watch):
+            if not pending.done():
+                pending.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+
+
+async def monitor(router: Router, rule: HealthRule) -> None:
+    """Check every READY instance each round; fail the ones that missed `rule.failures_to_fail` in a row."""
     misses: dict[str, int] = {}
     while True:
-        await asyncio.sleep(HEALTH_INTERVAL_S)
+        await asyncio.sleep(rule.interval_s)
         for slot in sorted(router.slots.values(), key=lambda s: s.id):
             if slot.state != READY:
                 continue
-            if await slot.client.health(HEALTH_TIMEOUT_S):
+            if await slot.client.health(rule.timeout_s):
                 misses[slot.id] = 0
                 continue
             misses[slot.id] = misses.get(slot.id, 0) + 1
-            if misses[slot.id] >= HEALTH_FAILURES_TO_FAIL and slot.state == READY:
-                await router.fail_instance(slot, failure_reason(misses[slot.id]))
+            if misses[slot.id] >= rule.failures_to_fail and slot.state == READY:
+                await router.fail_instance(slot, rule.failure_reason(misses[slot.id]))

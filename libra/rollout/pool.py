@@ -162,7 +162,7 @@ class RolloutPool:
             self._current.checksum = record.checksum
         else:
             self._current.version = await connect_endpoints(self.spec, session, router)
-        parts.monitor = asyncio.get_running_loop().create_task(health.monitor(router))
+        parts.monitor = asyncio.get_running_loop().create_task(health.monitor(router, self.spec.health))
 
     def shutdown(self, keep_servers: bool = False) -> None:
         """Abort in-flight requests and stop the pool. keep_servers=True leaves managed servers running (and

@@ -7,7 +7,8 @@ instance out of routing and waits for its requests in flight, which therefore fi
 carry the old version; the server-side pause then only waits for other clients' requests.
 
 With `leave_out_failed`, an instance whose server has failed (FAILED before the publish, or killed or hung
-during its reload: the reload broke and /health no longer answers) does not fail the publish: it stays
+during its reload: the reload broke and /health no longer answers; an in-place reload is watched by the health
+rule, so a server that hangs in it is failed within the rule's bound) does not fail the publish: it stays
 FAILED on its old weights for the caller to replace, and the publish validates the other instances.
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 
 from libra.observability.phase_trace import now_ns
 from libra.rollout.client import InstanceFailure
-from libra.rollout.health import HEALTH_FAILURES_TO_FAIL, HEALTH_TIMEOUT_S, answers_health, failure_reason
+from libra.rollout.health import answers_health, unless_hung
 from libra.rollout.lifecycle import InstanceManager, worker_report
 from libra.rollout.reload import (
     AckExpectation,
@@ -194,8 +195,9 @@ class WeightPublisher:
                 return ReloadAck(**fields, **unchanged, total_s=time.monotonic() - start, error=error,
                                  server_failed=slot.state == FAILED)
             # A hung server would hold the drain below for reload_timeout_s: it has failed, per the health rule.
-            if not await answers_health(slot.client):
-                error = f"its server is hung or gone: {failure_reason(HEALTH_FAILURES_TO_FAIL)}"
+            rule = self.spec.health
+            if not await answers_health(slot.client, rule):
+                error = f"its server is hung or gone: {rule.failure_reason(rule.failures_to_fail)}"
                 return ReloadAck(**fields, **unchanged, total_s=time.monotonic() - start, error=error,
                                  server_failed=True)
             await router.set_state(slot, RELOADING)
@@ -203,7 +205,9 @@ class WeightPublisher:
                 if not await router.wait_drained(slot, self.spec.reload_timeout_s):
                     raise RolloutError(f"requests still running after {self.spec.reload_timeout_s:.0f}s")
                 if expect.method == "inplace":
-                    process_stop_s, report = 0.0, await self._reload_inplace(slot, expect.version, hf_dir)
+                    reload = self._reload_inplace(slot, expect.version, hf_dir)
+                    report = await unless_hung(reload, slot.client, rule, "its in-place reload")
+                    process_stop_s = 0.0
                     model_load_s = report["load_s"]
                 else:
                     process_stop_s, model_load_s, report = await self._reload_restart(
@@ -213,7 +217,8 @@ class WeightPublisher:
                 # Killed or hung mid-reload, or a reload the server refused? The reload broke already, so one
                 # check decides: a server that does not answer it has failed; one that answers and refused the
                 # weights fails the publish.
-                server_failed = isinstance(exc, InstanceFailure) and not await slot.client.health(HEALTH_TIMEOUT_S)
+                server_failed = (isinstance(exc, InstanceFailure)
+                                 and not await slot.client.health(rule.timeout_s))
                 return ReloadAck(
                     **fields,
                     **unchanged,

@@ -74,14 +74,24 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("no server command given after --")
 
-    child = subprocess.Popen(command, preexec_fn=stop_with_parent)
+    # The handlers are in place before the server starts: a signal that arrives while it starts is kept and
+    # passed on once it runs (the default SIGINT handler would end the guard inside Popen, server left alive).
+    started: list[subprocess.Popen[bytes]] = []
+    pending: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
-        if child.poll() is None:
-            child.send_signal(signum)
+        if not started:
+            pending.append(signum)
+        elif started[0].poll() is None:
+            started[0].send_signal(signum)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    child = subprocess.Popen(command, preexec_fn=stop_with_parent)
+    started.append(child)
+    for signum in pending:
+        if child.poll() is None:
+            child.send_signal(signum)
     while True:
         try:
             code = child.wait(timeout=args.poll_s)

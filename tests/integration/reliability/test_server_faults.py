@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from libra.rollout.health import HANG_DETECTION_BOUND_S
-
 from ..controller.conftest import (
     live,
     make_workspace,
@@ -23,7 +21,14 @@ from ..controller.conftest import (
     server_pids,
     stop_everything,
 )
-from .server_fault_rig import DETECTION_SLACK_S, STARTUP_S, ServerFaultRun, registry, server_job
+from .server_fault_rig import (
+    DETECTION_SLACK_S,
+    HANG_DETECTION_BOUND_S,
+    STARTUP_S,
+    ServerFaultRun,
+    registry,
+    server_job,
+)
 
 END_STEP = 40  # the loop is let go only for the faults: each costs a few steps
 SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4

@@ -21,12 +21,17 @@ def test_rss_growth_compares_the_last_quarter_with_the_settled_second(samples: l
 
 
 def test_queue_drain_accounts_for_every_prompt_drawn_within_the_bound() -> None:
-    result = load.queue_load(prompts=1000)
+    result = load.queue_load(prompts=1000, server="stand-in")  # no vLLM server in unit tests
     assert result["lost"] == 0 and result["duplicated"] == 0
     assert result["groups_trained"] == (1000 // load.BATCH_SIZE) * load.BATCH_SIZE
     assert result["prompts_drawn"] == result["groups_trained"] + result["left_buffered"] + result["left_to_retry"] \
         + result["cancelled_in_flight"]
     assert 0 < result["max_in_flight_seen"] <= load.MAX_CONCURRENT_ROLLOUTS and result["within_bound"]
+
+
+def test_queue_load_refuses_an_unknown_server() -> None:
+    with pytest.raises(ValueError, match="server='sglang'"):
+        load.queue_load(prompts=10, server="sglang")
 
 
 @pytest.mark.parametrize(("details", "met"), [

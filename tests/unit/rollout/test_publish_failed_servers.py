@@ -6,37 +6,36 @@ a live server that refused the reload, or a publish that reached no server at al
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
 
 from libra.metering.spec import CpuMetering
-from libra.rollout import health
 from libra.rollout.client import InstanceFailure
 from libra.rollout.publisher import CurrentWeights, WeightPublisher
 from libra.rollout.reload import AckExpectation, WeightSyncError, leave_out_failed_servers
 from libra.rollout.router import FAILED, READY, InstanceSlot, Router
-from libra.rollout.spec import RolloutPoolSpec
+from libra.rollout.spec import HealthRule, RolloutPoolSpec
 from libra.rollout.tracing import InstanceTracers
 
 SUM = "sha256t1:" + "ab" * 32
 
 
-@pytest.fixture(autouse=True)
-def no_pause_between_health_checks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(health, "HEALTH_INTERVAL_S", 0.0)
-
-
 class FakeServer:
     """A server's control endpoints; `mode`: ok | dies (the reload breaks and /health stops answering) |
-    refuses (the reload breaks, the server stays up) | hung (nothing answers /health)."""
+    refuses (the reload breaks, the server stays up) | hung (nothing answers /health) | hangs-in-reload (the
+    reload never returns and /health stops answering once it began, as a SIGSTOP mid-reload does)."""
 
     def __init__(self, instance_id: str, mode: str) -> None:
         self.instance_id = instance_id
         self.mode = mode
         self.reloaded = False
+        self.reload_began = False
 
     async def health(self, timeout_s: float = 5.0) -> bool:
+        if self.mode == "hangs-in-reload":
+            return not self.reload_began
         return self.mode in ("ok", "refuses")
 
     async def pause(self, mode: str = "wait", timeout_s: float = 60.0) -> None:
@@ -45,6 +44,9 @@ class FakeServer:
     async def rpc(self, method: str, kwargs: dict[str, str], timeout_s: float) -> list[dict[str, Any]]:
         if self.mode in ("dies", "refuses"):
             raise InstanceFailure(f"{self.instance_id}: /collective_rpc failed: ServerDisconnectedError")
+        if self.mode == "hangs-in-reload":
+            self.reload_began = True
+            await asyncio.sleep(3600)  # the reload timeout (900 s) is what a publish waited for before
         self.reloaded = True
         return [{"weight_version": int(kwargs["weight_version"]), "checksum": SUM, "load_s": 0.01}]
 
@@ -61,6 +63,7 @@ def spec() -> RolloutPoolSpec:
         enforce_eager=True, manage_processes=False, endpoints=("http://a", "http://b"), reload_method="inplace",
         reload_strategy="parallel", max_concurrent_requests=4, seed=0, gpu_memory_utilization=0.5,
         metering=CpuMetering(cores_per_gpu=0.0, job="", cgroup_root=""),
+        health=HealthRule(interval_s=0.001),  # no pause between a publish's health checks
     )  # fmt: skip
 
 
@@ -90,6 +93,8 @@ CASES = {
     "killed-mid-reload-left-out": ({"a": "ok", "b": "dies"}, True, (), {"b"}, {"a": READY, "b": FAILED}, 1),
     "hung-before-reload-left-out": ({"a": "ok", "b": "hung"}, True, (), {"b"}, {"a": READY, "b": FAILED}, 1),
     "failed-before-left-out": ({"a": "ok", "b": "ok"}, True, ("b",), {"b"}, {"a": READY, "b": FAILED}, 1),
+    "hung-mid-reload-left-out": ({"a": "ok", "b": "hangs-in-reload"}, True, (), {"b"},
+                                 {"a": READY, "b": FAILED}, 1),
 }
 ERRORS = {
     # name: (modes, leave_out_failed, failed before, instances the error names)
@@ -103,7 +108,9 @@ ERRORS = {
                          ids=CASES.keys())
 def test_a_failed_server_is_left_out(modes: dict[str, str], leave_out: bool, before: tuple[str, ...],
                                      left_out: set[str], states: dict[str, str], version: int) -> None:
+    began = time.monotonic()
     report, after, pool_version = publish(modes, leave_out, before)
+    assert time.monotonic() - began < 30, "a hung server is failed by the health rule, not the reload timeout"
     assert not isinstance(report, WeightSyncError), report
     assert {iid for iid, _ in report.left_out} == left_out
     assert all("reload failed" in why for _, why in report.left_out)

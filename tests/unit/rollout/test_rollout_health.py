@@ -1,14 +1,24 @@
-"""The health rule: an instance has failed only after HEALTH_FAILURES_TO_FAIL checks in a row got no answer; the
-monitor applies it to READY instances only (a reloading or starting server may not answer for a while)."""
+"""The health rule: an instance has failed only after `failures_to_fail` checks in a row got no answer; the
+monitor applies it to READY instances only (a reloading or starting server may not answer for a while); the
+rule comes from the job's `rollout_health_check_*` options."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from pathlib import Path
 
 import pytest
 
+from libra.config import load_dict
+from libra.config.mapping import rollout_pool_spec
 from libra.rollout import health
 from libra.rollout.router import FAILED, READY, RELOADING, InstanceSlot, Router
+from libra.rollout.spec import HealthRule
+
+QWEN_7B = Path(__file__).resolve().parents[3] / "configs" / "models" / "qwen2.5-7b"
+BASE = {"model_path": str(QWEN_7B), "cluster": {"num_nodes": 1, "gpus_per_node": 8, "gpu_type": "H100"},
+        "train_gpus": 4, "rollout_gpus": 4, "global_resource_planner": {"initial_allocation_strategy": "configured"}}
 
 
 class Answers:
@@ -23,24 +33,43 @@ class Answers:
         return 0 < self.answer_from <= self.checks
 
 
-@pytest.mark.parametrize(("answer_from", "answers", "checks"), [(1, True, 1), (3, True, 3), (4, False, 3), (0, False, 3)],
-                         ids=["at-once", "at-the-last-check", "too-late", "never"])
-def test_answers_health(monkeypatch: pytest.MonkeyPatch, answer_from: int, answers: bool, checks: int) -> None:
-    monkeypatch.setattr(health, "HEALTH_INTERVAL_S", 0.0)
+@pytest.mark.parametrize(("failures", "answer_from", "answers", "checks"), [
+    (3, 1, True, 1), (3, 3, True, 3), (3, 4, False, 3), (3, 0, False, 3), (1, 2, False, 1), (5, 5, True, 5),
+], ids=["at-once", "at-the-last-check", "too-late", "never", "one-miss-fails", "five-allowed"])
+def test_answers_health(failures: int, answer_from: int, answers: bool, checks: int) -> None:
     server = Answers(answer_from)
-    assert asyncio.run(health.answers_health(server)) is answers  # type: ignore[arg-type]
+    rule = HealthRule(interval_s=0.001, failures_to_fail=failures)
+    assert asyncio.run(health.answers_health(server, rule)) is answers  # type: ignore[arg-type]
     assert server.checks == checks
 
 
-def test_monitor_fails_only_the_silent_ready_instance(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(health, "HEALTH_INTERVAL_S", 0.01)
+@pytest.mark.parametrize(("options", "rule", "bound_s"), [
+    ({}, HealthRule(5.0, 10.0, 3), 45.0),
+    ({"rollout_health_check_interval_s": 1, "rollout_health_check_timeout_s": 2, "rollout_health_check_failures": 2},
+     HealthRule(1.0, 2.0, 2), 6.0),
+], ids=["defaults", "configured"])
+def test_the_rule_comes_from_the_job_options(options: dict[str, float], rule: HealthRule, bound_s: float) -> None:
+    cfg = load_dict({**BASE, **options})
+    spec = rollout_pool_spec(cfg, num_instances=1, kv_cache_bytes=0)
+    assert spec.health == rule and spec.health.hang_detection_bound_s == bound_s
+
+
+@pytest.mark.parametrize("rule", [HealthRule(interval_s=0), HealthRule(timeout_s=-1), HealthRule(failures_to_fail=0)],
+                         ids=["no-interval", "negative-timeout", "no-failures"])
+def test_a_bad_rule_is_refused_by_the_spec(rule: HealthRule) -> None:
+    cfg = load_dict(BASE)
+    spec = dataclasses.replace(rollout_pool_spec(cfg, num_instances=1, kv_cache_bytes=0), health=rule)
+    assert any(problem.startswith("health.") for problem in spec.problems())
+
+
+def test_monitor_fails_only_the_silent_ready_instance() -> None:
 
     async def scenario() -> dict[str, tuple[str, str]]:
         router = Router(max_concurrent=4, request_timeout_s=5, wait_for_instance_s=0.1)
         for iid, answer_from, state in [("silent", 0, READY), ("fine", 1, READY), ("reloading", 0, RELOADING)]:
             router.slots[iid] = InstanceSlot(id=iid, client=Answers(answer_from), host="h", port=1,  # type: ignore[arg-type]
                                              weight_version=0, state=state)
-        task = asyncio.create_task(health.monitor(router))
+        task = asyncio.create_task(health.monitor(router, HealthRule(interval_s=0.01)))
         for _ in range(500):  # 3 rounds of 0.01 s, with room for a loaded machine
             await asyncio.sleep(0.01)
             if router.slots["silent"].state == FAILED:

@@ -98,10 +98,21 @@ def test_a_command_is_required() -> None:
     assert result.returncode == 2 and b"no server command" in result.stderr
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signals_to_the_guard_reach_the_server(signum: int, tmp_path: Path) -> None:
+def ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(("signum", "started_ignoring_sigint"), [
+    (signal.SIGTERM, False),
+    (signal.SIGINT, False),
+    (signal.SIGINT, True),
+], ids=["sigterm", "sigint", "sigint-guard-started-by-a-background-job"])
+def test_signals_to_the_guard_reach_the_server(signum: int, started_ignoring_sigint: bool, tmp_path: Path) -> None:
+    """A shell starts background jobs with SIGINT ignored, and an ignored signal stays ignored across exec: the
+    guard must not hand that on to the server, or a forwarded SIGINT would never stop it."""
     started = tmp_path / "started"
-    guard = subprocess.Popen([*GUARD, "--", sys.executable, "-c", SLEEPER, str(started)], start_new_session=True)
+    guard = subprocess.Popen([*GUARD, "--", sys.executable, "-c", SLEEPER, str(started)], start_new_session=True,
+                             preexec_fn=ignore_sigint if started_ignoring_sigint else None)
     try:
         wait_file(started)
         guard.send_signal(signum)
