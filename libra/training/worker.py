@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -58,7 +59,23 @@ def open_rank_tracer(spec: TrainingPoolSpec, rank: int) -> PhaseTracer:
     return PhaseTracer.from_settings(spec.trace, role="train", rank=trace_rank)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+# The rendezvous port is picked here and bound later by init_process_group. A port from the kernel's
+# ephemeral range (bind to port 0) can be taken in between by any outgoing connection's local port (Ray's and
+# vLLM's clients open many); below that range only explicit binds compete.
+RENDEZVOUS_PORTS = range(20000, 32768)
+
+
+def free_port(host: str = "127.0.0.1", ports: range = RENDEZVOUS_PORTS, tries: int = 64) -> int:
+    """A port of `ports` that `host` can bind now (a random one; the ephemeral range when none of `tries`
+    binds)."""
+    # SystemRandom: a training process seeds `random`, and two pools must not draw the same ports
+    for port in random.SystemRandom().sample(ports, min(tries, len(ports))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
