@@ -199,6 +199,9 @@ class Executor:
         for member_id in handler.started(action):
             t.set_busy(member_id, False)
             t.move(member_id, S.FAILED, now, message)
+            if isinstance(action, CreateTrainingPool):
+                # the failed start shut its workers down: these ranks hold no GPU, and the retry makes new ones
+                t.move(member_id, S.STOPPED, now, "the training pool's start failed and was shut down")
         if isinstance(action, StopRolloutInstance):
             # a member we could not stop is out of the pool either way; keep the error for the record
             t.set_busy(action.member_id, False)

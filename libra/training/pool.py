@@ -47,6 +47,8 @@ class TrainingPool:
         self._group: TrainingWorkerGroup | None = None
         self.rank_info: list[dict[str, int]] = []
         self.step = 0  # the last optimizer step taken or loaded
+        # the ranks hold the model's initial weights: started, no optimizer step taken, no checkpoint loaded
+        self.fresh = True
         self.resizes: list[ResizeCost] = []
         # called with each resize's cost once its first step at the new layout has run
         self.on_resize_measured: Callable[[ResizeCost], None] | None = None
@@ -90,6 +92,7 @@ class TrainingPool:
             metrics = self.group.call("train_step", list(samples), step, timeout=self.spec.call_timeout_s)[0]
             metrics["time_step_s"] = time.perf_counter() - t0
             self.step = step
+            self.fresh = False
             if self._unmeasured is not None:
                 cost, self._unmeasured = self._unmeasured, None
                 cost.first_step_s = round(metrics["time_step_s"], 4)
@@ -113,6 +116,7 @@ class TrainingPool:
         """Resume from `ckpt_dir` (a root with `latest` or one step directory), whatever layout wrote it."""
         with self._lock:
             self.step = int(self.group.call("load_checkpoint", ckpt_dir, timeout=self.spec.call_timeout_s)[0])
+            self.fresh = False
             return self.step
 
     # ---- resize -------------------------------------------------------------------------------------
@@ -130,13 +134,16 @@ class TrainingPool:
         stop the workers -> start them at the new layout -> load, resharded. Model, optimizer, scheduler and
         step continue. A pool that is down after an earlier failed relayout starts from the newest checkpoint
         under `checkpoint_root`, which must be of its last step (else the state of later steps is lost and
-        TrainingResizeError says so). `on_phase(name)` is called as each phase begins.
+        TrainingResizeError says so). A fresh pool (initial weights, no step taken, nothing loaded: e.g. resized
+        before the job's first step) has no optimizer state to carry: its ranks start again from the model
+        and nothing is saved or loaded. `on_phase(name)` is called as each phase begins.
 
         Raises TrainingResizeError naming the phase that failed; the workers are then stopped."""
         with self._lock:
             new_spec = self.spec_for(gpus, layout)
             new_layout = check_spec(new_spec, self.arch, cuda_available())
             was_running = self.running
+            from_model = self.fresh
             cost = ResizeCost(
                 from_gpus=self.spec.num_gpus if was_running else 0,
                 from_layout=self.layout.dims(self.spec.num_gpus) if was_running else {},
@@ -147,16 +154,17 @@ class TrainingPool:
             phase = "save"
             try:
                 if was_running:
-                    _begin(on_phase, phase)
-                    t = time.perf_counter()
-                    cost.checkpoint = self.save_checkpoint(checkpoint_root, self.step)
-                    cost.save_s = time.perf_counter() - t
+                    if not from_model:
+                        _begin(on_phase, phase)
+                        t = time.perf_counter()
+                        cost.checkpoint = self.save_checkpoint(checkpoint_root, self.step)
+                        cost.save_s = time.perf_counter() - t
                     phase = "stop"
                     _begin(on_phase, phase)
                     t = time.perf_counter()
                     self.shutdown()
                     cost.stop_s = time.perf_counter() - t
-                else:
+                elif not from_model:
                     phase = "resume"
                     cost.checkpoint = self._consistent_checkpoint(checkpoint_root)
                 phase = "start"
@@ -165,11 +173,12 @@ class TrainingPool:
                 t = time.perf_counter()
                 self.start()
                 cost.start_s = time.perf_counter() - t
-                phase = "load"
-                _begin(on_phase, phase)
-                t = time.perf_counter()
-                self.load_checkpoint(cost.checkpoint)
-                cost.load_s = time.perf_counter() - t
+                if not from_model:
+                    phase = "load"
+                    _begin(on_phase, phase)
+                    t = time.perf_counter()
+                    self.load_checkpoint(cost.checkpoint)
+                    cost.load_s = time.perf_counter() - t
             except BaseException as exc:
                 self.kill()
                 raise TrainingResizeError(phase, checkpoint_root, exc) from exc
@@ -215,6 +224,7 @@ class TrainingPool:
             cost.start_s = round(time.perf_counter() - t, 4)
             cost.switch_s = round(time.perf_counter() - started, 4)
             self.step = 0
+            self.fresh = True
             self._unmeasured = None
             log.warning("training pool %s: every worker replaced after a worker was lost, in %.1fs", self.name,
                         cost.switch_s)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,14 +30,20 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# Test jobs' rollout ports: below the training rendezvous ports (20000-32767) and the kernel's ephemeral range,
+# where an outgoing connection's local port could take one between the pick and the server's bind.
+ROLLOUT_TEST_PORTS = range(10000, 20000)
+
+
 def free_port_base(span: int = 8) -> int:
     """A first port whose `span` ports are free now: each job of these tests gets rollout ports of its own, so
     a server never answers for another job's instance (the configured default, 8100, is shared)."""
+    draw = random.SystemRandom()
     for _ in range(50):
-        base = free_port()
-        if base + span < 65000 and all(_port_free(base + i) for i in range(span)):
+        base = draw.randrange(ROLLOUT_TEST_PORTS.start, ROLLOUT_TEST_PORTS.stop - span)
+        if all(_port_free(base + i) for i in range(span)):
             return base
-    raise RuntimeError(f"no {span} consecutive free ports found")
+    raise RuntimeError(f"no {span} consecutive free ports found in {ROLLOUT_TEST_PORTS}")
 
 
 def _port_free(port: int) -> bool:

@@ -150,3 +150,30 @@ def test_sigkill_mid_resize_leaves_a_consistent_checkpoint_and_the_pool_resumes(
         assert pool.layout == TrainLayout(tp=2) and len(pool.worker_pids()) == 2
     finally:
         pool.shutdown()
+
+
+# ---- a pool resized before its first step --------------------------------------------------------------
+def test_a_fresh_pool_resizes_from_the_model_without_a_checkpoint(
+        ray_runtime: RayRuntime, training_models: dict[str, str], tmp_path) -> None:
+    """A pool that has taken no step and loaded nothing (a job resized before its first step) has no optimizer
+    state to carry: relayout starts the new ranks from the model, writes no checkpoint, and the first step
+    equals that of a pool started at the old layout. A checkpoint round trip here failed at the load (no
+    optimizer state was saved) and the job retried the resize for ever."""
+    model = training_models["llama"]
+    root = tmp_path / "resize"
+    pool = TrainingPool(ray_runtime, _spec(model, 2, TrainLayout()), name="resize-fresh")
+    reference = TrainingPool(ray_runtime, _spec(model, 2, TrainLayout()), name="resize-fresh-ref")
+    try:
+        pool.start()
+        cost = pool.relayout(2, TrainLayout(tp=2), str(root))
+        assert cost.checkpoint == "" and cost.save_s == 0.0 and cost.load_s == 0.0 and cost.start_s > 0
+        assert not root.exists() or not list(root.iterdir())
+        assert pool.layout == TrainLayout(tp=2) and pool.fresh
+        first = pool.train_step(offpolicy_samples(1), 1)
+        assert not pool.fresh
+        reference.start()
+        expected = reference.train_step(offpolicy_samples(1), 1)
+        assert abs(first["loss"] - expected["loss"]) < TOLERANCE
+    finally:
+        pool.shutdown()
+        reference.shutdown()

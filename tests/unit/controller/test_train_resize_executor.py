@@ -117,3 +117,27 @@ def test_restart_after_a_lost_worker_replaces_every_rank_at_the_same_layout(exec
     assert restart["message"] == "a training worker died: rank 0" and restart["to_gpus"] == 2
     assert events(executor, "train_resize") == []  # not a resize: the re-planner's switch costs stay as they were
     assert read_switch_costs(Path(executor.events.path or "").parent / "switch_costs.jsonl") == []
+
+
+def test_a_failed_create_leaves_no_rank_and_its_retry_is_converged(tmp_path: Path) -> None:
+    """A training pool whose start failed (e.g. its rendezvous port was taken) and then started on the retry
+    is the desired pool: the failed start's ranks hold no GPU (STOPPED), so no resize is planned. They stayed
+    FAILED, counted as held, and the job resized a pool that had not taken its first step."""
+    from libra.controller.reconcile import reconcile
+    from libra.controller.state import DesiredState
+
+    event_log = EventLog(tmp_path / "events.jsonl")
+    train = FakeTrainingEdge()
+    train.fail_next = True
+    ex = Executor(MemberTracker(event_log), FakeRolloutEdge(gpus=4), train, event_log, clock=lambda: 1000.0)
+    try:
+        run(ex, CreateTrainingPool("test", 2, TrainLayout(), ("train-0", "train-1")))
+        assert "fake training start failure" in events(ex, "action_error")[0]["message"]
+        assert states(ex) == {"train-0": "STOPPED", "train-1": "STOPPED"}
+        run(ex, CreateTrainingPool("retry", 2, TrainLayout(), ("train-2", "train-3")))
+        assert states(ex) == {"train-0": "STOPPED", "train-1": "STOPPED", "train-2": "READY", "train-3": "READY"}
+        want = DesiredState(rollout_instances=0, rollout_tp=1, train_gpus=2, train_layout=TrainLayout())
+        observed = ex.tracker.snapshot(2000.0)
+        assert [a for a in reconcile(observed, want) if "Training" in type(a).__name__] == []
+    finally:
+        ex.shutdown()
