@@ -91,6 +91,14 @@ def common_overrides(shape: Shape, ray_address: str, model_dir: Path, cpu_per_gp
     ]
 
 
+def replay_overrides(shape: Shape) -> list[str]:
+    """The overrides of the drift job every run of `shape` shares that say what the job is (cluster shape,
+    steps, batch, drift), without this machine's addresses and paths: what a replay of the runs
+    (benchmarks/elastic_sim.py's calibration) loads the configuration with."""
+    return [f"cluster.num_nodes={shape.nodes}", f"cluster.gpus_per_node={shape.gpus_per_node}",
+            f"total_steps={shape.steps}", f"{GRP}.replan_interval_steps={shape.replan_interval}", *shape.extra]
+
+
 def validate(config: Path, overrides: list[str]) -> str:
     """"" when `libra validate` would accept the job with `overrides`, else its report."""
     from libra.config import ConfigError, load
@@ -125,6 +133,16 @@ def server_pids(run_dir: Path) -> list[int]:
     except json.JSONDecodeError:
         return []
     return [int(e["pid"]) for e in data.get("instances", {}).values() if e.get("pid")]
+
+
+def stop_on_sigterm() -> None:
+    """From now on a SIGTERM ends the benchmark as Ctrl-C does, through its `finally` blocks: the launch in
+    progress is stopped (its servers and CPU slices with it) and the Ray cluster shut down. Set once the
+    cluster is up: while Ray's driver starts it takes SIGTERM over (the process then dies at once)."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def stop_group(proc: subprocess.Popen[bytes], run_dir: Path) -> None:
@@ -239,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ray_tmp = tempfile.mkdtemp(prefix="libra-gain-ray-")  # short: Ray's socket paths must fit AF_UNIX
     runtime = RayRuntime.start_nodes(num_nodes=shape.nodes, gpus_per_node=shape.gpus_per_node, tmp_dir=ray_tmp,
                                      namespace="libra-gain")
+    stop_on_sigterm()
     if args.only_ehp:
         return only_ehp(args, shape, runtime, ray_tmp, work, started)
     try:
@@ -269,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         "form": "quick" if args.quick else "full",
         "config": str(config.relative_to(REPO)) if config.is_relative_to(REPO) else str(config),
         "steps": shape.steps,
+        "overrides": replay_overrides(shape),
         "static_splits_allowed": [s.label() for s in allowed],
         "static_splits_refused": [{"split": r.split.label(), "reason": r.reason} for r in refused],
         "runs": runs,

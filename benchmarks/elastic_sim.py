@@ -155,6 +155,32 @@ def sim_10k(steps: int = 1000) -> dict[str, Any]:
             "policy": "elastic", "reconfigurations": result.reconfigurations, "failures": result.failures}
 
 
+def replayed_overrides(document: dict[str, Any]) -> list[str]:
+    """The overrides the measured runs shared (written by benchmarks/elastic_gain.py; for a result written
+    before it recorded them, those of its form, from the benchmark's shapes)."""
+    if isinstance(document.get("overrides"), list):
+        return [str(item) for item in document["overrides"]]
+    if document.get("form") in ("full", "quick"):
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        import elastic_gain  # the benchmark's own shapes: the job it ran
+
+        return list(elastic_gain.replay_overrides(elastic_gain.FULL if document["form"] == "full"
+                                                  else elastic_gain.QUICK))
+    return []
+
+
+def drift_workload(cfg: Any, steps: int) -> dict[str, float]:
+    """The response lengths of the `drift` task as the simulator's length model: the budget grows from
+    start_tokens to end_tokens over ramp_prompts prompts (a fraction of the job's prompts), then holds; {}
+    for another task."""
+    if cfg.task.name != "drift":
+        return {}
+    params = cfg.task.params
+    prompts = max(1, cfg.batch_size * steps)
+    return {"start_mean": float(params.get("start_tokens", 4)), "end_mean": float(params.get("end_tokens", 48)),
+            "ramp": min(1.0, float(params.get("ramp_prompts", prompts)) / prompts)}
+
+
 def calibration(gain_path: str, gain_config: str) -> dict[str, Any]:
     """Replay each measured run of the measured-gain result with the simulator and report the errors."""
     if not os.path.exists(gain_path):
@@ -164,10 +190,11 @@ def calibration(gain_path: str, gain_config: str) -> dict[str, Any]:
     with open(gain_path, encoding="utf-8") as fh:
         document = json.load(fh)
     runs = measured_runs(document)
-    cfg = load(os.path.join(ROOT, document.get("config", gain_config)), [], planning=True)
+    cfg = load(os.path.join(ROOT, document.get("config", gain_config)), replayed_overrides(document),
+               planning=True)
     inputs = planner_inputs(cfg)
     steps = max(r.steps for r in runs)
-    workload = document.get("workload", {})
+    workload = {**drift_workload(cfg, steps), **document.get("workload", {})}
     max_new = inputs.workload.max_new_tokens
     lengths = LengthModel(float(workload.get("start_mean", START_FRACTION * max_new)),
                           float(workload.get("end_mean", END_FRACTION * max_new)), max_new,

@@ -26,6 +26,10 @@ Faults (`--faults` picks some):
   disk_full_mid_checkpoint    the run directory on a small tmpfs, filled while the worker writes a
                               checkpoint after step 2; once the filler is removed a new launch runs to step END
                               (benchmarks/reliability_disk.py)
+  node_loss                   on a Ray cluster of 2 nodes x 2 logical GPUs (and a head with none), a job of 1
+                              training GPU and 3 rollout instances loses the node of its training rank after step
+                              2 (`Cluster.remove_node`); the same launch re-plans onto the 2 GPUs left and runs
+                              to step END (checkpoint every step; tests/integration/reliability/test_node_loss.py)
   load_queue_and_status       10,000 queued prompts through the job's producer and buffer under
                               max_concurrent_rollouts (stand-in server), then 1,000 `status` calls a minute to
                               a launch of LOAD_END_STEP steps while it trains; RSS sampled
@@ -98,7 +102,10 @@ LOAD_END_STEP = 200  # over a minute of training under the status calls (checkpo
 NOT_COVERED = [
     "kill -9 of the controller mid-reconfiguration (tested, not measured: "
     "tests/integration/controller/test_reconfigure_job.py)",
-    "loss of a Ray node",
+    "loss of a Ray node: measured for a node removed by `Cluster.remove_node` (its raylet tells the cluster at "
+    "once); a node that dies silently is declared dead by Ray's health checks later, and a training restart "
+    "meanwhile waits for that (`NodeLossRecovery.restart_training`, a unit case), not measured; the "
+    "`runtime_node_loss_policy: wait` path and a node that comes back are unit cases only",
     "a rollout server that hangs in the middle of its own reload (in-place: failed by the health rule, a "
     "unit case, not a fault on a running job; restart: waits out the start-up timeout); a job with a "
     "single rollout instance losing it",
@@ -306,6 +313,29 @@ def server_faults(root: Path) -> dict[str, dict[str, Any]]:
         stop_everything(run_dir, launches)
 
 
+def node_loss(root: Path) -> dict[str, Any]:
+    """A job on 2 nodes of 2 logical GPUs (1 training GPU, 3 rollout instances; a head with none) loses the
+    node of its training rank after step 2; the same launch re-plans onto the 2 GPUs left."""
+    from tests.integration.reliability.test_node_loss import loss_cluster, node_loss_run
+
+    with loss_cluster() as cluster:
+        run = node_loss_run(cluster, root, END_STEP)
+    found = events(run["run_dir"])
+    recovered = [e for e in found if e["kind"] == "train_recovered"]
+    lost = [e for e in found if e["kind"] == "capacity_lost"]
+    replan = [e for e in found if e["kind"] == "capacity_replan"]
+    resumed = int(recovered[0]["step"]) if recovered else None
+    figures = fault_figures("", run["before"], metric_rows(run["run_dir"]), resumed, END_STEP, SAMPLES_PER_STEP,
+                            run["removed_at"], run["code"])
+    figures["details"] = {"exit_code": run["code"], "checkpoint_interval": 1, "gpus_left": run["gpus_left"],
+                          "decision": lost[0].get("message", "") if lost else "",
+                          "training_restarted": replan[0].get("training_restarted") if replan else None,
+                          "replan_s": replan[0].get("seconds") if replan else None,
+                          "resumed_from_step": resumed,
+                          "steps_before_the_loss": [int(r["step"]) for r in run["before"]]}
+    return figures
+
+
 def _server_fault(name: str) -> Callable[[Path], dict[str, Any]]:
     return lambda root: dict(server_faults(root)[name])
 
@@ -322,6 +352,7 @@ FAULTS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "disk_full_mid_checkpoint": lambda root: disk_full_mid_checkpoint(root, END_STEP, SAMPLES_PER_STEP, STARTUP_S,
                                                                       _with_checkpoint_every_step),
     "load_queue_and_status": lambda root: load_queue_and_status(root, LOAD_END_STEP, SAMPLES_PER_STEP, STARTUP_S),
+    "node_loss": node_loss,
 }
 
 

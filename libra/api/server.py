@@ -35,7 +35,7 @@ class OperatorServer:
     address: str
     run_root: Path
     info: dict[str, Any]
-    service: OperatorService | None = None
+    service: OperatorService
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop serving (calls in flight get `grace_s`) and remove the address and token files."""
@@ -43,8 +43,7 @@ class OperatorServer:
             self.server.stop(grace_s).wait(grace_s + 1.0)
         finally:
             remove_files(self.run_root)
-            if self.service is not None:
-                self.service.close()
+            self.service.close()
 
 
 def start_operator_api(job: JobControl) -> OperatorServer | None:

@@ -96,7 +96,6 @@ class RayRuntime:
     address: str
     owned: bool
     namespace: str
-    tmp_dir: str = ""
     _placement_groups: list[PlacementGroup] = field(default_factory=list)
     _local_nodes: Any = None  # the `ray.cluster_utils.Cluster` of `start_nodes`, stopped by `shutdown`
     _link_dir: str | None = None  # the short link's folder of `socket_safe_dir`, removed by `shutdown`
@@ -139,7 +138,7 @@ class RayRuntime:
                 shutil.rmtree(link_dir, ignore_errors=True)
             raise
         log.info("started local Ray with %d logical GPUs at %s", num_gpus, ctx.address_info["gcs_address"])
-        return cls(address=ctx.address_info["gcs_address"], owned=True, namespace=namespace, tmp_dir=tmp,
+        return cls(address=ctx.address_info["gcs_address"], owned=True, namespace=namespace,
                    _link_dir=link_dir)
 
     @classmethod
@@ -152,10 +151,13 @@ class RayRuntime:
         namespace: str = "libra",
         tmp_dir: str | None = None,
         object_store_bytes: int = 128 * 1024**2,
+        head_gpus: int | None = None,
     ) -> RayRuntime:
         """Start a local cluster of `num_nodes` Ray nodes (a head and workers, each its own raylet) with
-        `gpus_per_node` logical GPUs each, and join it: on one machine, placement groups and actors spread
-        over nodes as on a real multi-node cluster. Stopped by `shutdown`."""
+        `gpus_per_node` logical GPUs each (the head `head_gpus`, when given: 0 makes a head that only
+        coordinates, so that every GPU is on a node that can be removed), and join it: on one machine,
+        placement groups and actors spread over nodes as on a real multi-node cluster. Stopped by `shutdown`;
+        the `ray.cluster_utils.Cluster` is `local_nodes`."""
         if num_nodes < 1 or gpus_per_node < 0:
             raise ValueError(f"num_nodes={num_nodes}, gpus_per_node={gpus_per_node}: need at least one node "
                              "and a non-negative GPU count")
@@ -176,8 +178,10 @@ class RayRuntime:
         os.makedirs(session_root, exist_ok=True)
         nodes = None
         try:
-            nodes = start_with_retries(lambda: Cluster(initialize_head=True, head_node_args={
-                **node_args, "temp_dir": session_root, "include_dashboard": False}), tmp)
+            head_args = {**node_args, "temp_dir": session_root, "include_dashboard": False}
+            if head_gpus is not None:
+                head_args["num_gpus"] = head_gpus
+            nodes = start_with_retries(lambda: Cluster(initialize_head=True, head_node_args=head_args), tmp)
             for _ in range(num_nodes - 1):
                 nodes.add_node(**node_args)
             nodes.wait_for_nodes()
@@ -190,8 +194,19 @@ class RayRuntime:
             raise
         log.info("started a local Ray cluster of %d nodes x %d logical GPUs at %s", num_nodes, gpus_per_node,
                  nodes.address)
-        return cls(address=nodes.address, owned=True, namespace=namespace, tmp_dir=tmp, _local_nodes=nodes,
+        return cls(address=nodes.address, owned=True, namespace=namespace, _local_nodes=nodes,
                    _link_dir=link_dir)
+
+    @property
+    def local_nodes(self) -> Any:
+        """The `ray.cluster_utils.Cluster` a `start_nodes` runtime owns (tests remove its nodes); None otherwise."""
+        return self._local_nodes
+
+    @staticmethod
+    def live_gpus() -> int:
+        """The logical GPUs of the nodes Ray counts alive now (a node that died or was removed drops out once
+        Ray's health checks have marked it dead)."""
+        return sum(int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"])
 
     @staticmethod
     def node_gpus() -> dict[str, tuple[int, int]]:

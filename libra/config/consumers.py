@@ -32,6 +32,7 @@ OPERATOR_API = "reads libra.api.server:start_operator_api"
 REPLANNER = "reads libra.controller.replanner:build_replanner"
 REPLAN_SETTINGS = "reads libra.controller.replanner:ReplanSettings.from_config"
 EHP_SETTINGS = "reads libra.training.ehp:EhpSettings.from_planner_options"
+NODE_LOSS = "reads libra.controller.node_loss:NodeLossRecovery"
 GRP = "global_resource_planner."
 
 CONSUMERS: dict[str, tuple[str, ...]] = {
@@ -110,8 +111,10 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     f"{GRP}memory_budget_workspace_factor": ("PlannerInputs.budget.workspace_factor",),
     f"{GRP}initial_allocation_strategy": ("PlannerInputs.space.strategy",),
     f"{GRP}allocation_granularity_gpus": ("PlannerInputs.space.allocation_granularity_gpus",),
-    f"{GRP}min_train_gpus": ("PlannerInputs.space.min_train_gpus",),
-    f"{GRP}min_rollout_gpus": ("PlannerInputs.space.min_rollout_gpus",),
+    f"{GRP}min_train_gpus": ("PlannerInputs.space.min_train_gpus", NODE_LOSS),
+    f"{GRP}min_rollout_gpus": ("PlannerInputs.space.min_rollout_gpus", NODE_LOSS),
+    f"{GRP}runtime_node_loss_policy": (NODE_LOSS,),
+    f"{GRP}runtime_node_loss_wait_s": (NODE_LOSS,),
     f"{GRP}allowed_train_tp": ("PlannerInputs.space.allowed_tp~",),
     f"{GRP}allowed_train_ep": ("PlannerInputs.space.allowed_ep~",),
     f"{GRP}allowed_train_pp": ("PlannerInputs.space.allowed_pp~",),

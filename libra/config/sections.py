@@ -137,10 +137,12 @@ class PlannerConfig(DataClassJsonMixin):
         ge=0,
     )
     min_train_gpus: int = opt(
-        0, "Minimum training capacity retained during startup planning; 0 = one training replica.", ge=0
+        0, "Minimum training capacity retained during startup planning, and when a lost node makes the job "
+        "re-plan onto the GPUs left (it stops when this does not fit); 0 = one training replica.", ge=0
     )
     min_rollout_gpus: int = opt(
-        0, "Minimum rollout capacity retained during startup planning; 0 = one rollout instance.", ge=0
+        0, "Minimum rollout capacity retained during startup planning, and when a lost node makes the job "
+        "re-plan onto the GPUs left (it stops when this does not fit); 0 = one rollout instance.", ge=0
     )
     allowed_train_tp: tuple[int, ...] = opt(
         (),
@@ -232,6 +234,18 @@ class PlannerConfig(DataClassJsonMixin):
     replan_min_gain: float = opt(
         0.05,
         "Hysteresis: the relative throughput gain a new plan must promise before the pools are resized.",
+        ge=0,
+    )
+    runtime_node_loss_policy: Literal["replan", "wait"] = opt(
+        "replan",
+        "What a running job does when a lost node leaves fewer GPUs than its pools hold: replan (at once onto "
+        "the GPUs left, at least min_train_gpus / min_rollout_gpus) or wait (up to runtime_node_loss_wait_s for "
+        "the GPUs to come back, keeping its pools; then replan).",
+    )
+    runtime_node_loss_wait_s: float = opt(
+        600.0,
+        "Seconds a job waits for lost GPUs: with runtime_node_loss_policy wait, for all of them before it "
+        "re-plans; with either policy, for its smallest pools to fit before it stops.",
         ge=0,
     )
 

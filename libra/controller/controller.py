@@ -39,11 +39,13 @@ from libra.controller.events import EventLog, started_generations
 from libra.controller.executor import Executor, PublishOutcome
 from libra.controller.gate import WeightGate, WeightsRef
 from libra.controller.members import MemberState, StateTimeouts
+from libra.controller.node_loss import NodeLossRecovery
 from libra.controller.pools import (
     RolloutPoolEdge,
     TrainingPoolEdge,
     check_pool_specs,
     rollout_fingerprint,
+    rollout_spec,
     training_target_problems,
     training_worker_lost,
 )
@@ -111,6 +113,7 @@ class Controller:
         self.end_step = min(cfg.total_steps, self.options.max_steps or cfg.total_steps)
         self.rl: RLLoop | None = None
         self.runtime: Any = None
+        self.node_loss: NodeLossRecovery | None = None
         self.store: DesiredStore | None = None
         self.tracker: MemberTracker | None = None
         self.executor: Executor | None = None
@@ -250,6 +253,13 @@ class Controller:
         self.rollout_edge = RolloutPoolEdge(cfg, run, self.runtime, trace=trace)
         self.train_edge = TrainingPoolEdge(cfg, run, self.runtime, trace=trace)
         self.executor = Executor(self.tracker, self.rollout_edge, self.train_edge, self.events, gate=self.gate)
+        assert self.store is not None
+        self.node_loss = NodeLossRecovery(
+            cfg, self.runtime.live_gpus, self.store, self.tracker, self.executor, self.events,
+            fingerprint_for=lambda tp: rollout_fingerprint(cfg, run, tp),
+            train_problems=training_target_problems(cfg, run), wake=self.wake_reconciler,
+            rollout_failed_within_s=rollout_spec(cfg, run, 1).health.hang_detection_bound_s,
+            training_answers=self._training_answers, stopping=self.stop.event)
         self.loop = ControlLoop(self.tracker, self.executor, self.rollout_edge, self.train_edge,
                                 self.desired_state, self.events, self.options.timeouts,
                                 self.options.tick_interval_s, on_observed=self._on_observed)
@@ -328,15 +338,33 @@ class Controller:
                           publish_weights=self.publish_weights, served_versions=self.served_versions,
                           wake_reconciler=self.wake_reconciler, pool_status=self.pool_status,
                           pool_text=self.pool_text, tick_errors=self.tick_errors, after_step=self._after_step,
-                          ehp_train_step=self._ehp_train_step(), restart_training=self._restart_training)
+                          ehp_train_step=self._ehp_train_step(), restart_training=self._restart_training,
+                          replan_onto_capacity=self._replan_onto_capacity)
 
     def _restart_training(self, exc: BaseException) -> dict[str, Any] | None:
-        """A training pool that lost a worker is started again at the same layout, through the executor's
-        training resizer (member bookkeeping, weight gate); None when `exc` is no lost worker."""
-        if self.executor is None or not training_worker_lost(exc):
+        """A training pool that lost a worker is started again (at the same layout, or re-planned onto the GPUs
+        alive when the cluster lost some), through the executor's training resizer (member bookkeeping, weight
+        gate); None when `exc` is no lost worker."""
+        if self.executor is None or self.node_loss is None or not training_worker_lost(exc):
             return None
         first_line = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        return self.executor.training.restart(f"a training worker died: {first_line[:300]}")
+        return self.node_loss.restart_training(f"a training worker died: {first_line[:300]}")
+
+    def _replan_onto_capacity(self) -> dict[str, Any] | None:
+        """At a step boundary: the pools re-planned onto the GPUs alive when the cluster lost some."""
+        return self.node_loss.replan(training_lost=False) if self.node_loss is not None else None
+
+    def _training_answers(self) -> bool:
+        """Whether every rank of the training pool answers a call (False when one's process is gone)."""
+        pool = self.train_edge.pool if self.train_edge is not None else None
+        if pool is None or not pool.running:
+            return False
+        try:
+            pool.worker_pids()
+        except Exception:
+            log.info("a training rank does not answer", exc_info=True)
+            return False
+        return True
 
     def _ehp_train_step(self) -> Callable[[list[Any], int, int], dict[str, float]] | None:
         """The training step with borrowed rollout GPUs when elastic hybrid parallelism acts in this job."""
@@ -436,6 +464,9 @@ class Controller:
         return desired
 
     def _on_observed(self, observed: ObservedState, desired: DesiredState) -> None:
+        if self.node_loss is not None:
+            self.node_loss.observe_capacity(force=any(m.state == MemberState.FAILED for m in observed.members))
+            desired = self.desired_state()
         done = finish_if_converged(observed, desired)
         # a change made since this tick read the desired state is left for the next tick to judge
         if done is not None and self.store is not None and self.store.replace_if(desired, done):

@@ -360,12 +360,18 @@ class TrainingPoolEdge(_PoolEdge):
         self.epoch += 1
         return self.views(), cost.to_dict()
 
-    def restart(self) -> tuple[list[MemberView], dict[str, Any]]:
-        """Replace every rank after one was lost, at the same GPU count and layout (`TrainingPool.
-        replace_workers`); the new ranks hold the initial weights until the RL loop loads a checkpoint."""
+    def restart(self, gpus: int | None = None,
+                layout: TrainLayout | None = None) -> tuple[list[MemberView], dict[str, Any]]:
+        """Replace every rank after one was lost, at the same GPU count and layout or at `gpus` GPUs under
+        `layout` (`TrainingPool.replace_workers`); the new ranks hold the initial weights until the RL loop
+        loads a checkpoint."""
         self.stop_borrowed("a training worker was lost")
-        cost = self._pool().replace_workers()
-        self.epoch += 1
+        pool = self._pool()
+        try:
+            cost = pool.replace_workers(gpus, layout)
+        finally:  # a failed start leaves the pool down at its new spec
+            self.gpus, self.layout = pool.spec.num_gpus, pool.layout
+            self.epoch += 1
         return self.views(), cost.to_dict()
 
     def _pool(self) -> Any:

@@ -204,11 +204,14 @@ class RLLoop:
             while self.state.step < self.end_step and not self.stop.requested:
                 if self.gate is not None and not self.gate.proceed(self.stop.event, self._on_hold):
                     break
+                row: dict[str, Any] | None = None
                 try:
-                    row = self._one_step()
+                    if not self._replanned_onto_capacity():
+                        row = self._one_step()
                 except Exception as exc:
                     if not self._recover_training(exc):
                         raise
+                if row is None:  # back to the newest checkpoint: the step starts again
                     self.producer.start()
                     last_tokens, last_time = self.producer.response_tokens, time.monotonic()
                     last_busy = self.producer.busy.total()
@@ -242,10 +245,11 @@ class RLLoop:
             return False
         step = self._step_in_flight
         started = time.monotonic()
+        was_lost = self._training_state_lost  # a restart for a lost node may have failed before this error
         self._training_state_lost = True  # until a checkpoint is loaded, the pool's state is not the loop's
         cost = restart(exc)
         if cost is None:
-            self._training_state_lost = False
+            self._training_state_lost = was_lost
             return False
         self.training_restarts += 1
         self._restarts_in_a_row += 1
@@ -258,20 +262,38 @@ class RLLoop:
                 f"checkpoint in between (last during step {step}); the job stops. Look for the cause in "
                 f"{self.run.controller_log} and the Ray worker logs (memory, a failing node), then launch the job "
                 "again on this run directory to resume from its newest checkpoint") from exc
-        # the step in flight is abandoned: its evaluation and generation go, samples are drawn again
+        self._back_to_checkpoint(step, f"a training worker died during step {step}", started)
+        return True
+
+    def _replanned_onto_capacity(self) -> bool:
+        """At a step boundary: when the cluster lost GPUs, the pools are re-planned onto what remains; True when
+        the training pool was restarted for it (the loop then goes back to the newest checkpoint)."""
+        replan = self.session.replan_onto_capacity
+        if replan is None:
+            return False
+        step, started = self.state.step + 1, time.monotonic()
+        outcome = replan()
+        if outcome is None or not outcome.get("training_restarted"):
+            return False
+        self._training_state_lost = True  # the new ranks hold the initial weights until the checkpoint loads
+        self._back_to_checkpoint(step, f"the cluster lost GPUs before step {step}", started)
+        return True
+
+    def _back_to_checkpoint(self, step: int, after: str, started: float) -> None:
+        """After the training pool was restarted (its ranks hold the initial weights): the step in flight is
+        abandoned (its evaluation and generation go, samples are drawn again) and the loop continues from the
+        newest complete checkpoint with a new producer."""
         self._settle_pending_evaluation()
         self.stop_producer()
         self.reporter.set_state("starting", step=self.state.step, message="restarting the training pool")
-        self._load_newest(True, after=f"a training worker died during step {step}")
+        self._load_newest(True, after=after)
         self._training_state_lost = False
         self._make_producer()
         self._align_rollout_weights(self.state.step)
-        self.events.emit("train_recovered", f"continuing from step {self.state.step} after a training worker died "
-                         f"during step {step}", step=self.state.step, lost_step=step,
-                         steps_repeated=max(0, step - 1 - self.state.step),
+        self.events.emit("train_recovered", f"continuing from step {self.state.step} after {after}",
+                         step=self.state.step, lost_step=step, steps_repeated=max(0, step - 1 - self.state.step),
                          seconds=round(time.monotonic() - started, 3))
         self.reporter.set_state("running", step=self.state.step)
-        return True
 
     def _on_hold(self, holding: bool) -> None:
         reason = self.gate.reason if self.gate is not None else ""

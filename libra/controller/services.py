@@ -61,3 +61,7 @@ class JobSession:
     # (error of a training call) -> the restart's cost when the error says a training worker died and the pool
     # was started again at the same layout (its ranks then hold the initial weights); None for any other error
     restart_training: Callable[[BaseException], dict[str, Any] | None] | None = None
+    # at a step boundary: the pools re-planned onto the GPUs alive when the cluster lost some (a node died); None
+    # when nothing was lost, else {"training_restarted": bool, ...}: a restarted training pool holds the initial
+    # weights until the loop loads its newest checkpoint. Raises CapacityLost when the smallest pools do not fit
+    replan_onto_capacity: Callable[[], dict[str, Any] | None] | None = None

@@ -54,8 +54,10 @@ class ResizableTrainingEdge(Protocol):
         `on_measured` is called with the cost once the first step at the new layout has run."""
         ...
 
-    def restart(self) -> tuple[list[MemberView], dict[str, Any]]:
-        """Replace every rank at the same GPU count and layout after one was lost; views and cost."""
+    def restart(self, gpus: int | None = None,
+                layout: TrainLayout | None = None) -> tuple[list[MemberView], dict[str, Any]]:
+        """Replace every rank after one was lost, at the same GPU count and layout or at `gpus` under
+        `layout`; views and cost."""
         ...
 
 
@@ -96,19 +98,28 @@ class TrainingResizer:
         self.events.emit("train_resize", str(cost.get("label", "")), **record)
         get_tracer().counter("pool.gpus", {"train": float(action.gpus)})
 
-    def restart(self, reason: str) -> dict[str, Any]:
-        """Replace every rank of a training pool that lost one, at the same GPU count and layout, on the
-        caller's thread (the RL loop's, which then loads the newest complete checkpoint). The bookkeeping is a
-        resize's: the old ranks are STOPPED, the new ones bound. Returns the restart's cost (not a resize's:
-        the switch-cost log the re-planner reads is left alone)."""
+    def restart(self, reason: str, gpus: int | None = None, layout: TrainLayout | None = None,
+                before: Callable[[], Any] | None = None) -> dict[str, Any]:
+        """Replace every rank of a training pool that lost one, at the same GPU count and layout or at `gpus`
+        GPUs under `layout`, on the caller's thread (the RL loop's, which then loads the newest complete
+        checkpoint). The bookkeeping is a resize's: the old ranks are STOPPED, the new ones bound. `before` runs
+        once the pool is marked busy (the control loop then plans no training change of its own), e.g. to set
+        the desired state the restart reaches. Returns the restart's cost (not a resize's: the switch-cost log
+        the re-planner reads is left alone)."""
         t = self.tracker
         used = {m.id for m in t.members()} | {m.key for m in t.members() if m.key}
         live = [m for m in t.members(TRAIN) if m.live]
         generation = max((m.generation for m in live), default=0)
-        action = ResizeTrainingPool(reason, self.train.gpus, self.train.layout,
-                                    next_member_ids(used, TRAIN, self.train.gpus), generation)
+        gpus, layout = gpus or self.train.gpus, layout or self.train.layout
+        action = ResizeTrainingPool(reason, gpus, layout, next_member_ids(used, TRAIN, gpus), generation)
         self.begin_resize(action, self.clock())
-        cost = self._replace_ranks(action, f"restart the training pool: {reason}", self.train.restart)
+
+        def move() -> tuple[list[MemberView], dict[str, Any]]:
+            if before is not None:
+                before()
+            return self.train.restart(gpus, layout)
+
+        cost = self._replace_ranks(action, f"restart the training pool: {reason}", move)
         self.events.emit("train_restart", reason, generation=generation, **cost)
         return cost
 

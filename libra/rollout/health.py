@@ -2,8 +2,9 @@
 /health every `HealthRule.interval_s` and fails it after `failures_to_fail` misses in a row (`monitor`); the
 publisher checks an instance the same way before reloading it (`answers_health`), where a hung server would
 hold the reload's drain for reload_timeout_s, and watches it during an in-place reload (`unless_hung`), where
-a server that hangs in the middle would hold the publish for reload_timeout_s. The rule itself (`libra.rollout.spec.HealthRule`) comes from the
-job's `rollout_health_check_*` options; a hung server is failed within `hang_detection_bound_s`.
+a server that hangs in the middle would hold the publish for reload_timeout_s. The rule itself
+(`libra.rollout.spec.HealthRule`) comes from the job's `rollout_health_check_*` options; a hung server is
+failed within `hang_detection_bound_s`; `Misses` counts the checks in a row that went unanswered.
 
 An instance declared failed has its requests in flight sent to another instance (`Router.fail_instance`).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from libra.rollout.client import InstanceFailure, ServerClient
@@ -31,15 +33,31 @@ async def answers_health(client: ServerClient, rule: HealthRule) -> bool:
     return False
 
 
+@dataclass
+class Misses:
+    """The checks in a row an instance did not answer, judged by the rule."""
+
+    rule: HealthRule
+    count: int = 0
+
+    def record(self, answered: bool) -> bool:
+        """Count one check; True once `rule.failures_to_fail` checks in a row went unanswered."""
+        self.count = 0 if answered else self.count + 1
+        return self.count >= self.rule.failures_to_fail
+
+    @property
+    def reason(self) -> str:
+        return self.rule.failure_reason(self.count)
+
+
 async def until_failed(client: ServerClient, rule: HealthRule) -> str:
     """Check `client` every `rule.interval_s` and return the failure reason once it missed
     `rule.failures_to_fail` checks in a row (runs until cancelled while it answers)."""
-    misses = 0
+    misses = Misses(rule)
     while True:
         await asyncio.sleep(rule.interval_s)
-        misses = 0 if await client.health(rule.timeout_s) else misses + 1
-        if misses >= rule.failures_to_fail:
-            return rule.failure_reason(misses)
+        if misses.record(await client.health(rule.timeout_s)):
+            return misses.reason
 
 
 async def unless_hung(work: Awaitable[T], client: ServerClient, rule: HealthRule, what: str) -> T:
@@ -52,11 +70,8 @@ async def unless_hung(work: Awaitable[T], client: ServerClient, rule: HealthRule
         await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
-        reason = watch.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise InstanceFailure(f"hung during {what}: {reason}")
-    finally:
+        raise InstanceFailure(f"hung during {what}: {watch.result()}")
+    finally:  # the work of a hung server is cancelled here
         for pending in (task, watch):
             if not pending.done():
                 pending.cancel()
@@ -65,15 +80,12 @@ async def unless_hung(work: Awaitable[T], client: ServerClient, rule: HealthRule
 
 async def monitor(router: Router, rule: HealthRule) -> None:
     """Check every READY instance each round; fail the ones that missed `rule.failures_to_fail` in a row."""
-    misses: dict[str, int] = {}
+    misses: dict[str, Misses] = {}
     while True:
         await asyncio.sleep(rule.interval_s)
         for slot in sorted(router.slots.values(), key=lambda s: s.id):
             if slot.state != READY:
                 continue
-            if await slot.client.health(rule.timeout_s):
-                misses[slot.id] = 0
-                continue
-            misses[slot.id] = misses.get(slot.id, 0) + 1
-            if misses[slot.id] >= rule.failures_to_fail and slot.state == READY:
-                await router.fail_instance(slot, rule.failure_reason(misses[slot.id]))
+            missed = misses.setdefault(slot.id, Misses(rule))
+            if missed.record(await slot.client.health(rule.timeout_s)) and slot.state == READY:
+                await router.fail_instance(slot, missed.reason)

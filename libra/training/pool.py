@@ -207,18 +207,22 @@ class TrainingPool:
                 self.kill()
                 raise
 
-    def replace_workers(self) -> ResizeCost:
+    def replace_workers(self, gpus: int | None = None, layout: TrainLayout | None = None) -> ResizeCost:
         """After a rank's process died: kill every worker at once (the others may be blocked in a collective
-        with the dead one) and start a fresh set at the same spec. The new workers hold the model's initial
-        weights until the caller loads a checkpoint (`load_checkpoint`). Returns the cost, with the kill as
-        `stop_s` and `recovered` set."""
+        with the dead one) and start a fresh set, at the same spec or at `gpus` GPUs under `layout` (when the
+        cluster lost the GPUs of the old one). The new workers hold the model's initial weights until the
+        caller loads a checkpoint (`load_checkpoint`). Returns the cost, with the kill as `stop_s` and
+        `recovered` set."""
         with self._lock:
-            dims = self.layout.dims(self.spec.num_gpus)
-            cost = ResizeCost(from_gpus=self.spec.num_gpus, from_layout=dims, to_gpus=self.spec.num_gpus,
-                              to_layout=dims, step=self.step, checkpoint="", recovered=True)
+            new_spec = self.spec_for(gpus or self.spec.num_gpus, layout or self.layout)
+            new_layout = check_spec(new_spec, self.arch, cuda_available())
+            cost = ResizeCost(from_gpus=self.spec.num_gpus, from_layout=self.layout.dims(self.spec.num_gpus),
+                              to_gpus=new_spec.num_gpus, to_layout=new_layout.dims(new_spec.num_gpus), step=self.step,
+                              checkpoint="", recovered=True)
             started = time.perf_counter()
             self.kill()
             cost.stop_s = round(time.perf_counter() - started, 4)
+            self.spec, self.layout = new_spec, new_layout
             t = time.perf_counter()
             self.start()
             cost.start_s = round(time.perf_counter() - t, 4)

@@ -2,7 +2,8 @@
 
 The measured-gain benchmark (`benchmarks/elastic_gain.py`, metered logical GPUs on a CPU) writes runs of the
 form `{"policy", "split", "samples_per_s", "wall_s", "steps", ...}`. `measured_runs` reads them (the split as
-`{"train_gpus", "rollout_gpus"}`, `[train, rollout]` or `"T+R"` / `"T/R"`); `calibration_errors` pairs each
+`{"train_gpus", "rollout_gpus"}`, `[train, rollout]`, `"T+R"` / `"T/R"` or the benchmark's own label
+`"train T | rollout R"`); `calibration_errors` pairs each
 measured run with the simulated run of the same policy and split and reports the relative errors of the
 step time (wall / steps) and of samples per second: the median over runs (the headline) and every pair.
 Replaying a measured job (building its `SimJob` from the job's configuration) is the caller's part
@@ -36,10 +37,12 @@ def parse_split(value: Any) -> tuple[int, int]:
     if isinstance(value, (list, tuple)) and len(value) == 2:
         return int(value[0]), int(value[1])
     if isinstance(value, str):
-        found = re.fullmatch(r"\s*(\d+)\s*[+/:]\s*(\d+)\s*", value)
+        found = re.fullmatch(r"\s*(\d+)\s*[+/:]\s*(\d+)\s*", value) or \
+            re.fullmatch(r"\s*train\s+(\d+)\s*\|\s*rollout\s+(\d+)\s*", value)
         if found:
             return int(found.group(1)), int(found.group(2))
-    raise ValueError(f"split: {value!r}: expected {{'train_gpus': T, 'rollout_gpus': R}}, [T, R] or 'T+R'")
+    raise ValueError(f"split: {value!r}: expected {{'train_gpus': T, 'rollout_gpus': R}}, [T, R], 'T+R' or "
+                     "'train T | rollout R'")
 
 
 def measured_runs(document: dict[str, Any]) -> list[MeasuredRun]:

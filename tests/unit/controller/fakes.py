@@ -175,11 +175,14 @@ class FakeTrainingEdge:
     def gpus(self) -> int:
         return len(self.workers)
 
-    def restart(self):  # type: ignore[no-untyped-def]
-        """Every rank replaced at the same size and layout (after a worker was lost)."""
+    def restart(self, gpus=None, layout=None):  # type: ignore[no-untyped-def]
+        """Every rank replaced, at the same size and layout or at `gpus` under `layout` (after a worker was
+        lost, or its node)."""
+        before = self.gpus
         self.epoch += 1
-        self.workers = [f"rank-{i}@{self.epoch}" for i in range(len(self.workers))]
-        return self.views(), {"from_gpus": self.gpus, "to_gpus": self.gpus, "stop_s": 0.1, "start_s": 0.2,
+        self.layout = layout or self.layout
+        self.workers = [f"rank-{i}@{self.epoch}" for i in range(gpus or len(self.workers))]
+        return self.views(), {"from_gpus": before, "to_gpus": self.gpus, "stop_s": 0.1, "start_s": 0.2,
                               "switch_s": 0.3, "recovered": True}
 
     def views(self) -> list[MemberView]:

@@ -23,7 +23,7 @@ from libra.controller.services import JobSession
 from libra.controller.signals import StopRequest
 from libra.controller.state import DesiredState, TrainLayout
 from libra.observability.console import NullConsole
-from libra.run_dir import RunDir
+from libra.run_dir import CorruptRunStateError, RunDir
 
 END_STEP = 6
 
@@ -120,7 +120,18 @@ class Training:
         return {"switch_s": 0.5}
 
 
-def run_loop(tmp_path: Path, training: Training) -> tuple[RLLoop, RunDir]:
+def run_loop(tmp_path: Path, training: Training, replan_onto_capacity: Any = None,
+             rollout: Rollout | None = None) -> tuple[RLLoop, RunDir]:
+    loop, run = make_loop(tmp_path, training, replan_onto_capacity, rollout)
+    try:
+        loop.run_steps()
+    finally:
+        loop.stop_producer()
+    return loop, run
+
+
+def make_loop(tmp_path: Path, training: Training, replan_onto_capacity: Any = None,
+              rollout: Rollout | None = None) -> tuple[RLLoop, RunDir]:
     cfg = load_dict({"model_path": str(tmp_path / "m"), "rollout_kv_cache_bytes": 2**26,
                      "cluster": {"gpu_type": "cpu-logical", "logical_gpus": True, "gpus_per_node": 2},
                      "train_gpus": 1, "rollout_gpus": 1, "megatron_params_dtype": "fp32", "max_model_len": 256,
@@ -131,19 +142,15 @@ def run_loop(tmp_path: Path, training: Training) -> tuple[RLLoop, RunDir]:
                      "build_tiny_model": {"enabled": True, "num_heads": 2, "num_kv_heads": 1}})
     run = RunDir.at(tmp_path / "run").create()
     events = EventLog(run.events_jsonl)
-    rollout = Rollout()
+    rollout = rollout or Rollout()
     store = DesiredStore(None, DesiredState(rollout_instances=1, rollout_tp=1, train_gpus=1, train_layout=TrainLayout()))
     session = JobSession(training=training, generation=rollout, desired=store,  # type: ignore[arg-type]
                          publish_weights=rollout.publish_weights, served_versions=lambda: [rollout.version],
                          wake_reconciler=lambda: None, pool_status=dict, pool_text=dict, tick_errors=lambda: 0,
-                         restart_training=training.restart)
+                         restart_training=training.restart, replan_onto_capacity=replan_onto_capacity)
     loop = RLLoop(cfg, run, session, events, Reporter(run, "t", END_STEP, NullConsole(), events, None), Task(),
                   Tokenizer(), StopRequest(), END_STEP)
     loop.restore()
-    try:
-        loop.run_steps()
-    finally:
-        loop.stop_producer()
     return loop, run
 
 
@@ -194,3 +201,87 @@ def test_another_training_error_is_not_a_lost_worker(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="a bug in the loss"):
         run_loop(tmp_path, training)
     assert training.restarts == 0
+
+
+class NodeLost:
+    """The session's capacity check: before step `before_step` it reports a re-plan (restarting the training
+    pool when `restarts`, whose ranks then hold the initial weights), or raises `error`; None otherwise."""
+
+    def __init__(self, training: Training, before_step: int, restarts: bool, error: Exception | None = None) -> None:
+        self.training = training
+        self.before_step = before_step
+        self.restarts = restarts
+        self.error = error
+        self.calls = 0
+
+    def __call__(self) -> dict[str, Any] | None:
+        self.calls += 1
+        if self.training.step + 1 != self.before_step:
+            return None
+        self.before_step = -1  # once
+        if self.error is not None:
+            raise self.error
+        if self.restarts:
+            self.training.step = 0
+        return {"training_restarted": self.restarts, "seconds": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("before_step", "restarts", "trained", "resumed", "repeated"),
+    [
+        pytest.param(4, True, [1, 2, 3, 3, 4, 5, 6], [2], [1], id="training-restarted-back-to-the-checkpoint"),
+        pytest.param(5, True, [1, 2, 3, 4, 5, 6], [4], [0], id="right-after-a-checkpoint-nothing-repeated"),
+        pytest.param(4, False, [1, 2, 3, 4, 5, 6], [], [], id="rollout-only-the-loop-goes-on"),
+    ],
+)
+def test_a_node_lost_at_a_step_boundary(tmp_path: Path, before_step: int, restarts: bool, trained: list[int],
+                                        resumed: list[int], repeated: list[int]) -> None:
+    training = Training(set())
+    check = NodeLost(training, before_step, restarts)
+    loop, run = run_loop(tmp_path, training, check)
+    assert loop.state.step == END_STEP and training.trained == trained
+    assert check.calls >= END_STEP
+    rows = [json.loads(line) for line in run.metrics_jsonl.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, END_STEP + 1)), "each step counted once"
+    assert [e["step"] for e in _events(run, "resumed")] == resumed
+    recovered = _events(run, "train_recovered")
+    assert [e["steps_repeated"] for e in recovered] == repeated
+    assert all("the cluster lost GPUs before step" in e["message"] for e in recovered)
+    assert loop.training_restarts == 0  # no worker was lost: nothing counts towards MAX_TRAINING_RESTARTS
+
+
+def test_pools_that_no_longer_fit_stop_the_job(tmp_path: Path) -> None:
+    from libra.controller.capacity import CapacityLost
+
+    training = Training(set())
+    with pytest.raises(CapacityLost, match="the job stops"):
+        run_loop(tmp_path, training, NodeLost(training, 3, True, CapacityLost("2 GPUs left; the job stops")))
+    assert training.trained == [1, 2]
+
+
+def test_an_error_after_a_restart_for_a_lost_node_writes_no_checkpoint_of_the_initial_weights(tmp_path: Path) -> None:
+    """The training pool restarted for a lost node holds the initial weights until the loop is back on its
+    checkpoint; when that fails (no checkpoint loads), the job stops and the shutdown's checkpoint is not
+    written from the restarted pool (it would label the initial weights with the step the loop had reached)."""
+    training = Training(set())
+    check = NodeLost(training, 4, True)
+
+    def replan() -> dict[str, Any] | None:
+        outcome = check()
+        if outcome:
+            def unreadable(ckpt_dir: str) -> int:
+                raise OSError(f"{ckpt_dir}: a shard cannot be read")
+
+            training.load_checkpoint = unreadable  # type: ignore[method-assign]
+        return outcome
+
+    loop, run = make_loop(tmp_path, training, replan)
+    try:
+        with pytest.raises(CorruptRunStateError, match="a shard cannot be read"):
+            loop.run_steps()
+    finally:
+        loop.stop_producer()
+    assert loop.state.step == 3
+    saved = sorted(p.name for p in run.checkpoints.iterdir())
+    loop.final_checkpoint()
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == saved, "a checkpoint of the initial weights"

@@ -31,6 +31,7 @@ def test_errors_of_a_synthetic_document_match_hand_computation() -> None:
     pytest.param([3, 5], (3, 5), id="pair"),
     pytest.param("3+5", (3, 5), id="plus"),
     pytest.param(" 3 / 5 ", (3, 5), id="slash"),
+    pytest.param("train 3 | rollout 5", (3, 5), id="elastic-gain-label"),
 ])
 def test_parse_split(value: Any, expected: tuple[int, int]) -> None:
     assert parse_split(value) == expected

@@ -1,0 +1,237 @@
+"""Carrying a running job onto the GPUs that remain after the cluster lost some (a Ray node died or was removed).
+
+Two threads take part:
+
+- the control loop (`observe_capacity`, every tick, throttled) keeps `DesiredState.cluster_gpus` at the GPUs Ray
+  counts alive, so the rollout strategies start no replacement for a lost instance on GPUs that are gone
+  (starts never ask for more than the spare GPUs);
+- the RL loop (`replan`, at a step boundary or after a training call lost a rank) re-plans the pools onto what
+  remains (`libra.controller.capacity.fit_to_capacity`). It waits, bounded by the health rule, until the
+  rollout instances of the lost node are failed (so `diff` stops only surplus live ones), then:
+  * the training ranks all answer: the whole new desired state is set and the control loop carries it out
+    as any reconfiguration (a training change by the checkpoint resize, nothing repeated);
+  * a rank was lost: the rollout pool is shrunk first and its surplus stopped (a stop takes the weight gate,
+    which the training restart holds), then the training pool is restarted at its new size and the RL loop
+    goes back to the newest complete checkpoint.
+
+With `runtime_node_loss_policy: wait` the RL loop first waits (up to `runtime_node_loss_wait_s`) for every GPU
+the pools hold to be alive again and, when they are, changes nothing (a lost training rank is restarted at its
+size, lost rollout instances are replaced); it re-plans only when they are not. When even `min_train_gpus` +
+`min_rollout_gpus` do not fit, the job waits up to `runtime_node_loss_wait_s` for them, then stops with
+`CapacityLost`, which says what is left and how to resume. A training restart that cannot be placed because Ray has not marked the node dead yet
+waits for it (`NODE_DEATH_SEEN_S`) and re-plans. Events: `capacity_changed` (the cluster's GPUs moved),
+`capacity_wait` / `capacity_wait_over`, `capacity_lost` (the decision, with its numbers), `capacity_replan`
+(done, with its seconds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from libra.config import Config
+from libra.controller.capacity import (
+    CapacityFit,
+    CapacityLost,
+    fit_to_capacity,
+    gpus_in_use,
+    shrink_to_capacity,
+)
+from libra.controller.desired_store import DesiredStore
+from libra.controller.events import EventLog
+from libra.controller.executor import Executor
+from libra.controller.state import ROLLOUT, DesiredState
+from libra.controller.tracker import MemberTracker
+from planner.layout import TrainLayout
+
+log = logging.getLogger(__name__)
+
+CAPACITY_CHECK_S = 2.0  # the control loop reads the cluster's GPUs at most this often
+NODE_DEATH_SEEN_S = 90.0  # how long a training restart that could not be placed waits for Ray to mark a node dead
+SURPLUS_STOPPED_S = 180.0  # how long the training restart waits for the rollout pool to give up its surplus
+
+
+class NodeLossRecovery:
+    """Watches the cluster's GPUs (control loop) and re-plans the job onto them (RL loop)."""
+
+    def __init__(self, cfg: Config, live_gpus: Callable[[], int], store: DesiredStore, tracker: MemberTracker,
+                 executor: Executor, events: EventLog, fingerprint_for: Callable[[int], str],
+                 train_problems: Callable[[int, TrainLayout], list[str]] | None, wake: Callable[[], None],
+                 rollout_failed_within_s: float, training_answers: Callable[[], bool],
+                 stopping: threading.Event | None = None) -> None:
+        self.cfg = cfg
+        self.live_gpus = live_gpus
+        self.store = store
+        self.tracker = tracker
+        self.executor = executor
+        self.events = events
+        self.fingerprint_for = fingerprint_for
+        self.train_problems = train_problems
+        self.wake = wake
+        self.rollout_failed_within_s = rollout_failed_within_s
+        self.training_answers = training_answers
+        self._checked_at = 0.0
+        self._lost_seen_at: float | None = None  # when the control loop last saw the cluster lose GPUs
+        self.stopping = stopping or threading.Event()  # a stop request ends every wait here at once
+
+    # ---- control loop ---------------------------------------------------------------------------------
+    def observe_capacity(self, now: float | None = None, force: bool = False) -> None:
+        """Keep `cluster_gpus` at the GPUs alive (never above the configured cluster); `force` reads them
+        whatever the throttle says (a member just failed: its node may be gone). Never raises."""
+        now = time.monotonic() if now is None else now
+        if not force and now - self._checked_at < CAPACITY_CHECK_S:
+            return
+        self._checked_at = now
+        try:
+            live = min(self.live_gpus(), self.cfg.total_gpus)
+        except Exception:
+            log.debug("reading the cluster's GPUs failed", exc_info=True)
+            return
+        desired = self.store.get()
+        if not desired.cluster_gpus or live == desired.cluster_gpus:
+            return
+        if live < desired.cluster_gpus:
+            self._lost_seen_at = now
+        self.store.change(lambda d: dataclasses.replace(d, cluster_gpus=live))
+        self.events.emit("capacity_changed", f"the cluster has {live} GPUs alive (was {desired.cluster_gpus})",
+                         live_gpus=live, was_gpus=desired.cluster_gpus, in_use=gpus_in_use(desired))
+
+    # ---- RL loop --------------------------------------------------------------------------------------
+    def replan(self, training_lost: bool, reason: str = "") -> dict[str, Any] | None:
+        """Re-plan onto the GPUs alive when the pools hold more; None when nothing was lost. Returns
+        `{"training_restarted": bool, ...the restart's cost}`; raises CapacityLost when the minimums do not fit."""
+        desired = self.store.get()
+        live = min(self.live_gpus(), self.cfg.total_gpus)
+        held = gpus_in_use(desired)
+        if live >= held:
+            return None
+        started = time.monotonic()
+        gpr = self.cfg.global_resource_planner
+        if gpr.runtime_node_loss_policy == "wait":
+            live = self._wait_for_gpus(held, f"all {held} GPUs its pools hold")
+            if live >= held:
+                return None  # back: a lost training rank is restarted at its size, rollout replacements start
+        training_lost = training_lost or not self.training_answers()
+        self._wait_for_lost_rollout(live, 0 if training_lost else desired.train_gpus)
+        need = max(1, gpr.min_train_gpus) + max(1, gpr.min_rollout_gpus, desired.rollout_tp)
+        fit = self._fit(desired, live, training_lost)
+        if fit is None and live < need:
+            live = self._wait_for_gpus(need, f"the {need} GPUs of its smallest pools")
+            fit = self._fit(desired, live, training_lost)
+        if fit is None:
+            message = (f"the cluster has {live} GPUs alive of the {held} this job holds, fewer than its smallest "
+                       f"pools need ({need}: min_train_gpus={gpr.min_train_gpus}, min_rollout_gpus="
+                       f"{gpr.min_rollout_gpus}, rollout TP {desired.rollout_tp}); the job stops. Launch it again "
+                       "on this run directory once the cluster has the GPUs back: it resumes from its newest "
+                       "checkpoint")
+            self.events.emit("capacity_lost", message, live_gpus=live, was_gpus=held, fits=False)
+            raise CapacityLost(message)
+        self.events.emit("capacity_lost", f"the cluster has {live} of the {held} GPUs this job holds: "
+                         f"{fit.describe(desired)}", live_gpus=live, was_gpus=held, fits=True,
+                         training_lost=training_lost, train_gpus=fit.train_gpus,
+                         rollout_instances=fit.rollout_instances, reason=reason)
+        fingerprint = self.fingerprint_for(desired.rollout_tp)
+        cost: dict[str, Any] | None = None
+        if not training_lost:
+            self.store.change(lambda d: shrink_to_capacity(d, fit, fingerprint))
+            self.wake()
+        else:
+            # the rollout pool first: its stops take the weight gate the training restart holds
+            self.store.change(lambda d: dataclasses.replace(
+                d, cluster_gpus=live, rollout_instances=fit.rollout_instances, rollout_fingerprint=fingerprint,
+                reconfigure_strategy="diff", switch_now=True,
+                reason=f"capacity: rollout {d.rollout_instances} -> {fit.rollout_instances} instances"))
+            self.wake()
+            self._wait_for_rollout_gpus(fit.rollout_instances * max(1, desired.rollout_tp))
+            why = f"the cluster lost GPUs ({reason})" if reason else "the cluster lost GPUs"
+            cost = self.executor.training.restart(
+                why, fit.train_gpus, fit.train_layout,
+                before=lambda: self.store.change(lambda d: shrink_to_capacity(d, fit, fingerprint, desired)))
+            self.wake()
+        seconds = round(time.monotonic() - started, 3)
+        self.events.emit("capacity_replan", fit.describe(desired), training_restarted=cost is not None,
+                         seconds=seconds, live_gpus=live)
+        return {"training_restarted": cost is not None, "seconds": seconds, **(cost or {})}
+
+    def _fit(self, desired: DesiredState, live: int, training_lost: bool) -> CapacityFit | None:
+        gpr = self.cfg.global_resource_planner
+        return fit_to_capacity(desired, live, training_lost=training_lost, min_train_gpus=gpr.min_train_gpus,
+                               min_rollout_gpus=gpr.min_rollout_gpus, model=self.cfg.model_spec(),
+                               gpus_per_node=self.cfg.cluster.gpus_per_node, train_problems=self.train_problems)
+
+    def _wait_for_gpus(self, gpus: int, what: str) -> int:
+        """Wait up to `runtime_node_loss_wait_s` for `gpus` GPUs alive; the GPUs alive then."""
+        wait_s = self.cfg.global_resource_planner.runtime_node_loss_wait_s
+        live = min(self.live_gpus(), self.cfg.total_gpus)
+        if live >= gpus or wait_s <= 0:
+            return live
+        self.events.emit("capacity_wait", f"the cluster has {live} GPUs alive; waiting up to {wait_s:g}s for {what}",
+                         live_gpus=live, need_gpus=gpus, wait_s=wait_s)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and live < gpus and not self.stopping.is_set():
+            self.stopping.wait(min(CAPACITY_CHECK_S, max(0.0, deadline - time.monotonic())))
+            live = min(self.live_gpus(), self.cfg.total_gpus)
+        self.events.emit("capacity_wait_over", f"the cluster has {live} GPUs alive ({what}: "
+                         f"{'back' if live >= gpus else 'not back'})", live_gpus=live, need_gpus=gpus)
+        return live
+
+    def restart_training(self, reason: str) -> dict[str, Any]:
+        """After a training call lost a rank: re-plan when the cluster lost GPUs, else restart the pool at its
+        size; a restart that cannot be placed (the rank's node is gone, Ray has not marked it dead yet) waits
+        for the loss to show and re-plans."""
+        replanned = self.replan(training_lost=True, reason=reason)
+        if replanned is not None:
+            return replanned
+        try:
+            return self.executor.training.restart(reason)
+        except Exception as exc:
+            if not _not_placed(exc):
+                raise
+            log.warning("the training pool could not be placed again (%s); waiting for the cluster to show "
+                        "what it lost", exc)
+            deadline = time.monotonic() + NODE_DEATH_SEEN_S
+            while time.monotonic() < deadline and not self.stopping.is_set():
+                replanned = self.replan(training_lost=True, reason=reason)
+                if replanned is not None:
+                    return replanned
+                self.stopping.wait(CAPACITY_CHECK_S)
+            raise
+
+    def _rollout_gpus_live(self, desired: DesiredState) -> int:
+        return sum(m.gpus(desired.rollout_tp) for m in self.tracker.members(ROLLOUT) if m.live)
+
+    def _wait_for_lost_rollout(self, live: int, training_kept: int) -> None:
+        """Until the rollout instances of the lost GPUs are failed: the rollout pool and what training keeps
+        fit the GPUs alive, or the health rule's bound (and a margin) has passed since the loss was seen (the
+        survivors then hold more than fits, and the re-plan stops some)."""
+        seen = self._lost_seen_at if self._lost_seen_at is not None else time.monotonic()
+        deadline = seen + self.rollout_failed_within_s + 5.0
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            if self._rollout_gpus_live(self.store.get()) + training_kept <= live:
+                return
+            self.stopping.wait(0.2)
+        log.info("the rollout pool still holds more GPUs than are alive; the re-plan stops the surplus")
+
+    def _wait_for_rollout_gpus(self, gpus: int) -> None:
+        deadline = time.monotonic() + SURPLUS_STOPPED_S
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            if self._rollout_gpus_live(self.store.get()) <= gpus:
+                return
+            self.stopping.wait(0.2)
+        log.warning("the rollout pool still holds more than %d GPUs; restarting the training pool anyway", gpus)
+
+
+def _not_placed(exc: BaseException) -> bool:
+    """Whether `exc` (or an error it came from) says a placement group was not placed in time."""
+    seen: BaseException | None = exc
+    for _ in range(16):
+        if seen is None:
+            return False
+        if isinstance(seen, TimeoutError) and "was not placed" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

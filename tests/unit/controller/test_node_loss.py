@@ -1,0 +1,320 @@
+"""The cluster loses GPUs while the job runs (fake pools, a real control loop): the split of what remains
+(`fit_to_capacity`, a table), the control loop keeping `cluster_gpus` at the GPUs alive so no replacement is
+started on GPUs that are gone, and the RL loop's re-plan: survivors keep their places, a lost training rank
+restarts the training pool at its new size after the rollout pool gave up its surplus, and pools that do not
+fit stop the job with a clear error."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from libra.config import load_dict
+from libra.controller.capacity import CapacityFit, CapacityLost, fit_to_capacity, shrink_to_capacity
+from libra.controller.control_loop import ControlLoop
+from libra.controller.desired_store import DesiredStore
+from libra.controller.events import EventLog
+from libra.controller.executor import Executor
+from libra.controller.gate import WeightGate
+from libra.controller.node_loss import CAPACITY_CHECK_S, NodeLossRecovery
+from libra.controller.state import ROLLOUT, DesiredState
+from libra.controller.tracker import MemberTracker
+from planner.layout import TrainLayout
+from planner.model_spec import model_spec_from_dict
+
+from .fakes import FakeRolloutEdge, FakeTrainingEdge
+
+MODEL = model_spec_from_dict({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                              "num_hidden_layers": 4, "intermediate_size": 128, "vocab_size": 100})
+
+
+def desired(train: int, instances: int, tp: int = 1, layout: TrainLayout = TrainLayout()) -> DesiredState:
+    return DesiredState(rollout_instances=instances, rollout_tp=tp, train_gpus=train, train_layout=layout,
+                        cluster_gpus=train + instances * tp, generation=3)
+
+
+def refuse(*sizes: int):  # type: ignore[no-untyped-def]
+    return lambda gpus, layout: [f"train_gpus={gpus}: the batch does not divide"] if gpus in sizes else []
+
+
+# (id, desired, live GPUs, training lost, minimums (train, rollout), refused training sizes,
+#  expected (train GPUs, layout, rollout instances) or None)
+FITS = [
+    ("rollout-node-lost-training-kept", desired(2, 6), 6, False, (0, 0), (), (2, TrainLayout(), 4)),
+    ("training-lost-share-kept", desired(1, 3), 2, True, (0, 0), (), (1, TrainLayout(), 1)),
+    ("half-the-cluster-lost", desired(4, 4), 4, True, (0, 0), (), (2, TrainLayout(), 2)),
+    ("rollout-tp2-whole-instances", desired(2, 3, tp=2), 4, False, (0, 0), (), (2, TrainLayout(), 1)),
+    ("minimum-rollout-takes-training-gpus", desired(3, 1), 3, False, (0, 0), (), (2, TrainLayout(), 1)),
+    ("minimums-do-not-fit", desired(2, 2), 3, True, (2, 2), (), None),
+    ("batch-refuses-a-size", desired(4, 4), 5, True, (0, 0), (3,), (2, TrainLayout(), 3)),
+    ("layout-lowered-to-fit", desired(4, 4, layout=TrainLayout(tp=4)), 6, True, (0, 0), (),
+     (3, TrainLayout(), 3)),
+    ("tp-kept-where-it-divides", desired(4, 4, layout=TrainLayout(tp=2)), 4, True, (0, 0), (),
+     (2, TrainLayout(tp=2), 2)),
+    ("minimum-training-gpus-kept", desired(2, 6), 4, True, (2, 0), (), (2, TrainLayout(), 2)),
+]
+
+
+@pytest.mark.parametrize(("want", "live", "lost", "minimums", "refused", "expected"),
+                         [case[1:] for case in FITS], ids=[case[0] for case in FITS])
+def test_fit_to_capacity(want: DesiredState, live: int, lost: bool, minimums: tuple[int, int],
+                         refused: tuple[int, ...], expected: tuple[int, TrainLayout, int] | None) -> None:
+    fit = fit_to_capacity(want, live, training_lost=lost, min_train_gpus=minimums[0], min_rollout_gpus=minimums[1],
+                          model=MODEL, gpus_per_node=8, train_problems=refuse(*refused))
+    if expected is None:
+        assert fit is None
+        return
+    assert fit is not None
+    assert (fit.train_gpus, fit.train_layout, fit.rollout_instances) == expected
+    assert fit.train_gpus + fit.rollout_instances * want.rollout_tp <= live
+
+
+def test_shrink_to_capacity_is_a_diff_generation_switched_at_once() -> None:
+    before = desired(2, 6)
+    after = shrink_to_capacity(before, CapacityFit(6, 2, TrainLayout(), 4), "fp")
+    assert (after.cluster_gpus, after.rollout_instances, after.train_gpus, after.rollout_fingerprint) == (6, 4, 2, "fp")
+    assert after.generation == before.generation + 1 and after.reconfigure_strategy == "diff" and after.switch_now
+    assert "the cluster lost GPUs" in after.reconfiguring and "8 -> 6 GPUs" in after.reconfiguring
+
+
+class Cluster:
+    """The GPUs Ray counts alive, as the test sets them."""
+
+    def __init__(self, gpus: int) -> None:
+        self.gpus = gpus
+
+    def __call__(self) -> int:
+        return self.gpus
+
+
+class LossJob:
+    """Fake pools driven by a real control loop in the background, a desired store and the recovery."""
+
+    def __init__(self, tmp_path: Path, train: int, instances: int, min_train: int = 0, min_rollout: int = 0,
+                 policy: str = "replan", wait_s: float = 0.0) -> None:
+        gpus = train + instances
+        self.cfg = load_dict({
+            "model_path": str(tmp_path / "m"), "rollout_kv_cache_bytes": 2**26,
+            "cluster": {"gpu_type": "cpu-logical", "logical_gpus": True, "gpus_per_node": gpus},
+            "train_gpus": train, "rollout_gpus": instances, "megatron_params_dtype": "fp32", "max_model_len": 256,
+            "max_new_tokens": 2, "batch_size": 4, "n_samples": 3, "total_steps": 4,
+            "megatron_use_cpu_initialization": True, "optimizer": {"clip_grad": 0},
+            "global_resource_planner": {"min_train_gpus": min_train, "min_rollout_gpus": min_rollout,
+                                        "runtime_node_loss_policy": policy, "runtime_node_loss_wait_s": wait_s},
+            "build_tiny_model": {"enabled": True, "num_heads": 2, "num_kv_heads": 1}})
+        self.events = EventLog(tmp_path / "events.jsonl")
+        self.tracker = MemberTracker(self.events)
+        self.rollout = FakeRolloutEdge()
+        self.train = FakeTrainingEdge()
+        self.executor = Executor(self.tracker, self.rollout, self.train, self.events, gate=WeightGate())
+        self.store = DesiredStore(None, DesiredState(rollout_instances=instances, rollout_tp=1, train_gpus=train,
+                                                     train_layout=TrainLayout(), rollout_fingerprint="fp",
+                                                     cluster_gpus=gpus, generation=1))
+        self.cluster = Cluster(gpus)
+        self.training_answers = True
+        self.recovery = NodeLossRecovery(
+            self.cfg, self.cluster, self.store, self.tracker, self.executor, self.events,
+            fingerprint_for=lambda tp: "fp", train_problems=None, wake=lambda: None,
+            rollout_failed_within_s=1.0, training_answers=lambda: self.training_answers)
+        self.loop = ControlLoop(self.tracker, self.executor, self.rollout, self.train, self.store.get, self.events,
+                                interval_s=0.02, on_observed=lambda o, d: self.recovery.observe_capacity(
+                                    force=any(m.state.value == "FAILED" for m in o.members)))
+        self.loop.start()
+        assert self.wait(lambda: len(self.serving()) == instances and len(self.train.workers) == train)
+        self.started = set(self.rollout.instances)
+
+    def serving(self) -> list[str]:
+        return [k for k, i in self.rollout.instances.items() if i.serving]
+
+    def lose(self, gpus: int, rollout_keys: int) -> None:
+        """A node of `gpus` GPUs goes, with `rollout_keys` of the rollout instances on it (their loss shows in
+        the next observation, as a health check would find it)."""
+        self.cluster.gpus -= gpus
+        for key in sorted(self.rollout.instances)[:rollout_keys]:
+            del self.rollout.instances[key]
+
+    def wait(self, predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(0.02)
+        return bool(predicate())
+
+    def kinds(self) -> list[dict]:
+        return [json.loads(line) for line in (self.events.path or Path()).read_text().splitlines()]
+
+    def close(self) -> None:
+        self.loop.stop()
+        self.executor.shutdown()
+
+
+@pytest.fixture
+def make_job(tmp_path: Path):
+    jobs: list[LossJob] = []
+
+    def make(**kwargs) -> LossJob:  # type: ignore[no-untyped-def]
+        folder = tmp_path / f"job{len(jobs)}"
+        folder.mkdir()
+        jobs.append(LossJob(folder, **kwargs))
+        return jobs[-1]
+
+    yield make
+    for job in jobs:
+        job.close()
+
+
+def test_the_control_loop_keeps_cluster_gpus_at_what_is_alive_and_starts_no_replacement(make_job) -> None:
+    job = make_job(train=1, instances=3)
+    job.lose(gpus=2, rollout_keys=2)
+    assert job.wait(lambda: job.store.get().cluster_gpus == 2)
+    assert job.wait(lambda: sum(m.live for m in job.tracker.members(ROLLOUT)) == 1)
+    time.sleep(0.3)  # ticks that could start a replacement
+    assert set(job.rollout.instances) <= job.started, "a replacement was started on GPUs that are gone"
+    changed = [e for e in job.kinds() if e["kind"] == "capacity_changed"]
+    assert changed and (changed[0]["live_gpus"], changed[0]["was_gpus"]) == (2, 4)
+
+
+def test_rollout_node_lost_survivors_keep_their_places(make_job) -> None:
+    job = make_job(train=2, instances=4)
+    kept = set(job.rollout.instances) - {sorted(job.rollout.instances)[0]}
+    job.lose(gpus=1, rollout_keys=1)
+    outcome = job.recovery.replan(training_lost=False)
+    assert outcome is not None and not outcome["training_restarted"]
+    want = job.store.get()
+    assert (want.train_gpus, want.rollout_instances, want.cluster_gpus) == (2, 3, 5)
+    assert job.wait(lambda: not job.store.get().reconfiguring or set(job.serving()) == kept)
+    assert set(job.serving()) == kept and job.train.resizes == [] and len(job.train.workers) == 2
+    assert job.recovery.replan(training_lost=False) is None  # nothing more to do
+
+
+def test_training_rank_lost_restarts_training_at_its_new_size_after_the_rollout_surplus_stopped(make_job) -> None:
+    job = make_job(train=1, instances=3)
+    job.lose(gpus=2, rollout_keys=1)  # the node held the training rank and one rollout instance
+    job.training_answers = False
+    held: list[int] = []
+    original = job.train.restart
+
+    def restart(gpus=None, layout=None):  # type: ignore[no-untyped-def]
+        held.append(sum(1 for i in job.rollout.instances.values() if i.state.value != "STOPPED"))
+        return original(gpus, layout)
+
+    job.train.restart = restart  # type: ignore[method-assign]
+    outcome = job.recovery.restart_training("a training worker died")
+    assert outcome["training_restarted"] and outcome["to_gpus"] == 1
+    assert held == [1], "the training pool restarted before the rollout pool gave up its surplus"
+    want = job.store.get()
+    assert (want.train_gpus, want.rollout_instances, want.cluster_gpus) == (1, 1, 2)
+    assert job.wait(lambda: len(job.serving()) == 1 and len(job.train.workers) == 1)
+    kinds = [e["kind"] for e in job.kinds()]
+    assert kinds.count("capacity_lost") == 1 and kinds.count("capacity_replan") == 1 and "train_restart" in kinds
+    assert "4 -> 2 GPUs" in want.reconfiguring and "rollout 3 -> 1" in want.reconfiguring, want.reconfiguring
+
+
+def test_a_lost_rank_without_lost_gpus_restarts_at_the_same_size(make_job) -> None:
+    job = make_job(train=2, instances=2)
+    job.training_answers = False
+    cost = job.recovery.restart_training("a training worker died")
+    assert cost["to_gpus"] == 2 and "training_restarted" not in cost
+    assert job.store.get().train_gpus == 2 and "capacity_lost" not in [e["kind"] for e in job.kinds()]
+
+
+def test_pools_that_do_not_fit_stop_the_job_with_what_is_left(make_job) -> None:
+    job = make_job(train=2, instances=2, min_train=2, min_rollout=2, wait_s=0.3)
+    job.lose(gpus=1, rollout_keys=1)
+    with pytest.raises(CapacityLost, match=r"3 GPUs alive of the 4 .*min_train_gpus=2, min_rollout_gpus=2.*"
+                                           r"Launch it again on this run directory"):
+        job.recovery.replan(training_lost=False)
+    assert job.store.get().rollout_instances == 2  # nothing was changed
+    waited = [e for e in job.kinds() if e["kind"] == "capacity_wait"]
+    assert waited and waited[0]["need_gpus"] == 4 and waited[0]["wait_s"] == 0.3
+
+
+def back_after(job: LossJob, seconds: float, gpus: int) -> threading.Timer:
+    timer = threading.Timer(seconds, lambda: setattr(job.cluster, "gpus", gpus))
+    timer.start()
+    return timer
+
+
+def test_pools_that_do_not_fit_wait_for_the_gpus_of_the_smallest_pools(make_job) -> None:
+    job = make_job(train=2, instances=2, min_train=2, min_rollout=1, wait_s=10.0)
+    job.lose(gpus=2, rollout_keys=2)  # 2 left, the training pool's: training 2 + rollout 1 do not fit
+    assert job.wait(lambda: not any(m.live for m in job.tracker.members(ROLLOUT)))
+    back_after(job, 1.0, 3)  # a node of 1 GPU joins
+    outcome = job.recovery.replan(training_lost=False)
+    assert outcome is not None
+    want = job.store.get()
+    assert (want.train_gpus, want.rollout_instances, want.cluster_gpus) == (2, 1, 3)
+    over = [e for e in job.kinds() if e["kind"] == "capacity_wait_over"]
+    assert over and over[0]["live_gpus"] == 3
+
+
+@pytest.mark.parametrize(("comes_back", "changed"), [(True, False), (False, True)],
+                         ids=["gpus-back-nothing-changes", "gpus-not-back-re-planned"])
+def test_the_wait_policy_waits_for_every_gpu_before_it_re_plans(make_job, comes_back: bool, changed: bool) -> None:
+    job = make_job(train=1, instances=3, policy="wait", wait_s=1.0)
+    job.lose(gpus=1, rollout_keys=1)
+    if comes_back:
+        back_after(job, 0.3, 4)
+    outcome = job.recovery.replan(training_lost=False)
+    assert (outcome is not None) is changed
+    assert job.store.get().rollout_instances == (2 if changed else 3)
+    assert [e["kind"] for e in job.kinds()].count("capacity_wait") == 1
+
+
+def test_the_control_loop_reads_the_cluster_at_most_every_few_seconds(make_job) -> None:
+    job = make_job(train=1, instances=1)
+    job.loop.stop()
+    calls: list[int] = []
+
+    def live() -> int:
+        calls.append(1)
+        return 2
+
+    job.recovery.live_gpus = live  # type: ignore[method-assign]
+    now = time.monotonic()
+    job.recovery._checked_at = now
+    for _ in range(20):
+        job.recovery.observe_capacity(now + CAPACITY_CHECK_S / 2)
+    assert calls == []
+    job.recovery.observe_capacity(now + CAPACITY_CHECK_S)
+    job.recovery.observe_capacity(now + CAPACITY_CHECK_S + 0.1)
+    assert calls == [1]
+
+
+def test_a_restart_that_cannot_be_placed_waits_for_the_loss_to_show(make_job) -> None:
+    """A rank died with its node before Ray marked the node dead: the restart at the same size is not placed,
+    and the recovery re-plans once the loss shows."""
+    job = make_job(train=1, instances=3)
+    job.training_answers = False
+    original = job.train.restart
+    calls: list[int] = []
+
+    def restart(gpus=None, layout=None):  # type: ignore[no-untyped-def]
+        calls.append(gpus)
+        if len(calls) == 1:
+            job.lose(gpus=2, rollout_keys=1)  # Ray now shows the node gone
+            raise TimeoutError("placement group 'libra-train-pg' (1 bundles {'GPU': 1}, PACK) was not placed "
+                               "within 60s")
+        return original(gpus, layout)
+
+    job.train.restart = restart  # type: ignore[method-assign]
+    outcome = job.recovery.restart_training("a training worker died")
+    assert calls == [1, 1] and outcome["training_restarted"]
+    want = job.store.get()
+    assert (want.train_gpus, want.rollout_instances, want.cluster_gpus) == (1, 1, 2)
+
+
+def test_another_restart_error_is_raised_unchanged(make_job) -> None:
+    job = make_job(train=1, instances=1)
+
+    def restart(gpus=None, layout=None):  # type: ignore[no-untyped-def]
+        raise RuntimeError("megatron init failed")
+
+    job.train.restart = restart  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="megatron init failed"):
+        job.recovery.restart_training("a training worker died")
