@@ -26,7 +26,9 @@ PLACEMENT_TIMEOUT_S = 60.0
 # Ray gives a starting node 30 s (not configurable) to register with its GCS; on a loaded machine that can
 # run out. A failed start leaves its processes behind, so they are stopped before the next attempt.
 STARTUP_ATTEMPTS = 3
-_STARTUP_TIMEOUT_TEXT = "timed out during startup"
+# Ray's startup timeouts on a loaded machine: a node that did not register with its GCS in time, and the GCS
+# that did not write its port file in time
+_STARTUP_TIMEOUT_TEXTS = ("timed out during startup", "Timed out waiting for file")
 
 # Ray puts Unix sockets at TMP/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store and refuses a path
 # over 107 bytes (the AF_UNIX limit), so a deep temp dir (a run directory, a test's tmp path) cannot hold
@@ -55,8 +57,9 @@ def socket_safe_dir(tmp_dir: str, reserve: str = "") -> tuple[str, str | None]:
 
 
 def is_startup_timeout(exc: BaseException) -> bool:
-    """Whether `exc` is Ray's "the current node timed out during startup" (worth another attempt)."""
-    return _STARTUP_TIMEOUT_TEXT in str(exc)
+    """Whether `exc` is one of Ray's startup timeouts ("the current node timed out during startup", "Timed out
+    waiting for file .../gcs_server_port_..."): worth another attempt."""
+    return any(text in str(exc) for text in _STARTUP_TIMEOUT_TEXTS)
 
 
 def stop_processes_under(tmp_dir: str) -> list[int]:

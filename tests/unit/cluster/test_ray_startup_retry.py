@@ -1,5 +1,5 @@
-"""A local Ray start that times out (Ray's fixed 30 s for a node to register, which a loaded machine can miss)
-is tried again after the processes it left behind are stopped; other errors are not retried."""
+"""A local Ray start that times out (Ray's fixed 30 s for a node to register, or for the GCS to write its port
+file, which a loaded machine can miss) is tried again after the processes it left behind are stopped; other errors are not retried."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ RAY_TIMEOUT = Exception("The current node timed out during startup. This could h
 
 @pytest.mark.parametrize(("exc", "retried"), [
     (RAY_TIMEOUT, True),
+    (RuntimeError("Timed out waiting for file /tmp/libra-ray-t2wst70p/session_2026-12-02_04-02-47_862138_4739/"
+                  "gcs_server_port_1cc45889b4fe5b1442636e3c8e6c549734facb0e2b156f92bcf2f4f7"), True),
     (RuntimeError("Failed to get node info b'RPC error: Deadline Exceeded'"), False),
     (ValueError("num_gpus must be >= 0"), False),
-], ids=["startup-timeout", "other-ray-error", "bad-argument"])
+], ids=["startup-timeout", "gcs-port-file-timeout", "other-ray-error", "bad-argument"])
 def test_which_errors_are_tried_again(exc: Exception, retried: bool) -> None:
     assert is_startup_timeout(exc) is retried
 
