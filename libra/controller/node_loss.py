@@ -87,7 +87,7 @@ class NodeLossRecovery:
             return
         self._checked_at = now
         try:
-            live = min(self.live_gpus(), self.cfg.total_gpus)
+            live = self._live()
         except Exception:
             log.debug("reading the cluster's GPUs failed", exc_info=True)
             return
@@ -105,7 +105,7 @@ class NodeLossRecovery:
         """Re-plan onto the GPUs alive when the pools hold more; None when nothing was lost. Returns
         `{"training_restarted": bool, ...the restart's cost}`; raises CapacityLost when the minimums do not fit."""
         desired = self.store.get()
-        live = min(self.live_gpus(), self.cfg.total_gpus)
+        live = self._live()
         held = gpus_in_use(desired)
         if live >= held:
             return None
@@ -166,7 +166,7 @@ class NodeLossRecovery:
     def _wait_for_gpus(self, gpus: int, what: str) -> int:
         """Wait up to `runtime_node_loss_wait_s` for `gpus` GPUs alive; the GPUs alive then."""
         wait_s = self.cfg.global_resource_planner.runtime_node_loss_wait_s
-        live = min(self.live_gpus(), self.cfg.total_gpus)
+        live = self._live()
         if live >= gpus or wait_s <= 0:
             return live
         self.events.emit("capacity_wait", f"the cluster has {live} GPUs alive; waiting up to {wait_s:g}s for {what}",
@@ -174,7 +174,7 @@ class NodeLossRecovery:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and live < gpus and not self.stopping.is_set():
             self.stopping.wait(min(CAPACITY_CHECK_S, max(0.0, deadline - time.monotonic())))
-            live = min(self.live_gpus(), self.cfg.total_gpus)
+            live = self._live()
         self.events.emit("capacity_wait_over", f"the cluster has {live} GPUs alive ({what}: "
                          f"{'back' if live >= gpus else 'not back'})", live_gpus=live, need_gpus=gpus)
         return live
@@ -204,26 +204,31 @@ class NodeLossRecovery:
     def _rollout_gpus_live(self, desired: DesiredState) -> int:
         return sum(m.gpus(desired.rollout_tp) for m in self.tracker.members(ROLLOUT) if m.live)
 
+    def _live(self) -> int:
+        """The GPUs alive, never more than the configured cluster (a larger Ray cluster loses nothing of ours
+        while it still has room for the job)."""
+        return min(self.live_gpus(), self.cfg.total_gpus)
+
+    def _rollout_holds_at_most(self, gpus: int, deadline: float) -> bool:
+        """Wait until the live rollout members hold at most `gpus` GPUs, until `deadline` (monotonic) or a stop;
+        whether they do."""
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            if self._rollout_gpus_live(self.store.get()) <= gpus:
+                return True
+            self.stopping.wait(0.2)
+        return self._rollout_gpus_live(self.store.get()) <= gpus
+
     def _wait_for_lost_rollout(self, live: int, training_kept: int) -> None:
         """Until the rollout instances of the lost GPUs are failed: the rollout pool and what training keeps
         fit the GPUs alive, or the health rule's bound (and a margin) has passed since the loss was seen (the
         survivors then hold more than fits, and the re-plan stops some)."""
         seen = self._lost_seen_at if self._lost_seen_at is not None else time.monotonic()
-        deadline = seen + self.rollout_failed_within_s + 5.0
-        while time.monotonic() < deadline and not self.stopping.is_set():
-            if self._rollout_gpus_live(self.store.get()) + training_kept <= live:
-                return
-            self.stopping.wait(0.2)
-        log.info("the rollout pool still holds more GPUs than are alive; the re-plan stops the surplus")
+        if not self._rollout_holds_at_most(live - training_kept, seen + self.rollout_failed_within_s + 5.0):
+            log.info("the rollout pool still holds more GPUs than are alive; the re-plan stops the surplus")
 
     def _wait_for_rollout_gpus(self, gpus: int) -> None:
-        deadline = time.monotonic() + SURPLUS_STOPPED_S
-        while time.monotonic() < deadline and not self.stopping.is_set():
-            if self._rollout_gpus_live(self.store.get()) <= gpus:
-                return
-            self.stopping.wait(0.2)
-        log.warning("the rollout pool still holds more than %d GPUs; restarting the training pool anyway", gpus)
-
+        if not self._rollout_holds_at_most(gpus, time.monotonic() + SURPLUS_STOPPED_S):
+            log.warning("the rollout pool still holds more than %d GPUs; restarting the training pool anyway", gpus)
 
 def _not_placed(exc: BaseException) -> bool:
     """Whether `exc` (or an error it came from) says a placement group was not placed in time."""
