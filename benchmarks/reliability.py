@@ -19,6 +19,9 @@ Faults (`--faults` picks some):
                               step 2 while the worker is in its train step; a new launch adopts the live
                               rollout server and runs to step END (checkpoint every step)
   controller_kill_mid_publish the same while the worker exports the weights of a publish
+  controller_kill_mid_reconfiguration  on a Ray cluster of 4 logical GPUs that outlives the controller, SIGKILL
+                              to the controller while the new instance of a `diff` 1 -> 2 change loads; a new
+                              launch adopts the live server, finishes the change and runs 3 more steps
   rollout_kill9_mid_generation  a job with 2 rollout instances: SIGKILL to a server's process group while its
                               engine runs requests; the job goes on and the instance is replaced
   rollout_kill9_mid_reload    the same job: SIGKILL while a weight publish reloads that server (its /is_paused)
@@ -30,6 +33,8 @@ Faults (`--faults` picks some):
                               training GPU and 3 rollout instances loses the node of its training rank after step
                               2 (`Cluster.remove_node`); the same launch re-plans onto the 2 GPUs left and runs
                               to step END (checkpoint every step; tests/integration/reliability/test_node_loss.py)
+  disk_full_mid_trace         only the run directory's trace folder on a small tmpfs, filled after step 2;
+                              the same launch trains on to step END (trace records dropped with a warning)
   load_queue_and_status       10,000 queued prompts through the job's producer and buffer under
                               max_concurrent_rollouts (stand-in server), then 1,000 `status` calls a minute to
                               a launch of LOAD_END_STEP steps while it trains; RSS sampled
@@ -73,7 +78,7 @@ from reliability_accounting import (  # noqa: E402
     replace_table,
     target_met,
 )
-from reliability_disk import disk_full_mid_checkpoint  # noqa: E402
+from reliability_disk import disk_full_mid_checkpoint, disk_full_mid_trace  # noqa: E402
 from reliability_load import load_queue_and_status  # noqa: E402
 
 from tests.integration.controller.conftest import (  # noqa: E402
@@ -100,8 +105,6 @@ STARTUP_S = 600.0
 SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4 of the job
 LOAD_END_STEP = 200  # over a minute of training under the status calls (checkpoint every 10 steps)
 NOT_COVERED = [
-    "kill -9 of the controller mid-reconfiguration (tested, not measured: "
-    "tests/integration/controller/test_reconfigure_job.py)",
     "loss of a Ray node: measured for a node removed by `Cluster.remove_node` (its raylet tells the cluster at "
     "once); a node that dies silently is declared dead by Ray's health checks later, and a training restart "
     "meanwhile waits for that (`NodeLossRecovery.restart_training`, a unit case), not measured; the "
@@ -109,8 +112,6 @@ NOT_COVERED = [
     "a rollout server that hangs in the middle of its own reload (in-place: failed by the health rule, a "
     "unit case, not a fault on a running job; restart: waits out the start-up timeout); a job with a "
     "single rollout instance losing it",
-    "disk full during a trace write (tested, not measured: a full disk drops trace records with one "
-    "warning, tests/unit/training/test_disk_full_writes.py)",
     "load at scale: the queue part is one vLLM-CPU instance of a tiny model with 2-token answers "
     "(benchmarks/reliability_load.py), the status part one small job",
 ]
@@ -262,6 +263,53 @@ def _controller_kill(root: Path, method: str, ray_dir: Path) -> dict[str, Any]:
             stop_everything(run_dir, launches)
 
 
+def controller_kill_mid_reconfiguration(root: Path) -> dict[str, Any]:
+    """SIGKILL to the controller of a job while the new instance of a `diff` 1 -> 2 change loads, on a Ray cluster
+    of 4 logical GPUs that outlives it; a new launch adopts the live server, finishes the change and runs 3 more
+    steps (tests/integration/controller/test_reconfigure_job.py's scenario, checkpoint every step)."""
+    from tests.integration.controller.test_reconfigure_job import (
+        GPUS,
+        job_workspace,
+        sigkill_mid_switch,
+        stop_job,
+    )
+
+    ray_dir = Path(tempfile.mkdtemp(prefix="lrel-", dir="/tmp"))  # Ray's socket paths must stay under 108 bytes
+    try:
+        with ray_holder(GPUS, ray_dir, dict(os.environ, RAY_AUTH_MODE="disabled")) as address:
+            (root / "job").mkdir()
+            ws, started = job_workspace(root / "job", "rel-midswitch", address)
+            ws["started"] = started
+            _with_checkpoint_every_step(ws["config"])
+            try:
+                kill = sigkill_mid_switch(ws)
+                run_dir: Path = ws["run_dir"]
+                found = events(run_dir)
+                session = found[max(i for i, e in enumerate(found) if e["kind"] == "launch"):]
+                desired = json.loads((run_dir / "desired_state.json").read_text())
+                figures = fault_figures("", kill.steps_before, metric_rows(run_dir), _resumed_step(run_dir),
+                                        kill.end_step, SAMPLES_PER_STEP, kill.killed_at, kill.exit_code)
+                done = [e for e in session if e["kind"] == "reconfigure_done"]
+                figures["details"] = {
+                    "exit_code": kill.exit_code, "checkpoint_interval": 1,
+                    "killed_during": kill.desired_before.get("reconfiguring", ""),
+                    "last_step_before_kill": max((int(r["step"]) for r in kill.steps_before), default=0),
+                    "resumed_from_step": _resumed_step(run_dir),
+                    "change_resumed": any(e["kind"] == "reconfigure_resumed" for e in session),
+                    "change_done_s": round(done[0]["ts"] - kill.killed_at, 1) if done else None,
+                    "rollout_instances_after": desired.get("rollout_instances"),
+                    "servers_adopted": [e["member"] for e in session if e["kind"] == "member_adopted"],
+                    "servers_left_running": len(live(sorted(kill.seen))),
+                    "job": "1 training GPU, rollout 1 -> 2 instances by diff requested at step 2; the relaunch is "
+                           "held at its first step boundary until the change is done, then runs 3 steps",
+                }
+                return figures
+            finally:
+                stop_job(ws)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+
+
 SERVER_FAULTS = {"rollout_kill9_mid_generation": "kill9_mid_generation", "rollout_kill9_mid_reload": "kill9_mid_reload",
                  "rollout_hung_sigstop": "hung_server"}
 SERVER_END_STEP = 40  # the loop is let go only for the faults (server_fault_rig.py)
@@ -348,9 +396,11 @@ FAULTS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "worker_kill_mid_checkpoint": lambda root: worker_kill(root, "save_checkpoint"),
     "controller_kill_mid_step": lambda root: controller_kill(root, "train_step"),
     "controller_kill_mid_publish": lambda root: controller_kill(root, "export_hf"),
+    "controller_kill_mid_reconfiguration": controller_kill_mid_reconfiguration,
     **{name: _server_fault(name) for name in SERVER_FAULTS},
     "disk_full_mid_checkpoint": lambda root: disk_full_mid_checkpoint(root, END_STEP, SAMPLES_PER_STEP, STARTUP_S,
                                                                       _with_checkpoint_every_step),
+    "disk_full_mid_trace": lambda root: disk_full_mid_trace(root, END_STEP, SAMPLES_PER_STEP, STARTUP_S),
     "load_queue_and_status": lambda root: load_queue_and_status(root, LOAD_END_STEP, SAMPLES_PER_STEP, STARTUP_S),
     "node_loss": node_loss,
 }

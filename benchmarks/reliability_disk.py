@@ -1,10 +1,17 @@
-"""The disk-full fault of the reliability suite on a real job: the run directory of `libra launch` is a
-size-limited tmpfs, filled up while the training worker writes the first checkpoint it is seen writing after
+"""The disk-full faults of the reliability suite on a real job.
+
+`disk_full_mid_checkpoint`: the run directory of `libra launch` is a size-limited tmpfs, filled up while the training worker writes the first checkpoint it is seen writing after
 step 2 (checkpoint every step; the worker is held with SIGSTOP while the disk fills, so that the fault lands
 inside the write). The launch must stop with a line that names the path and says the disk is full, and the
 checkpoint before and its `latest` marker must stay whole; once the filler is removed, a new launch on the
-same run directory resumes from that checkpoint and runs to the last step. Needs root (mount); without it
-the fault fails with the reason.
+same run directory resumes from that checkpoint and runs to the last step.
+
+`disk_full_mid_trace`: only the phase-trace folder of the run directory is a size-limited tmpfs, filled after
+step 2 while every rank writes its trace. Tracing is best effort: the writers drop their records with one
+warning each, and the same launch trains on to the last step with nothing lost (metrics, events and
+checkpoints are on the run directory's own disk).
+
+Both need root (mount); without it the fault fails with the reason.
 """
 
 from __future__ import annotations
@@ -13,13 +20,15 @@ import errno
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from reliability_accounting import fault_figures
+from reliability_accounting import fault_figures, in_run_figures
 
+from libra.observability.trace_schema import TRACE_SUBDIR
 from libra.run_dir import read_jsonl
 from tests.integration.controller.conftest import (
     make_workspace,
@@ -30,6 +39,7 @@ from tests.integration.controller.conftest import (
 from tests.integration.reliability.test_worker_faults import when_worker_runs
 
 DISK_SIZE = "256m"
+TRACE_DISK_SIZE = "8m"
 FILLER = "filler"
 
 
@@ -122,6 +132,39 @@ def disk_full_mid_checkpoint(root: Path, end_step: int, samples_per_step: int, s
                 "last_step_before_fault": max((int(r["step"]) for r in note["before"]), default=0),
                 "checkpoints_after_fault": left, "complete_checkpoints_after_fault": complete,
                 "resumed_from_step": resumed_step, "last_exit_code": last_code,
+            }
+            return figures
+        finally:
+            stop_everything(run_dir, launches)
+
+
+def disk_full_mid_trace(root: Path, end_step: int, samples_per_step: int, startup_s: float) -> dict[str, Any]:
+    """The trace folder fills after step 2; the same launch runs to `end_step` (module docstring)."""
+    ws, launches = make_workspace(root)
+    run_dir: Path = ws["run_dir"]
+    traces = run_dir / TRACE_SUBDIR
+    with small_disk(traces, TRACE_DISK_SIZE) as disk:
+        try:
+            launch = ws["launch"]("--max-steps", str(end_step))
+            wait_for(lambda: len(metric_rows(run_dir)) >= 2, startup_s, "step 2", launch)
+            before = metric_rows(run_dir)
+            fault_at = time.time()
+            filled = fill(disk)
+            code = launch.wait(timeout=startup_s + 600)
+            output = launch.output()
+            final = metric_rows(run_dir)
+            last_before = max(int(r["step"]) for r in before)
+            after = sorted(float(r["wall_time"]) for r in final if int(r["step"]) > last_before)
+            figures = in_run_figures("", final, samples_per_step, end_step, last_before + 1, end_step, fault_at,
+                                     after[0] if after else None, code)
+            log = (run_dir / "controller.log").read_text(errors="replace") if (run_dir / "controller.log").exists() else ""
+            warnings = [line for line in (output + log).splitlines() if "cannot write phase trace" in line]
+            figures["details"] = {
+                "disk": f"tmpfs size={TRACE_DISK_SIZE} at {TRACE_SUBDIR}/ only", "filled_bytes": filled,
+                "exit_code": code, "traceback_shown": "Traceback" in output,
+                "steps_in_figures": [last_before + 1, end_step],
+                "trace_write_warnings": len(warnings), "trace_warning_sample": warnings[:1],
+                "trace_files": sorted(p.name for p in traces.glob("*.jsonl")),
             }
             return figures
         finally:

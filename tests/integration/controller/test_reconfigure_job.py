@@ -271,14 +271,19 @@ def job(tmp_path: Path, ray4: str, request: pytest.FixtureRequest) -> Iterator[d
     try:
         yield ws
     finally:
-        stop_everything(ws["run_dir"], started)
-        for pid in vllm_servers(ws["root"]):
-            # a server orphaned by a killed controller need not lead a process group: kill it by pid too
-            for kill in (os.killpg, os.kill):
-                try:
-                    kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        stop_job(ws)
+
+
+def stop_job(ws: dict[str, Any]) -> None:
+    """Stop every launch and harness of a job workspace, and every vLLM server of its model."""
+    stop_everything(ws["run_dir"], ws["started"])
+    for pid in vllm_servers(ws["root"]):
+        # a server orphaned by a killed controller need not lead a process group: kill it by pid too
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def run_harness(ws: dict[str, Any], *extra: str) -> Harness:
@@ -348,16 +353,36 @@ def test_training_continues_through_a_tp_switch(job: dict[str, Any]) -> None:
 
 
 # ---- 3. a controller killed mid-switch; the next launch finishes the change --------------------------------
-def test_sigkill_mid_switch_then_launch_finishes_it(job: dict[str, Any]) -> None:
-    run_dir: Path = job["run_dir"]
-    root: Path = job["root"]
-    first = run_harness(job, "--at-step", "2", "--instances", "2", "--strategy", "diff")
+@dataclasses.dataclass
+class MidSwitchKill:
+    """What a controller killed in the middle of a `diff` 1 -> 2 change left, and what the next launch did."""
+
+    killed_at: float  # when SIGKILL was sent
+    steps_before: list[dict[str, Any]]  # metric rows written before the kill
+    servers_before: list[int]  # vLLM servers alive after the kill: rollout-0's and the new one still loading
+    first_server: set[int]  # rollout-0's server (the one registered)
+    desired_before: dict[str, Any]  # desired_state.json right after the kill
+    at_done: set[int]  # servers alive when the relaunch finished the change
+    seen: set[int]  # every server seen from the kill on
+    exit_code: int  # of the relaunch, which runs `extra_steps` more steps
+    end_step: int
+    relaunch: Launch
+
+
+def sigkill_mid_switch(ws: dict[str, Any], extra_steps: int = 3) -> MidSwitchKill:
+    """Ask a running job for a second instance by `diff` at step 2, SIGKILL its controller while the new server
+    loads, then `libra launch` the same run directory for `extra_steps` more steps, held at its first step
+    boundary until it has finished the recorded change."""
+    run_dir: Path = ws["run_dir"]
+    root: Path = ws["root"]
+    first = run_harness(ws, "--at-step", "2", "--instances", "2", "--strategy", "diff")
     wait_for(lambda: first.said("requested") is not None, STARTUP_S, "the reconfiguration request", first)
     wait_for(lambda: any(e["kind"] == "action" and e.get("member_id") == "rollout-1" for e in events(run_dir)),
              60, "the start of rollout-1", first)
     wait_for(lambda: len(vllm_servers(root)) == 2, 60, "the second server process", first)
     time.sleep(3)  # the new server is loading: the switch is in flight
     assert first.said("done") is None, "the new instance was ready too soon to kill the controller mid-switch"
+    killed_at = time.time()
     os.kill(first.proc.pid, signal.SIGKILL)
     first.proc.wait(timeout=30)
     first.kill_group()
@@ -367,10 +392,10 @@ def test_sigkill_mid_switch_then_launch_finishes_it(job: dict[str, Any]) -> None
     first_server = {c.pid for c in psutil.Process(guard_of_first[0]).children()} & set(before)
     assert len(first_server) == 1
     desired = json.loads((run_dir / "desired_state.json").read_text())
-    assert desired["reconfiguring"] and desired["rollout_instances"] == 2, desired
-    killed_at = len(metric_rows(run_dir))
+    steps_before = metric_rows(run_dir)
+    end_step = len(steps_before) + extra_steps
 
-    second = run_launch(job, "--max-steps", str(killed_at + 3))
+    second = run_launch(ws, "--max-steps", str(end_step))
     # Hold the relaunched loop at its first step boundary until the change is done: its steps take a fraction
     # of a second and publish after each one, so three of them can end the job before the reconciler finds
     # the pool idle long enough to admit the new instance (a real job's steps leave it that time).
@@ -390,18 +415,28 @@ def test_sigkill_mid_switch_then_launch_finishes_it(job: dict[str, Any]) -> None
     wait_for(watch, STARTUP_S, "the change to finish after the restart", second)
     assert operator_call(run_dir, "resume", "the change is done")
     leftover = set(before) - first_server
-    # rollout-0 adopted and serving, plus the new rollout-1 (the leftover may still be exiting at that moment)
-    assert first_server <= at_done and len(at_done - leftover) == 2, (before, at_done, second.output()[-6000:])
     # the leftover's host was killed and its server goes with it (it never reached the registry)
     wait_for(lambda: not live(sorted(leftover)), 90, "the leftover server of the killed start to exit", second)
     code = second.wait(timeout=STARTUP_S)
-    assert code == 0, second.output()[-4000:]
+    return MidSwitchKill(killed_at, steps_before, before, first_server, desired, at_done, seen, code, end_step,
+                         second)
+
+
+def test_sigkill_mid_switch_then_launch_finishes_it(job: dict[str, Any]) -> None:
+    run_dir: Path = job["run_dir"]
+    kill = sigkill_mid_switch(job)
+    assert kill.desired_before["reconfiguring"] and kill.desired_before["rollout_instances"] == 2, kill.desired_before
+    leftover = set(kill.servers_before) - kill.first_server
+    # rollout-0 adopted and serving, plus the new rollout-1 (the leftover may still be exiting at that moment)
+    assert kill.first_server <= kill.at_done and len(kill.at_done - leftover) == 2, (
+        kill.servers_before, kill.at_done, kill.relaunch.output()[-6000:])
+    assert kill.exit_code == 0, kill.relaunch.output()[-4000:]
 
     assert kinds_after(run_dir, "reconfigure_resumed"), "the launch continues the recorded change"
     assert [e["member"] for e in kinds_after(run_dir, "member_adopted")] == ["rollout-0"]
     desired = json.loads((run_dir / "desired_state.json").read_text())
     assert desired["reconfiguring"] == "" and desired["rollout_instances"] == 2
     rows = metric_rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, killed_at + 4))
+    assert [r["step"] for r in rows] == list(range(1, kill.end_step + 1))
     assert rows[-1]["rollout_instances"] == 2
-    assert live(sorted(seen)) == [] and vllm_servers(root) == [], "a vLLM server outlived the job"
+    assert live(sorted(kill.seen)) == [] and vllm_servers(job["root"]) == [], "a vLLM server outlived the job"

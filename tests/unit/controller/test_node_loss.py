@@ -6,6 +6,7 @@ fit stop the job with a clear error."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -318,3 +319,31 @@ def test_another_restart_error_is_raised_unchanged(make_job) -> None:
     job.train.restart = restart  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="megatron init failed"):
         job.recovery.restart_training("a training worker died")
+
+
+def test_a_node_lost_while_a_rollout_change_is_in_flight_ends_on_what_fits(make_job) -> None:
+    """A `diff` 2 -> 3 change is starting its new instance when a node of 2 GPUs goes (with one instance): the
+    re-plan replaces the change's target with what fits (training 1, rollout 1 on the 2 GPUs left); once the
+    start in flight ends, the instance it started is stopped again and the pools settle on that target."""
+    job = make_job(train=1, instances=2)
+    job.cluster.gpus = 4  # a fourth GPU to grow onto
+    job.rollout.gate = threading.Event()
+    job.store.change(lambda d: dataclasses.replace(d, rollout_instances=3, cluster_gpus=4, generation=d.generation + 1,
+                                                   reconfiguring="rollout 2 -> 3 instances by diff"))
+    assert job.wait(lambda: ("start", "rollout-2") in job.rollout.ops), "the new instance's start never began"
+    job.lose(gpus=2, rollout_keys=1)
+    opened = threading.Timer(1.5, job.rollout.gate.set)  # the start in flight ends while the re-plan runs
+    opened.start()
+    try:
+        outcome = job.recovery.replan(training_lost=False)
+    finally:
+        opened.join()
+    assert outcome is not None and not outcome["training_restarted"]
+    want = job.store.get()
+    assert (want.train_gpus, want.rollout_instances, want.cluster_gpus) == (1, 1, 2)
+    # (this rig has no controller to mark the change done: what counts is that the pools reach its target)
+    assert job.wait(lambda: len(job.serving()) == 1 and sum(
+        i.state.value != "STOPPED" for i in job.rollout.instances.values()) == 1), (job.serving(), job.rollout.ops)
+    live = [k for k, i in job.rollout.instances.items() if i.state.value != "STOPPED"]
+    assert len(live) == 1 and len(job.train.workers) == 1, (live, job.rollout.ops)
+    assert job.recovery.replan(training_lost=False) is None
