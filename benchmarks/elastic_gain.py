@@ -10,8 +10,9 @@ and the same number of steps, on metered logical GPUs (`cluster.metered_cpu_per_
 
 - `static`: every train/rollout split that validates with `initial_allocation_strategy: configured` (two of
   them, spread out, with `--quick`); the best is the oracle baseline;
-- `planner_initial`: the planner's split (`grp`), never re-planned;
-- `elastic`: the planner's split with online re-planning (`runtime_online_replanning`).
+- `planner_initial`: the planner's split (`grp`), never re-planned, no rollout GPU lent to training;
+- `elastic`: the planner's split with online re-planning (`runtime_online_replanning`) and elastic hybrid
+  parallelism as configs/drift.yaml sets it (each training step borrows the idle rollout GPUs).
 
 Each run's figures come from its own `metrics.jsonl` and `events.jsonl` (benchmarks/elastic_gain_figures.py).
 Then the `ehp` part: configs/dev.yaml made synchronous (`max_head_offpolicyness: 0`), 2 training and 2
@@ -194,8 +195,11 @@ def run_policy(policy: str, config: Path, run_dir: Path, overrides: list[str], s
     outcome = launch(config, run_dir, overrides, shape.steps, shape.run_timeout_s)
     rows = fig.read_jsonl(run_dir / "metrics.jsonl")
     events = fig.read_jsonl(run_dir / "events.jsonl")
-    figures = fig.run_figures(policy, rows, events) if rows else {"policy": policy, "steps": 0}
+    figures: dict[str, Any] = fig.run_figures(policy, rows, events) if rows else {"policy": policy, "steps": 0}
     figures.update(outcome, run_dir=str(run_dir))
+    if figures.get("samples_per_s") and figures.get("launch_s"):  # start-up and shutdown included
+        figures["samples_per_s_whole_launch"] = round(
+            float(figures["samples_per_s"]) * float(figures["wall_s"]) / float(figures["launch_s"]), 4)
     print(f"[elastic_gain] {policy}: {json.dumps({k: figures.get(k) for k in ('split', 'steps', 'samples_per_s', 'exit_code')})}",
           flush=True)
     return figures
@@ -240,7 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-ehp", action="store_true", help="leave out the EHP part")
     parser.add_argument("--only-ehp", action="store_true", help="run the EHP part alone (no policy runs)")
     parser.add_argument("--ehp-steps", type=int, default=0, help="steps of each EHP run (default: 3 quick, 6 full)")
+    parser.add_argument("--image", default="", help="also draw the split-over-time picture to this PNG "
+                                                     "(benchmarks/elastic_gain_plot.py)")
+    parser.add_argument("--rerun", nargs="+", default=[], metavar="RUN",
+                        help="run only these runs again (static-T-R, planner-initial, elastic) and replace them in "
+                             "the result at --out, keeping its other runs and its EHP part; --reason says why")
+    parser.add_argument("--reason", default="", help="why the --rerun runs were run again (written to the result)")
     args = parser.parse_args(argv)
+    if args.rerun and (args.only_ehp or not args.reason or not Path(args.out).exists()):
+        parser.error("--rerun needs an existing --out result, a --reason, and no --only-ehp")
     if args.only_ehp and args.skip_ehp:
         parser.error("--only-ehp and --skip-ehp exclude each other")
     if args.ehp_steps < 0 or args.ehp_steps == 1:
@@ -270,15 +282,24 @@ def main(argv: list[str] | None = None) -> int:
             ("static", f"static-{s.train_gpus}-{s.rollout_gpus}", fig.static_overrides(s)) for s in chosen]
         plans += [("planner_initial", "planner-initial", fig.planner_overrides(False, shape.gpus)),
                   ("elastic", "elastic", fig.planner_overrides(True, shape.gpus))]
+        if args.rerun:
+            unknown = sorted(set(args.rerun) - {name for _, name, _ in plans})
+            if unknown:
+                raise SystemExit(f"--rerun {' '.join(unknown)}: not a run of this form; runs: "
+                                 f"{', '.join(name for _, name, _ in plans)}")
+            plans = [plan for plan in plans if plan[1] in args.rerun]
         for policy, _, extra in plans:
             reason = validate(config, [*base, *extra])
             if reason:
                 raise SystemExit(f"the {policy} run does not validate: {reason}")
         runs = [run_policy(policy, config, work / name, [*base, *extra], shape) for policy, name, extra in plans]
-        ehp = {} if args.skip_ehp else ehp_runs(work, shape, runtime.address, args.cpu_per_gpu)
+        ehp = {} if args.skip_ehp or args.rerun else ehp_runs(work, shape, runtime.address, args.cpu_per_gpu)
     finally:
         runtime.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
+    earlier: dict[str, Any] = json.loads(Path(args.out).read_text()) if args.rerun else {}
+    if args.rerun:
+        runs = replaced_runs(earlier, runs, args.reason)
     complete = [r for r in runs if r.get("steps") == shape.steps and r.get("exit_code") == 0]
     result: dict[str, Any] = {
         "metered": True,
@@ -297,18 +318,46 @@ def main(argv: list[str] | None = None) -> int:
         result.update(fig.gain(complete))
     except ValueError as exc:
         result.update(static_best_samples_per_s=None, elastic_samples_per_s=None, gain=None, gain_error=str(exc))
-    result["ehp"] = ehp
+    result["ehp"] = earlier.get("ehp", {}) if args.rerun else ehp
     result["machine_load"] = [{"run": r.get("run_dir", ""), "before": r.get("load_before"),
                                "after": r.get("load_after")} for r in runs]
     result["not_covered"] = not_covered(args.quick, shape, allowed, chosen, result)
     result["benchmark_wall_s"] = round(time.monotonic() - started, 1)
+    if args.rerun:
+        result["benchmark_wall_s"] = earlier.get("benchmark_wall_s")
+        result["reruns"] = [*earlier.get("reruns", []), {"runs": list(args.rerun), "reason": args.reason,
+                                                         "wall_s": round(time.monotonic() - started, 1)}]
+        result["not_covered"].append(
+            "Some runs were run again after the others, in a separate launch of the benchmark on the same machine "
+            "(`reruns` says which and why); benchmark_wall_s is the first, whole run's.")
     result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"[elastic_gain] wrote {args.out}", flush=True)
+    if args.image:
+        import elastic_gain_plot
+
+        elastic_gain_plot.draw(result, Path(args.image))
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if len(complete) == len(runs) else 1
+
+
+def replaced_runs(earlier: dict[str, Any], fresh: list[dict[str, Any]], reason: str) -> list[dict[str, Any]]:
+    """The runs of an earlier result with those of the same folder name replaced by `fresh` (in their place),
+    each replacement marked with why it was run again and what the replaced run had reached."""
+    by_name = {Path(r["run_dir"]).name: r for r in fresh}
+    out = []
+    for run in earlier.get("runs", []):
+        name = Path(run.get("run_dir", "")).name
+        if name in by_name:
+            new = dict(by_name.pop(name))
+            new["rerun"] = {"reason": reason, "replaced": {k: run.get(k) for k in
+                                                          ("steps", "samples_per_s", "exit_code", "error")}}
+            out.append(new)
+        else:
+            out.append(run)
+    return out + list(by_name.values())
 
 
 def only_ehp(args: argparse.Namespace, shape: Shape, runtime: Any, ray_tmp: str, work: Path,
@@ -368,7 +417,7 @@ def not_covered(quick: bool, shape: Shape, allowed: list[fig.Split], chosen: lis
                      "work, so these figures are not a gain measurement.")
     by_split: dict[str, list[float]] = {}
     for r in runs:
-        if not r.get("reconfigurations") and r.get("samples_per_s"):
+        if not r.get("reconfigurations") and not r.get("ehp_borrowing_steps") and r.get("samples_per_s"):
             by_split.setdefault(r["split"], []).append(float(r["samples_per_s"]))
     repeated = {split: (min(v), max(v)) for split, v in by_split.items() if len(v) > 1}
     if repeated:
@@ -383,7 +432,9 @@ def not_covered(quick: bool, shape: Shape, allowed: list[fig.Split], chosen: lis
     notes.append("Logical GPUs are CPU slices of cluster.metered_cpu_per_gpu cores: a pool's capacity follows its "
                  "GPU count, but memory bandwidth, caches and the unmetered controller and Ray are shared.")
     notes.append("wall_s is the step loop (first step start to last step end); start-up (Ray join, vLLM-CPU "
-                 "servers, Megatron init) is in launch_s and not in samples_per_s.")
+                 "servers, Megatron init, and in the elastic run the borrowed training replicas started and parked "
+                 "before the first step) is in launch_s and not in samples_per_s; samples_per_s_whole_launch "
+                 "divides by the whole launch instead.")
     if result.get("gain") is None:
         notes.append("No gain is given: " + result.get("gain_error", "the runs did not all reach the same number "
                                                                        "of steps"))

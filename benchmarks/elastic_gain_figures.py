@@ -70,9 +70,12 @@ def static_overrides(split: Split) -> list[str]:
             f"{GRP}.elastic_hybrid_min_rollout_gpus={split.rollout_gpus}"]
 
 
-def planner_overrides(replanning: bool, total_gpus: int) -> list[str]:
-    """The planner's initial split, with or without online re-planning; no rollout GPU lent to training."""
-    return [f"{GRP}.initial_allocation_strategy=grp", f"{GRP}.runtime_online_replanning={str(replanning).lower()}",
+def planner_overrides(elastic: bool, total_gpus: int) -> list[str]:
+    """The planner's initial split: never re-planned and no rollout GPU lent to training (`planner_initial`), or
+    with online re-planning and elastic hybrid parallelism as the job configures them (`elastic`)."""
+    if elastic:
+        return [f"{GRP}.initial_allocation_strategy=grp", f"{GRP}.runtime_online_replanning=true"]
+    return [f"{GRP}.initial_allocation_strategy=grp", f"{GRP}.runtime_online_replanning=false",
             f"{GRP}.elastic_hybrid_min_rollout_gpus={total_gpus}"]
 
 
@@ -100,6 +103,19 @@ def last_session(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def split_of_row(row: dict[str, Any]) -> str:
     return Split(int(row.get("train_gpus", 0)), int(row.get("rollout_gpus", 0))).label()
+
+
+def step_series(steps: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per step of a run, for the picture of its split over time: when the step ended (seconds into the step
+    loop), the samples it trained on, the GPUs of each pool, and the rollout GPUs its training borrowed (one
+    GPU per borrowed replica of a TP-1 layout; 0 without elastic hybrid parallelism)."""
+    return {
+        "elapsed_s": [round(float(r.get("elapsed_s") or 0.0), 3) for r in steps],
+        "samples": [float(r.get("samples") or 0.0) for r in steps],
+        "train_gpus": [float(r.get("train_gpus") or 0.0) for r in steps],
+        "rollout_gpus": [float(r.get("rollout_gpus") or 0.0) for r in steps],
+        "borrowed_gpus": [float(r.get("train_ehp_replicas") or 0.0) for r in steps],
+    }
 
 
 def run_figures(policy: str, rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -136,8 +152,10 @@ def run_figures(policy: str, rows: list[dict[str, Any]], events: list[dict[str, 
         "reconfiguration_s": [round(float(e["seconds"]), 1) for e in done if isinstance(e.get("seconds"), int | float)],
         "replan_decisions": {a: sum(1 for d in decisions if d.get("action") == a)
                              for a in sorted({str(d.get("action")) for d in decisions})},
+        "ehp_borrowing_steps": sum(1 for r in steps if float(r.get("train_ehp_replicas") or 0.0) > 0),
         "train_phase_s": round(sum(float(r.get("time_train_s") or 0.0) for r in steps), 3),
         "rollout_phase_s": round(sum(float(r.get("time_rollout_s") or 0.0) for r in steps), 3),
+        "per_step": step_series(steps),
     }
 
 
@@ -167,9 +185,10 @@ def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], b
     """Training-phase seconds per step (median of `time_train_s` after `warmup_steps`) of the same
     synchronous job without and with elastic hybrid parallelism, the part of the phase with EHP spent attaching
     the borrowed replicas and stepping, and how many steps really borrowed. The warm-up steps are left out of
-    both medians; with EHP the first borrowing step starts the borrowed workers, which later steps re-attach
-    parked, so that start is reported on its own (`first_attach_s`, `train_phase_s_with_first_step`) and in
-    the mean over every step (`train_phase_s_with_mean_all_steps`), never hidden."""
+    both medians; with EHP the borrowed workers are started with the job and parked (or, where that could not
+    be done, by the first borrowing step), and every borrowing step re-attaches them, so the first attach is
+    reported on its own (`first_attach_s`, `train_phase_s_with_first_step`) and in the mean over every step
+    (`train_phase_s_with_mean_all_steps`), never hidden."""
     a, b = last_session(without), last_session(with_ehp)
     if len(a) <= warmup_steps or len(b) <= warmup_steps:
         raise ValueError(f"the EHP runs wrote {len(a)} and {len(b)} steps: need more than {warmup_steps} each")

@@ -26,7 +26,7 @@ Three pure functions, each a decision the runtime carries out (`libra/training/e
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from planner.layout import TrainLayout
@@ -84,7 +84,9 @@ class BorrowPlan:
     serving_gpus: int
     idle_gpu_ids: tuple[str, ...] = ()
     reason: str = ""
-    gpu_to_instance: dict[str, str] = field(default_factory=dict, compare=False)
+    # the lending instance of each GPU of each replica: GPU ids are per node, so on a cluster of several nodes
+    # an id names a GPU only together with its instance
+    replica_owners: tuple[tuple[str, ...], ...] = ()
 
     @property
     def num_replicas(self) -> int:
@@ -114,6 +116,7 @@ def plan_borrow(
     serving_total = sum(len(i.gpu_ids) for i in healthy)
     budget = serving_total - min_rollout_gpus
     replicas: list[tuple[str, ...]] = []
+    replica_owners: list[tuple[str, ...]] = []
     lent: list[str] = []
     idle: list[str] = []
     skipped_for_budget = False
@@ -131,6 +134,7 @@ def plan_borrow(
             while len(carry) >= replica_size:
                 taken, carry = carry[:replica_size], carry[replica_size:]
                 replicas.append(tuple(g for g, _ in taken))
+                replica_owners.append(tuple(owner for _, owner in taken))
                 for _, owner in taken:
                     if owner not in lent:
                         lent.append(owner)
@@ -145,11 +149,9 @@ def plan_borrow(
         reason = f"elastic_hybrid_min_rollout_gpus={min_rollout_gpus} keeps {serving_gpus} GPUs serving"
     else:
         reason = "every healthy rollout instance that completes a replica is lent"
-    owners = {g: i.instance_id for i in healthy for g in i.gpu_ids}
     return BorrowPlan(
         replicas=tuple(replicas), lent_instances=tuple(lent), serving_instances=tuple(serving),
-        serving_gpus=serving_gpus, idle_gpu_ids=tuple(idle), reason=reason,
-        gpu_to_instance={g: owners[g] for r in replicas for g in r},
+        serving_gpus=serving_gpus, idle_gpu_ids=tuple(idle), reason=reason, replica_owners=tuple(replica_owners),
     )
 
 

@@ -375,6 +375,9 @@ class Controller:
         assert self.tracker is not None
         borrower = EhpBorrower(self.cfg, switch, self.rollout_edge, self.train_edge, self.tracker, self.gate,
                                self.events, self.desired_state)
+        assert self.reporter is not None
+        self.reporter.set_state("starting", message="starting the borrowed training replicas on rollout GPUs")
+        borrower.prewarm()
         return borrower.train_step
 
     def _after_step(self, rows: list[dict[str, Any]]) -> None:

@@ -10,6 +10,7 @@ Where each decision is made:
   serving: `planner.ehp.plan_borrow`; whether their servers sleep or stay resident beside the borrowed rank
   (or the GPU cannot be lent): `planner.ehp.lent_gpu_residency`. `decide_borrow` combines them, purely.
 
+`EhpBorrower.prewarm` starts, at the job's start, the replicas the first borrow will ask for and parks them.
 `EhpBorrower.train_step` carries one borrow out: lend (under the executor's weight gate, so no serving-set
 change of the reconciler interleaves; the lent members are marked busy, so the reconciler neither admits nor
 stops them) -> attach the borrowed replicas -> the step (`EhpSession.train_step`) -> park or detach -> give
@@ -19,11 +20,12 @@ back (woken, brought to the current weights, serving again). Each borrow is an `
 Parked replicas. When the lending servers stay resident (`lent_gpu_residency` says `resident`), the borrowed
 workers are parked after the step instead of stopped, and the next step that borrows the same GPUs
 re-attaches them without starting a process (its `ehp_borrow` says `reused: true`, `attach_s` ~0; the first
-attach pays the start). `parked_stop_reason` says when a parked group must stop instead: the borrow wants
-other GPUs or sleeping servers, a lending instance stopped, failed or was replaced, or the rollout pool is
-(being) reconfigured; the session itself refuses reuse after a core pool change or a failed parked worker,
-the rollout edge reports an instance it stops (`watch_stops`), and the training edge stops a parked group
-when it resizes the pool or the job ends. Each stop is an `ehp_release` event naming the reason.
+attach pays the start, unless `prewarm` parked them at the job's start). `parked_stop_reason` says when a
+parked group must stop instead: the borrow wants other GPUs or sleeping servers, a lending instance stopped,
+failed or was replaced, or the rollout pool is (being) reconfigured; the session itself refuses reuse after a
+core pool change or a failed parked worker, the rollout edge reports an instance it stops (`watch_stops`), and
+the training edge stops a parked group when it resizes the pool or the job ends. Each stop is an `ehp_release`
+event naming the reason.
 
 A failure while borrowed costs the step its borrowed replicas, never the step: the session reruns it on the
 training pool alone (a borrowed rank failed), or the step runs there after a failed lend or attach; the job
@@ -76,6 +78,7 @@ class BorrowDecision:
     residency: str
     reason: str
     serving_gpus: int = 0
+    owners: tuple[tuple[str, ...], ...] = ()  # the lending instance of each replica GPU (ids are per node)
 
 
 def decide_borrow(
@@ -96,7 +99,7 @@ def decide_borrow(
                               f"rollout server on one GPU (planner memory model, {plan.num_replicas} replica(s))",
                               plan.serving_gpus)
     return BorrowDecision(plan.lent_instances, plan.replicas, decision == "sleep", decision, plan.reason,
-                          plan.serving_gpus)
+                          plan.serving_gpus, plan.replica_owners)
 
 
 Lender = tuple[str, tuple[str, ...], str]  # (instance key, its GPU ids, its server's pid)
@@ -311,12 +314,62 @@ class EhpBorrower:
         return metrics
 
     # ---- parked replicas ------------------------------------------------------------------------------
+    def prewarm(self) -> bool:
+        """Start the replicas the first borrow will ask for now, at start-up, parked beside their serving
+        lenders, so that the first borrowing step re-attaches them instead of starting workers inside the
+        step (seconds to minutes of process start and framework init): they are part of the job's start, like
+        its pools. Only where lent GPUs stay resident: a sleeping lender frees its GPU at the borrow alone. A
+        step boundary that comes meanwhile waits for it (the borrower's lock). True when replicas were parked;
+        never raises (a failure leaves the first borrow to start them). Plan-only lends nothing, so starts
+        nothing either."""
+        if self.switch.mode != "on":
+            return False
+        session = self.train.ehp_session()
+        with self._lock:
+            self._adopt_locked(session)
+            try:
+                members = {m.key or m.id: m for m in self.tracker.members(ROLLOUT)}
+                desired = self.desired()
+                decision = decide_borrow(list(members.values()), session.replica_size(),
+                                         session.settings.min_rollout_gpus,
+                                         lambda replicas: self._residency(session.pool.layout, replicas,
+                                                                          desired.rollout_tp),
+                                         f"the rollout pool is being reconfigured ({desired.reconfiguring})"
+                                         if desired.reconfiguring else "")
+                if not decision.lend or decision.sleep or session.parked or session.attached:
+                    why = decision.reason if not decision.lend else "lending servers sleep" if decision.sleep \
+                        else "replicas are already started"
+                    self.events.emit("ehp_prewarm", f"no borrowed replicas started ahead of the first step: {why}",
+                                     started=False)
+                    return False
+                started = time.monotonic()
+                session.attach(self._lent_gpus(decision))
+                session.park()
+                self._parked = ParkedBorrow(tuple(lender_identity(members[k]) for k in decision.lend),
+                                            decision.replicas, (desired.rollout_instances, desired.rollout_tp))
+            except Exception as exc:
+                log.warning("EHP: starting the borrowed replicas ahead of the first step failed", exc_info=True)
+                session.detach(clean=False)
+                self._parked = None
+                self.events.emit("ehp_prewarm", f"starting the borrowed replicas ahead of the first step failed "
+                                 f"({type(exc).__name__}: {exc}); the first borrow starts them", started=False)
+                return False
+        seconds = time.monotonic() - started
+        self.events.emit("ehp_prewarm", f"{len(decision.replicas)} borrowed replica(s) started on "
+                         f"{', '.join(decision.lend)} in {seconds:.1f} s, parked beside their serving lenders",
+                         started=True, instances=list(decision.lend), replicas=len(decision.replicas),
+                         seconds=round(seconds, 3))
+        return True
+
     def _adopt(self, session: Any) -> None:
         """Follow the training edge's session: a new one (the pool was replaced) starts with nothing parked."""
         with self._lock:
-            if session is not self._session:
-                self._session, self._parked = session, None
-            session.on_parked_stop = self._parked_stopped
+            self._adopt_locked(session)
+
+    def _adopt_locked(self, session: Any) -> None:
+        if session is not self._session:
+            self._session, self._parked = session, None
+        session.on_parked_stop = self._parked_stopped
 
     def _check_parked(self, session: Any, decision: BorrowDecision) -> None:
         """Stop the parked replicas when this step boundary's state or borrow says so (`parked_stop_reason`)."""
@@ -366,10 +419,12 @@ class EhpBorrower:
 
     def _lent_gpus(self, decision: BorrowDecision) -> list[Any]:
         """The `LentGpu`s of the decision's replicas, replica by replica (consecutive GPUs form one), each
-        naming the instance that lends it (a borrowed rank joins that instance's CPU slice when metered)."""
-        by_id = {str(g.gpu_id): replace(g, holder=key) for key in decision.lend
-                 for g in self.rollout.lent_gpus(key)}
-        return [by_id[gpu] for replica in decision.replicas for gpu in replica]
+        naming the instance that lends it (a borrowed rank joins that instance's CPU slice when metered). GPU ids
+        are per node: a GPU is found by its instance and its id."""
+        by_owner = {(key, str(g.gpu_id)): replace(g, holder=key) for key in decision.lend
+                    for g in self.rollout.lent_gpus(key)}
+        return [by_owner[(owner, gpu)] for replica, owners in zip(decision.replicas, decision.owners, strict=True)
+                for gpu, owner in zip(replica, owners, strict=True)]
 
     def _give_back(self, keys: list[str], member_ids: list[str], lent: bool, step: int, times: dict[str, float],
                    failed: str) -> None:

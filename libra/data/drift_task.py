@@ -12,6 +12,12 @@ that rarely samples its end-of-sequence token fills the budget, so the rollout's
 tokens and the log-prob recomputation all grow with it. The prompts, answers and reward are `copy_first`'s
 (only the response's first token is scored), so the policy still has something to learn.
 
+`context_tokens` puts the same context of that many words before every problem ("100 101 ... : 7 3 9 ?"), as a
+shared system prompt or few-shot preamble does: training pays for every context token of every sample, the
+rollout only for one prefill of it per request (and vLLM's prefix cache shares it between requests). With a
+long context and short answers at the start, training dominates a step; as the answers grow, decoding them
+comes to dominate it, which moves the best split further than the growth of the answers alone.
+
 The stream is numbered from the job's first prompt: a resumed job skips the prompts already drawn
 (`RLLoop` slices the same seeded stream), so its budgets continue where they stopped. With `batch_size` B
 prompts per step, the ramp spans `ramp_prompts / B` steps. Evaluation prompts carry no budget (they are
@@ -29,7 +35,8 @@ from libra.data.prompt import RESPONSE_BUDGET_KEY, Encode, ParamValue, Prompt, T
 from libra.data.registry import TaskSpec, register_task
 from planner.sim.lengths import DriftCurve
 
-DRIFT_PARAMS: dict[str, ParamValue] = {"start_tokens": 8, "end_tokens": 64, "ramp_prompts": 1024}
+DRIFT_PARAMS: dict[str, ParamValue] = {"start_tokens": 8, "end_tokens": 64, "ramp_prompts": 1024, "context_tokens": 0}
+CONTEXT_WORDS = 100  # the shared context cycles through the number words 100..199 of the tiny vocabulary
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,15 @@ class Drift(CopyFirst):
     def __init__(self, spec: TaskSpec, encode: Encode) -> None:
         super().__init__(spec, encode)
         self.schedule = LengthSchedule.from_params(self.params)
+        words = int(self.params["context_tokens"])
+        if words < 0:
+            raise TaskError(f"{words} is negative", field="task.params.context_tokens", value=words,
+                            fix="set it to 0 (no context) or more")
+        self.context = " ".join(str(CONTEXT_WORDS + i % CONTEXT_WORDS) for i in range(words))
+
+    def problem(self, index: int) -> tuple[str, str, dict[str, Any]]:
+        text, label, metadata = super().problem(index)
+        return (f"{self.context} : {text}" if self.context else text), label, metadata
 
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         for index, prompt in enumerate(super().train_prompts(seed)):

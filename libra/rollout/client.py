@@ -13,6 +13,15 @@ from libra.rollout.spec import RequestRejectedError, RolloutError
 
 HEALTH_TIMEOUT_S = 5.0
 CONTROL_TIMEOUT_S = 60.0
+SERVER_KEEP_ALIVE_S = 5.0  # how long a vLLM server keeps an idle connection open (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+
+
+def client_session() -> aiohttp.ClientSession:
+    """The session every call to the servers goes through: no limit on connections, and an idle connection
+    kept for less time than the server keeps it. With aiohttp's default (15 s) a call made just as the server
+    closed an idle connection (after 5 s) went out on it and failed with "Server disconnected": a weight
+    reload that fails like that fails the publish, and the job with it."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=SERVER_KEEP_ALIVE_S / 2))
 
 
 class InstanceFailure(RolloutError):

@@ -38,6 +38,7 @@ import aiohttp
 from libra.cluster.ehp_workers import LentGpu, lent_by_instance
 from libra.observability.phase_trace import get_tracer
 from libra.rollout import health, lending
+from libra.rollout.client import client_session
 from libra.rollout.endpoints import connect_endpoints
 from libra.rollout.generation import Generation, check_request, check_sampling_options
 from libra.rollout.lending import LendingError
@@ -136,7 +137,7 @@ class RolloutPool:
             raise
 
     async def _open(self) -> None:
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        session = client_session()
         router = Router(
             self.spec.max_concurrent_requests,
             self.spec.request_timeout_s,

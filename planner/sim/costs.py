@@ -15,6 +15,10 @@
 - Switch costs: `CostParams.rollout_restart_s` (an instance from start to ready) and `train_restart_s` (the
   training pool re-formed at a new size, checkpoint reload included), the planner's own constants; the
   strategies' effects are `SWITCH_EFFECTS` in `planner.sim.engine`.
+
+With `MeasuredCosts` (constants fitted to measured runs, `planner.sim.fit`) the decode step, prefill, training
+side and weight sync come from those constants instead of the cost model; slots and switch costs do not
+change.
 """
 
 from __future__ import annotations
@@ -33,12 +37,42 @@ ReloadStrategy = Literal["parallel", "serial"]
 LENGTH_BUCKET = 16  # tokens: mean lengths are rounded to this for the caches (well below the cost model's precision)
 
 
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """Phase-time constants of one job on one kind of hardware, fitted to measured runs:
+
+    - a decode step of one instance running n sequences takes `decode_fixed_s + decode_per_seq_s x n`
+      (the running batch's work plus what a step costs whatever its batch: scheduling, sampling, the engine's
+      own loop); prefill and the per-batch dispatch are folded into `decode_fixed_s`;
+    - the training side of a step (training and log-prob recomputation) on `dp` data-parallel replicas takes
+      `train_step_s + train_token_s x tokens / dp`, tokens = the step's samples x (prompt + mean response);
+    - a weight sync stops the rollout pool for `sync_s`.
+    """
+
+    decode_fixed_s: float
+    decode_per_seq_s: float
+    train_step_s: float
+    train_token_s: float
+    sync_s: float
+
+    def __post_init__(self) -> None:
+        bad = [f"{name}: {value!r}" for name, value in self.as_dict().items()
+               if not (math.isfinite(value) and value >= 0)]
+        if bad:
+            raise ValueError(f"measured costs must be finite and >= 0: {', '.join(bad)}")
+
+    def as_dict(self) -> dict[str, float]:
+        return {"decode_fixed_s": self.decode_fixed_s, "decode_per_seq_s": self.decode_per_seq_s,
+                "train_step_s": self.train_step_s, "train_token_s": self.train_token_s, "sync_s": self.sync_s}
+
+
 @dataclass
 class PhaseCosts:
     """Cached phase times for one job's planner inputs (`inputs` already carries the reload method)."""
 
     inputs: PlannerInputs
     reload_strategy: ReloadStrategy = "parallel"
+    measured: MeasuredCosts | None = None
     _decode: dict[tuple[int, int, int], float] = field(default_factory=dict)
     _train: dict[tuple[TrainLayout, int, int], float] = field(default_factory=dict)
     _kv: dict[int, int] = field(default_factory=dict)
@@ -71,16 +105,22 @@ class PhaseCosts:
             self._kv[rollout_tp] = kv_capacity_sequences(self.inputs, rollout_tp) * self.inputs.workload.max_model_len
         return self._kv[rollout_tp]
 
-    def decode_step(self, rollout_tp: int, length_biased_mean: float, batch: int) -> float:
-        """Seconds of one decode step at `batch` running sequences whose mean live context is
+    def decode_step(self, rollout_tp: int, length_biased_mean: float, batch: float) -> float:
+        """Seconds of one decode step at `batch` running sequences (a mean over steps may be fractional; the
+        cost model takes it to the nearest whole sequence) whose mean live context is
         prompt + length_biased_mean / 2 (the cost model uses prompt + response / 2)."""
-        key = (rollout_tp, max(1, int(round(length_biased_mean / LENGTH_BUCKET))), batch)
+        if self.measured is not None:
+            return self.measured.decode_fixed_s + self.measured.decode_per_seq_s * batch
+        whole = max(1, int(round(batch)))
+        key = (rollout_tp, max(1, int(round(length_biased_mean / LENGTH_BUCKET))), whole)
         if key not in self._decode:
-            self._decode[key] = float(decode_step_s(self.with_response(length_biased_mean), rollout_tp, batch))
+            self._decode[key] = float(decode_step_s(self.with_response(length_biased_mean), rollout_tp, whole))
         return self._decode[key]
 
     def prefill_s(self, rollout_tp: int, instances: int) -> float:
         """Prefill seconds of one step's prompts over `instances` instances (the cost model's formula)."""
+        if self.measured is not None:
+            return 0.0
         w, spec, gpu, cost = self.inputs.workload, self.inputs.model, self.inputs.cluster.gpu, self.inputs.cost
         tokens = w.batch_size * w.prompt_tokens
         return tokens * forward_flops_per_token(spec, w.prompt_tokens) / (
@@ -88,6 +128,10 @@ class PhaseCosts:
 
     def train_side_s(self, layout: TrainLayout, dp: int, mean_response: float) -> float:
         """Training + log-prob recomputation seconds of one step at `mean_response` tokens per response."""
+        if self.measured is not None:
+            w = self.inputs.workload
+            tokens = w.samples_per_step * (w.prompt_tokens + mean_response)
+            return self.measured.train_step_s + self.measured.train_token_s * tokens / max(1, dp)
         key = (layout, dp, max(1, int(round(mean_response / LENGTH_BUCKET))))
         if key not in self._train:
             costs = train_costs(self.with_response(mean_response), layout, dp)
@@ -96,6 +140,8 @@ class PhaseCosts:
 
     def reload_s(self, rollout_tp: int) -> float:
         """Seconds one instance is down to apply new weights (reload + transfer), per sync."""
+        if self.measured is not None:
+            return self.measured.sync_s
         if rollout_tp not in self._sync:
             capacity = max(1, kv_capacity_sequences(self.inputs, rollout_tp))
             per_step = float(rollout_costs(self.inputs, rollout_tp, 1, capacity)["weight_sync_s"])

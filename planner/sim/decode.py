@@ -21,7 +21,9 @@ aggregate of `instance_generation`, which needs only a batch's count, total, lon
   max(L_max, T / C + (L_max - r) / 2) steps: the longest request starts on average half-way through its
   share of the drain (an empirical fit to `exact_instance_run` over log-normal lengths, sigma 0.5-1.0, 64 to
   2,000 requests, 16 to 128 slots: within about +-10%, worst case about 20%); the drain steps run at the
-  step time of a half-full batch. With n <= C every request starts at once and the run is L_max steps.
+  step time of a half-full batch. With n <= C every request starts at once and the run is L_max steps, each
+  running the requests not yet finished: their sequence-steps add up to the T tokens, so the steps run at
+  the step time of T / L_max sequences (`drain_batch`; exact when a step's time is affine in its batch).
 
 Streaming (asynchronous runs, `streaming_generation`): requests of the next steps fill the slots too (the
 admission window of `max_head_offpolicyness`), so the slots are counted over the requests of the whole window
@@ -88,6 +90,14 @@ def slots(max_seqs: int, kv_tokens: float, prompt: float, length_biased_mean: fl
     live_context = prompt + length_biased_mean / 2.0
     by_kv = math.floor(kv_tokens / live_context) if live_context > 0 else max_seqs
     return max(1, min(max_seqs, by_kv, requests))
+
+
+def drain_batch(requests: int, total_tokens: float, longest: float, slot_count: int) -> float:
+    """Mean sequences a decode step runs during the drain: total / longest when every request starts at once
+    (each step runs the unfinished ones, so the steps' batches add up to the tokens), else half the slots."""
+    if requests <= slot_count and longest > 0:
+        return max(1.0, min(float(slot_count), total_tokens / longest))
+    return float(max(1, slot_count // 2))
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from planner.ehp import replica_unit
 from planner.replan import Observation
 from planner.sim.allocation import Allocation
 from planner.sim.costs import PhaseCosts
-from planner.sim.decode import instance_generation, slots, streaming_generation
+from planner.sim.decode import drain_batch, instance_generation, slots, streaming_generation
 from planner.sim.lengths import BatchStats
 from planner.workload import PlannerInputs
 
@@ -157,6 +157,7 @@ class SimResult:
     events: list[tuple[float, str, int]] = field(default_factory=list)
     train_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # training-side seconds of each step
     rollout_busy_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # pool busy seconds by each batch's end
+    rollout_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # each batch's start to its last response
     switches: list[dict[str, Any]] = field(default_factory=list)  # what each reconfiguration stopped, for how long
 
     @property
@@ -271,6 +272,7 @@ class Engine:
         r.step_end_s = self.step_end[: self.trained].copy()
         r.train_s = self.train_s[: self.trained].copy()
         r.rollout_busy_s = self.pool_busy_at_done[: self.trained].copy()
+        r.rollout_s = self.gen_wall[: self.trained].copy()
         r.gpu_idle_frac = max(0.0, 1.0 - self.busy_gpu_s / (self.job.total_gpus * self.now)) if self.now else 0.0
         return r
 
@@ -307,11 +309,12 @@ class Engine:
         window = requests * (1 + self.staleness)  # requests the admission window offers one instance
         slot_count = slots(c.max_seqs, c.kv_tokens(tp), c.prompt_tokens, lbm, window)
         full = c.decode_step(tp, lbm, slot_count)
-        drain = c.decode_step(tp, lbm, max(1, slot_count // 2))
         per_instance = float(b.total[k]) / instances
         if self.staleness > 0:
+            drain = c.decode_step(tp, lbm, max(1, slot_count // 2))
             run = streaming_generation(per_instance, float(b.longest[k]), lbm, slot_count, full, drain)
         else:
+            drain = c.decode_step(tp, lbm, drain_batch(requests, per_instance, float(b.longest[k]), slot_count))
             run = instance_generation(requests, per_instance, float(b.longest[k]), lbm, slot_count, full, drain)
         prefill = c.prefill_s(tp, instances)
         carry = 0.0

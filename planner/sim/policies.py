@@ -31,7 +31,7 @@ import numpy as np
 from planner.grp import plan
 from planner.replan import ReplanPolicy, replan, switch_cost_s
 from planner.sim.allocation import Allocation, static_splits
-from planner.sim.decode import instance_generation, slots
+from planner.sim.decode import drain_batch, instance_generation, slots
 from planner.sim.engine import Engine, SimJob, SimOptions, SimResult
 from planner.sim.predictor import SETTLE_STEPS, outlook, replay_step_s
 from planner.workload import PlannerInputs
@@ -200,8 +200,9 @@ def colocated(job: SimJob, start: Allocation, options: SimOptions) -> SimResult:
         lbm = b.length_biased_mean(k)
         slot_count = slots(c.max_seqs, c.kv_tokens(tp), c.prompt_tokens, lbm, requests)
         full = c.decode_step(tp, lbm, slot_count)
-        run = instance_generation(requests, float(b.total[k]) / instances, float(b.longest[k]), lbm, slot_count,
-                                  full, c.decode_step(tp, lbm, max(1, slot_count // 2)))
+        per_instance = float(b.total[k]) / instances
+        drain = c.decode_step(tp, lbm, drain_batch(requests, per_instance, float(b.longest[k]), slot_count))
+        run = instance_generation(requests, per_instance, float(b.longest[k]), lbm, slot_count, full, drain)
         prefill = c.prefill_s(tp, instances)
         train = c.train_side_s(layout, dp, b.mean(k))
         now += prefill + run.bulk_s + run.drain_s + switch + train + inputs.cost.weight_reload_inplace_s

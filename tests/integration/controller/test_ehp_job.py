@@ -3,7 +3,7 @@ Megatron-Core DP2 on gloo): a synchronous job (`max_head_offpolicyness: 0`) with
 `elastic_hybrid_min_rollout_gpus: 1` lends one rollout instance to every training step. Each step trains with
 the borrowed replica (its events and metrics say so), the lent instance answers requests again in the next
 rollout phase, every loss is finite and the step sequence is complete; a borrowed replica beside a resident
-server stays parked between steps and is re-attached; nothing is left running."""
+server is started with the job, stays parked between steps and is re-attached; nothing is left running."""
 
 from __future__ import annotations
 
@@ -86,22 +86,27 @@ def test_every_step_trains_with_a_borrowed_replica(ehp_job: dict[str, Any]) -> N
 
 
 def test_a_resident_lender_keeps_the_borrowed_replica_parked(ehp_job: dict[str, Any]) -> None:
-    """Where the lending server stays resident, the first borrow starts the borrowed worker and the later ones
-    of the same instance re-attach it parked (attach a fraction of the start); the job's end stops it. Where
-    the server must sleep, every borrow starts its worker and none is parked."""
+    """Where the lending server stays resident, the borrowed worker is started with the job and parked
+    (`ehp_prewarm`), and every borrow of the same instance re-attaches it (attach a fraction of the start); the
+    job's end stops it. Where the server must sleep, nothing starts ahead, every borrow starts its worker and
+    none is parked."""
     log = events(ehp_job["run_dir"])
     borrows = [e for e in log if e["kind"] == "ehp_borrow"]
     returns = [e for e in log if e["kind"] == "ehp_return"]
     releases = [e for e in log if e["kind"] == "ehp_release"]
+    prewarm = [e for e in log if e["kind"] == "ehp_prewarm"]
+    assert len(prewarm) == 1, prewarm
     first = borrows[0]
-    assert first["reused"] is False and first["attach_s"] > 0
     if first["residency"] != "resident":
+        assert prewarm[0]["started"] is False and "sleep" in prewarm[0]["message"], prewarm
+        assert first["reused"] is False and first["attach_s"] > 0
         assert not any(b["reused"] for b in borrows) and not any(r["parked"] for r in returns) and not releases
         return
+    assert prewarm[0]["started"] is True and prewarm[0]["seconds"] > 0, prewarm
     assert all(r["parked"] for r in returns)
-    later = borrows[1:]
-    assert later and all(b["reused"] is (b["instances"] == first["instances"]) for b in later), borrows
-    assert all(b["attach_s"] * 5 < first["attach_s"] for b in later if b["reused"]), borrows
+    assert all(b["reused"] is (b["instances"] == prewarm[0]["instances"]) for b in borrows), (prewarm, borrows)
+    assert first["reused"], "the first borrow started its worker although one was parked at the start"
+    assert all(b["attach_s"] * 5 < prewarm[0]["seconds"] for b in borrows if b["reused"]), (prewarm, borrows)
     assert releases and releases[-1]["reason"] == "the job ends", releases
 
 

@@ -6,6 +6,7 @@ parked borrowed replicas are re-attached and when they stop (a table row per sto
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,14 +133,18 @@ class FakeRollout:
         self.lent -= set(keys)
         return [ReturnReport(k) for k in keys]
 
+    same_ids: bool = False  # every instance on a node of its own, each holding its node's GPU "2"
+
     def lent_gpus(self, key: str) -> list[Any]:
-        return [Gpu(gpu_id=str(2 + int(key.rsplit("-", 1)[1])))]
+        index = int(key.rsplit("-", 1)[1])
+        return [Gpu(gpu_id="2" if self.same_ids else str(2 + index), node=f"n{index}")]
 
 
 @dataclass(frozen=True)
 class Gpu:
     gpu_id: str
     holder: str = ""
+    node: str = ""
 
 
 @dataclass
@@ -166,11 +171,19 @@ class FakeSession:
     def replica_size(self) -> int:
         return 1
 
+    attach_gate: threading.Event | None = None  # when set, attach waits for it (a slow worker start)
+
     @property
     def parked(self) -> bool:
         return bool(self.parked_on)
 
+    @property
+    def attached(self) -> bool:
+        return bool(self.attached_to)
+
     def attach(self, gpus: list[Gpu]) -> bool:
+        if self.attach_gate is not None:
+            assert self.attach_gate.wait(10)
         if self.fail == "attach":
             raise RuntimeError("a borrowed worker did not start")
         ids = [g.gpu_id for g in gpus]
@@ -400,8 +413,6 @@ def test_rl_loop_trains_through_the_borrower_when_it_is_on(tmp_path: Any, with_e
 ], ids=["busy-member-clears", "pool-action-clears", "weight-reload-clears", "busy-member-stays"])
 def test_a_step_waits_for_a_transient_refusal_to_clear(hold: str, clears_after_s: float | None,
                                                        borrows: bool) -> None:
-    import threading
-
     r = rig()
     r.borrower.settle_s = 1.0
     members = [m.id for m in r.tracker.members(ROLLOUT)]
@@ -557,3 +568,93 @@ def test_a_failed_step_leaves_nothing_parked() -> None:
     assert not r.session.parked and not r.session.attached_to
     assert r.rollout.ops[-2:] == ["detach", "give_back ['rollout-0', 'rollout-1']"]
     assert [e["parked"] for e in r.events if e["kind"] == "ehp_return"] == [True, False]
+
+
+# ---- borrowed replicas started during the first rollout ------------------------------------------------------
+def test_prewarm_parks_the_first_borrows_replicas_and_the_first_step_re_attaches_them() -> None:
+    r = rig()
+    assert r.borrower.prewarm() is True
+    assert r.rollout.ops == ["attach ['2', '3']", "park"]  # nothing lent: the lenders keep serving
+    assert serving(r.tracker) == ["rollout-0", "rollout-1"] and r.session.holders == ["rollout-0", "rollout-1"]
+    prewarm = [e for e in r.events if e["kind"] == "ehp_prewarm"]
+    assert len(prewarm) == 1 and prewarm[0]["started"] is True and prewarm[0]["replicas"] == 2
+    metrics = r.borrower.train_step([object()] * 4, step=1)
+    assert r.rollout.ops[2:] == ["lend ['rollout-0', 'rollout-1'] sleep=False", "re-attach ['2', '3']",
+                                 "step 1 on 2 borrowed GPU(s)", "park", "give_back ['rollout-0', 'rollout-1']"]
+    assert metrics["ehp_reused"] == 1.0 and "ehp_release" not in r.kinds()
+
+
+def _sleeping(r: Rig) -> None:
+    r.borrower._residency = lambda layout, replicas, rollout_tp: "sleep"  # type: ignore[method-assign]
+
+
+def _failing_attach(r: Rig) -> None:
+    r.session.fail = "attach"
+
+
+def _all_kept(r: Rig) -> None:
+    r.session.settings = dataclasses.replace(r.session.settings, min_rollout_gpus=2)
+
+
+# what is true before the prewarm -> what its event says, and what the first step's borrow then does
+NO_PREWARM = [
+    pytest.param(_sleeping, "lending servers sleep", "attach ['2', '3']", id="lenders-sleep"),
+    pytest.param(_reconfigure, "the rollout pool is being reconfigured", None, id="rollout-reconfiguring"),
+    pytest.param(_failing_attach, "failed (RuntimeError: a borrowed worker did not start)", None,
+                 id="worker-start-fails"),
+    pytest.param(_all_kept, "no borrowed replicas started", None, id="every-gpu-kept-serving"),
+]
+
+
+@pytest.mark.parametrize(("before", "says", "first_attach"), NO_PREWARM)
+def test_no_prewarm_leaves_the_first_borrow_to_start_the_replicas(before: Any, says: str,
+                                                                  first_attach: str | None) -> None:
+    r = rig()
+    before(r)
+    assert r.borrower.prewarm() is False
+    prewarm = [e for e in r.events if e["kind"] == "ehp_prewarm"]
+    assert len(prewarm) == 1 and prewarm[0]["started"] is False and says in prewarm[0]["message"], prewarm
+    assert not r.session.parked and not r.session.attached and "park" not in r.rollout.ops
+    r.borrower.train_step([object()], step=1)
+    attaches = [op for op in r.rollout.ops if op.split()[0] in ("attach", "re-attach")]
+    assert attaches == ([first_attach] if first_attach else [])
+
+
+def test_plan_only_starts_no_replicas_ahead_of_the_first_step() -> None:
+    r = rig(mode="plan_only")
+    assert r.borrower.prewarm() is False
+    assert r.rollout.ops == [] and "ehp_prewarm" not in r.kinds()
+
+
+def test_the_first_step_waits_for_the_prewarm_in_progress() -> None:
+    r = rig()
+    r.session.attach_gate = threading.Event()
+    prewarm = threading.Thread(target=r.borrower.prewarm)
+    prewarm.start()
+    step = threading.Thread(target=r.borrower.train_step, args=([object()], 1))
+    deadline = time.monotonic() + 5
+    while not r.borrower._lock.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    step.start()
+    time.sleep(0.3)
+    assert r.rollout.ops == [], "the step lent its GPUs while the replicas were still starting"
+    r.session.attach_gate.set()
+    prewarm.join(10)
+    step.join(10)
+    assert r.rollout.ops[:3] == ["attach ['2', '3']", "park", "lend ['rollout-0', 'rollout-1'] sleep=False"]
+    assert "re-attach ['2', '3']" in r.rollout.ops
+
+
+def test_lenders_on_two_nodes_with_the_same_gpu_id_each_lend_their_own_gpu() -> None:
+    """GPU ids are per node: two lenders on two nodes both hold a GPU "2"; each borrowed rank gets its own."""
+    r = rig()
+    r.rollout.same_ids = True
+    r.tracker.observe(ROLLOUT, [MemberView(key=f"rollout-{i}", state=S.READY, gpu_ids=("2",), serving=True,
+                                           info={"host": f"n{i}", "pid": 100 + i}) for i in range(2)],
+                      time.time())
+    gpus: list[Any] = []
+    attach = r.session.attach
+    r.session.attach = lambda lent: gpus.extend(lent) or attach(lent)  # type: ignore[method-assign]
+    metrics = r.borrower.train_step([object()] * 4, step=1)
+    assert metrics["ehp_replicas"] == 2.0
+    assert [(g.gpu_id, g.node, g.holder) for g in gpus] == [("2", "n0", "rollout-0"), ("2", "n1", "rollout-1")]

@@ -70,6 +70,25 @@ def test_prompts_carry_growing_budgets(tiny_tokenizer: Any) -> None:
     assert all(RESPONSE_BUDGET_KEY not in p.metadata for p in task.eval_prompts(4))
 
 
+@pytest.mark.parametrize("words", [1, 7, 130], ids=["one-word", "short", "wraps-past-the-context-words"])
+def test_context_precedes_every_problem(words: int, tiny_tokenizer: Any) -> None:
+    """The same context of `words` tokens before each training and evaluation problem; the problem, its label
+    and its budget are copy_first's and the schedule's, unchanged."""
+    plain = _drift(tiny_tokenizer)
+    task = _drift(tiny_tokenizer, context_tokens=words)
+    for with_context, without in zip([*itertools.islice(task.train_prompts(seed=2), 6), *task.eval_prompts(3)],
+                                     [*itertools.islice(plain.train_prompts(seed=2), 6), *plain.eval_prompts(3)],
+                                     strict=True):
+        context, _, problem = with_context.text.partition(" : ")
+        assert problem == without.text and with_context.label == without.label
+        assert with_context.metadata == without.metadata
+        assert len(context.split()) == words and set(context.split()) <= {str(100 + i) for i in range(100)}
+        assert len(with_context.token_ids) == len(without.token_ids) + words + 1  # every word one token
+        assert with_context.token_ids[-len(without.token_ids):] == without.token_ids
+    contexts = {p.text.partition(" : ")[0] for p in itertools.islice(task.train_prompts(seed=5), 20)}
+    assert len(contexts) == 1, "one shared context (a prefix the rollout's cache can share)"
+
+
 def test_resumed_stream_continues_the_budgets(tiny_tokenizer: Any) -> None:
     """A resumed job slices the same seeded stream after the prompts already drawn (as `RLLoop` does)."""
     fresh = list(itertools.islice(_drift(tiny_tokenizer).train_prompts(seed=1), 10))
@@ -82,7 +101,9 @@ def test_resumed_stream_continues_the_budgets(tiny_tokenizer: Any) -> None:
     ({"end_tokens": 2}, "task.params.end_tokens"),
     ({"ramp_prompts": 0}, "task.params.ramp_prompts"),
     ({"end_tokens": 2.5}, "task.params.end_tokens"),
-], ids=["start-zero", "shrinking", "no-ramp", "float"])
+    ({"context_tokens": -1}, "task.params.context_tokens"),
+    ({"context_tokens": 1.5}, "task.params.context_tokens"),
+], ids=["start-zero", "shrinking", "no-ramp", "float", "negative-context", "float-context"])
 def test_bad_schedule_params(params: dict[str, Any], field: str, tiny_tokenizer: Any) -> None:
     with pytest.raises(TaskError) as info:
         _drift(tiny_tokenizer, **params)

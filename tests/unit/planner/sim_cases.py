@@ -1,5 +1,6 @@
-"""Jobs for the simulator tests: a small real job (planner inputs of a repository model) and a job whose phase
-times are fixed numbers, so a run can be computed by hand."""
+"""Jobs for the simulator tests: a small real job (planner inputs of a repository model), a job whose phase
+times are fixed numbers, so a run can be computed by hand, and measured runs made by the simulator itself
+(for the calibration fit)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from planner_cases import inputs
 
 from planner.layout import TrainLayout
 from planner.sim.allocation import Allocation
-from planner.sim.costs import PhaseCosts
+from planner.sim.calibration import MeasuredRun
+from planner.sim.costs import MeasuredCosts, PhaseCosts
 from planner.sim.engine import Engine, SimJob
+from planner.sim.fit import Replayer
 from planner.sim.lengths import BatchStats, LengthModel
 from planner.sim.scenario import build_job
 from planner.workload import CostParams, PlannerInputs
@@ -33,7 +36,7 @@ class FixedCosts(PhaseCosts):
     def kv_tokens(self, rollout_tp: int) -> int:
         return 1 << 40
 
-    def decode_step(self, rollout_tp: int, length_biased_mean: float, batch: int) -> float:
+    def decode_step(self, rollout_tp: int, length_biased_mean: float, batch: float) -> float:
         return self.step_s
 
     def prefill_s(self, rollout_tp: int, instances: int) -> float:
@@ -93,3 +96,33 @@ class SwitchOnce:
 
     def decide(self, engine: Engine) -> Allocation | None:
         return self.second if engine.trained == 2 else None
+
+
+SYNTHETIC_SPLITS = ((1, 7), (2, 6), (3, 5), (4, 4), (6, 2))
+
+
+def sync_job(steps: int = 12, seed: int = 0) -> SimJob:
+    """A synchronous job on 8 GPUs of one node with drifting, long-tailed lengths (batches of 24 x 8)."""
+    base = inputs("qwen2.5-7b", nodes=1, batch_size=24, n_samples=8, max_model_len=4096, max_new_tokens=1024,
+                  max_head_offpolicyness=0)
+    return build_job(base, LengthModel(40, 600, base.workload.max_new_tokens, sigma=0.6), steps, seed)
+
+
+def synthetic_run(result_wall_s: float, rollout_s: float, train_s: float, samples: int, steps: int,
+                  split: tuple[int, int], policy: str = "static") -> MeasuredRun:
+    """A measured run with the totals a simulated run produced."""
+    return MeasuredRun(policy, split[0], split[1], result_wall_s / steps, samples / result_wall_s, steps,
+                       f"{policy} {split[0]}+{split[1]}", rollout_s, train_s)
+
+
+def runs_made_by_the_simulator(job: SimJob, costs: MeasuredCosts,
+                               splits: tuple[tuple[int, int], ...] = SYNTHETIC_SPLITS) -> list[MeasuredRun]:
+    """'Measured' runs of every split of `splits`: the simulator's own replays with `costs`."""
+    replayer = Replayer(job)
+    out = []
+    for train, rollout in splits:
+        probe = MeasuredRun("static", train, rollout, 1.0, 1.0, job.batches.steps)
+        result = replayer.replay(probe, costs)
+        out.append(synthetic_run(result.wall_s, float(result.rollout_s.sum()), float(result.train_s.sum()),
+                                 result.samples, result.steps, (train, rollout)))
+    return out

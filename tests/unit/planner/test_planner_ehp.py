@@ -90,6 +90,18 @@ def test_plan_borrow(instances: list[RolloutInstanceGpus], size: int, keep: int,
     assert plan.reason
 
 
+def test_replica_owners_name_each_gpu_where_ids_repeat_across_nodes() -> None:
+    """GPU ids are per node: two nodes both have a GPU "0" and "1"; each replica GPU is named with its instance."""
+    instances = [_inst("a", "0", node="n0"), _inst("b", "1", node="n0"), _inst("c", "0", node="n1"),
+                 _inst("d", "1", node="n1")]
+    plan = plan_borrow(instances, 2, 0)
+    assert list(plan.replicas) == [("0", "1"), ("0", "1")]
+    assert list(plan.replica_owners) == [("a", "b"), ("c", "d")]
+    single = plan_borrow(FOUR_TP1, 1, 1)
+    assert [len(o) for o in single.replica_owners] == [len(r) for r in single.replicas]
+    assert {o for owners in single.replica_owners for o in owners} == set(single.lent_instances)
+
+
 @pytest.mark.parametrize(("instances", "size", "keep", "message"), [
     pytest.param([_inst("a", "0"), _inst("a", "1")], 1, 0, "more than once", id="duplicate-instance"),
     pytest.param([_inst("a")], 1, 0, "lists no GPUs", id="no-gpus"),

@@ -6,7 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner.sim.decode import exact_instance_run, instance_generation, slots, streaming_generation
+from planner.sim.decode import (
+    drain_batch,
+    exact_instance_run,
+    instance_generation,
+    slots,
+    streaming_generation,
+)
 
 
 def test_tiny_run_matches_hand_computation() -> None:
@@ -72,3 +78,28 @@ def test_streaming_conserves_work() -> None:
     # the step's work at the full-batch rate is bulk + the residual the next step overlaps
     assert run.bulk_s + run.drain_work_s == pytest.approx(10_000 / 50 * 0.02)
     assert run.drain_steps >= 500.0 - run.bulk_steps
+
+
+@pytest.mark.parametrize("lengths", [
+    pytest.param([48] * 24, id="equal-lengths"),
+    pytest.param([5, 17, 48, 3, 30, 30, 12], id="mixed"),
+    pytest.param(np.clip(np.rint(np.random.default_rng(3).lognormal(4.0, 0.8, 60)), 1, 1000).astype(int).tolist(),
+                 id="log-normal"),
+])
+def test_when_every_request_fits_the_drain_is_exact_for_an_affine_step(lengths: list[int]) -> None:
+    fixed, per_seq = 0.02, 0.001
+    exact = exact_instance_run(lengths, prompt=10, max_seqs=256, kv_tokens=10**9, step_s=lambda b: fixed + per_seq * b)
+    n, total, longest = len(lengths), float(sum(lengths)), float(max(lengths))
+    batch = drain_batch(n, total, longest, n)
+    run = instance_generation(n, total, longest, total / n, n, fixed + per_seq * n, fixed + per_seq * batch)
+    assert batch == pytest.approx(total / longest)
+    assert run.bulk_s + run.drain_s == pytest.approx(exact.seconds, rel=1e-12)
+
+
+@pytest.mark.parametrize("requests, slot_count, expected", [
+    pytest.param(8, 16, 400.0 / 120.0, id="all-fit-tokens-over-longest"),
+    pytest.param(100, 16, 8.0, id="queued-half-the-slots"),
+    pytest.param(100, 1, 1.0, id="one-slot"),
+])
+def test_drain_batch(requests: int, slot_count: int, expected: float) -> None:
+    assert drain_batch(requests, 400.0, 120.0, slot_count) == pytest.approx(expected)

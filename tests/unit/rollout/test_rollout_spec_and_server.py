@@ -91,6 +91,7 @@ def flag(cmd: list[str], name: str) -> str | None:
                 "--dtype": "float32",
                 "--kv-cache-memory-bytes": "67108864",
                 "--distributed-executor-backend": "uni",
+                "--max-num-batched-tokens": "2048",
             },
         ),
         (
@@ -102,18 +103,26 @@ def flag(cmd: list[str], name: str) -> str | None:
                 "--distributed-executor-backend": None,
             },
         ),
-        ("cuda", 1, {"--gpu-memory-utilization": "0.5", "--kv-cache-memory-bytes": None, "--dtype": None}),
+        ("cuda", 1, {"--gpu-memory-utilization": "0.5", "--kv-cache-memory-bytes": None, "--dtype": None,
+                     "--max-num-batched-tokens": None}),
     ],
     ids=["cpu", "cpu-tp2", "cuda"],
 )
 def test_server_command_per_device(device: str, tp: int, expect: dict[str, str | None]) -> None:
     cmd = server_command(launch(tp_size=tp), device, python="py")
+    # CPU servers never cut a prompt (a seeded CPU sampler cannot be rewound); CUDA keeps vLLM's default
+    assert ("--no-enable-chunked-prefill" in cmd) is (device == "cpu")
     assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
     assert flag(cmd, "--worker-extension-cls") == "libra.rollout.worker_extension.LibraWorkerExtension"
     assert flag(cmd, "--port") == "8100" and flag(cmd, "--tensor-parallel-size") == str(tp)
     assert "--enforce-eager" in cmd
     for name, value in expect.items():
         assert flag(cmd, name) == value, name
+
+
+def test_cpu_token_budget_holds_the_longest_prompt() -> None:
+    cmd = server_command(replace(launch(), max_model_len=8192), "cpu", python="py")
+    assert flag(cmd, "--max-num-batched-tokens") == "8192"
 
 
 @pytest.mark.parametrize(
