@@ -203,17 +203,23 @@ class EhpBorrower:
             observed.train.busy or observed.rollout.busy
             or any(m.busy or m.state == MemberState.LOADING or (m.state == MemberState.READY and not m.serving)
                    for m in observed.of(ROLLOUT) if m.live))
+        decision, sized = self._borrow_of(session, observed.of(ROLLOUT), desired, busy)
+        return decision, transient and sized
+
+    def _borrow_of(self, session: Any, members: Sequence[Member], desired: DesiredState,
+                   busy: str) -> tuple[BorrowDecision, bool]:
+        """`decide_borrow` for the session's replica size and the planner's residency; False with a refusal when
+        the configured replica size does not divide the pool's current layout."""
         layout = session.pool.layout
         try:
             size = session.replica_size()
-        except ValueError as exc:  # a configured size that the pool's current layout does not divide
+        except ValueError as exc:
             return BorrowDecision((), (), False, "", str(exc)), False
 
         def residency(replicas: int) -> Residency:
             return self._residency(layout, replicas, desired.rollout_tp)
 
-        decision = decide_borrow(observed.of(ROLLOUT), size, session.settings.min_rollout_gpus, residency, busy)
-        return decision, transient
+        return decide_borrow(members, size, session.settings.min_rollout_gpus, residency, busy), True
 
     def _residency(self, layout: Any, replicas: int, rollout_tp: int) -> Residency:
         from libra.planning import planner_inputs
@@ -330,12 +336,9 @@ class EhpBorrower:
             try:
                 members = {m.key or m.id: m for m in self.tracker.members(ROLLOUT)}
                 desired = self.desired()
-                decision = decide_borrow(list(members.values()), session.replica_size(),
-                                         session.settings.min_rollout_gpus,
-                                         lambda replicas: self._residency(session.pool.layout, replicas,
-                                                                          desired.rollout_tp),
-                                         f"the rollout pool is being reconfigured ({desired.reconfiguring})"
-                                         if desired.reconfiguring else "")
+                reconfiguring = f"the rollout pool is being reconfigured ({desired.reconfiguring})" \
+                    if desired.reconfiguring else ""
+                decision, _ = self._borrow_of(session, list(members.values()), desired, reconfiguring)
                 if not decision.lend or decision.sleep or session.parked or session.attached:
                     why = decision.reason if not decision.lend else "lending servers sleep" if decision.sleep \
                         else "replicas are already started"

@@ -33,7 +33,7 @@ def test_windowed_rate(ends: list[float], samples: list[float], window: int, rat
     assert times == ends and got == pytest.approx(rates)
 
 
-def result(tmp_path: Path) -> dict[str, Any]:
+def result() -> dict[str, Any]:
     series = fig.step_series([{"step": s, "elapsed_s": 2.0 * s, "samples": 16, "train_gpus": 2, "rollout_gpus": 2}
                               for s in range(1, 6)])
     runs = [{"policy": "static", "split": "train 1 | rollout 3", "per_step": series},
@@ -44,22 +44,22 @@ def result(tmp_path: Path) -> dict[str, Any]:
             "runs": runs}
 
 
-def test_chosen_runs_are_elastic_planner_and_best_static(tmp_path: Path) -> None:
-    assert [(r["policy"], r["split"]) for r in plot.chosen_runs(result(tmp_path))] == [
+def test_chosen_runs_are_elastic_planner_and_best_static() -> None:
+    assert [(r["policy"], r["split"]) for r in plot.chosen_runs(result())] == [
         ("elastic", "train 2 | rollout 2"), ("planner_initial", "train 2 | rollout 2"),
         ("static", "train 2 | rollout 2")]
 
 
 def test_the_picture_is_drawn_from_the_result_file(tmp_path: Path) -> None:
     path = tmp_path / "gain.json"
-    path.write_text(json.dumps(result(tmp_path)))
+    path.write_text(json.dumps(result()))
     out = tmp_path / "gain.png"
     assert plot.main([str(path), str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_result_without_series_says_how_to_get_them(tmp_path: Path) -> None:
-    data = result(tmp_path)
+    data = result()
     for run in data["runs"]:
         del run["per_step"]
     with pytest.raises(SystemExit, match="--from-run-dirs"):
