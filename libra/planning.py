@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from libra.config import Config
+from libra.config.elastic_hybrid import ehp_switch
 from libra.config.mapping import (
     planner_memory_budget,
     planner_rollout_options,
@@ -23,7 +24,7 @@ from planner.layout import TrainLayout
 from planner.memory import MemoryEstimate, model_logits_bytes, padded_vocab, train_memory
 from planner.model_spec import ModelSpec
 from planner.plan import Plan
-from planner.workload import ClusterSpec, PinnedLayout, PlannerInputs, SearchSpace
+from planner.workload import ClusterSpec, EhpOptions, PinnedLayout, PlannerInputs, SearchSpace
 
 CPU_GPU_TYPE = "cpu-logical"
 MAX_DERIVED_PP = 32
@@ -98,8 +99,12 @@ def planner_inputs(cfg: Config) -> PlannerInputs:
         strategy=grp.initial_allocation_strategy,
         pinned=pinned,
     )
+    ehp = None
+    if ehp_switch(cfg).mode == "on":  # the training phase runs on the GPUs the job lends it
+        ehp = EhpOptions(min_rollout_gpus=grp.elastic_hybrid_min_rollout_gpus,
+                         replica_size_gpus=grp.elastic_hybrid_replica_size_gpus)
     return PlannerInputs(model=spec, cluster=cluster, workload=workload, train=train, rollout=rollout,
-                         budget=budget, space=space)
+                         budget=budget, space=space, ehp=ehp)
 
 
 def plan_job(cfg: Config) -> Plan:

@@ -231,7 +231,30 @@ def lent_gpu_residency(
     return LentGpuMemory(decision, capacity, train_bytes, resident, static, rank)
 
 
+def planned_borrowed_dp(inputs: PlannerInputs, layout: TrainLayout, rollout_gpus: int, rollout_tp: int) -> int:
+    """The data-parallel ranks the training step of a candidate borrows, as the search prices it (0 when
+    `inputs.ehp` is unset, the job is asynchronous, or nothing can be lent): whole rollout instances beyond
+    `min_rollout_gpus`, grouped into replicas, as `plan_borrow` does on one node (the search does not place
+    instances on nodes, so a replica split over two nodes counts here); none with expert parallelism (refused
+    at attach) or where a lent GPU cannot hold a borrowed rank beside its server (`lent_gpu_residency`)."""
+    ehp = inputs.ehp
+    if ehp is None or inputs.workload.is_async or layout.ep > 1 or rollout_tp < 1:
+        return 0
+    try:
+        size = replica_size_gpus(ehp.replica_size_gpus, layout)
+    except EhpPlanError:
+        return 0
+    lendable = max(0, rollout_gpus - ehp.min_rollout_gpus) // rollout_tp * rollout_tp
+    replicas = lendable // size
+    if replicas < 1:
+        return 0
+    borrowed = replicas * size // layout.model_parallel
+    if lent_gpu_residency(inputs, layout, borrowed, rollout_tp).decision == "no_fit":
+        return 0
+    return borrowed
+
+
 __all__ = [
     "BorrowPlan", "EhpPlanError", "LentGpuMemory", "RolloutInstanceGpus", "borrowed_rank_memory",
-    "lent_gpu_residency", "plan_borrow", "replica_size_gpus", "replica_unit",
+    "lent_gpu_residency", "plan_borrow", "planned_borrowed_dp", "replica_size_gpus", "replica_unit",
 ]

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from planner.cost import rollout_costs, step_seconds, train_costs
+from planner.ehp import planned_borrowed_dp
 from planner.explain import memory_message, rollout_memory_message
 from planner.layout import Rule, TrainLayout, enumerate_layouts, layout_rule_violation, rollout_rule_violation
 from planner.memory import kv_capacity_sequences, rollout_memory, train_memory, train_peak_bytes
@@ -97,6 +98,7 @@ def evaluate(inputs: PlannerInputs, candidate: Candidate, check_thresholds: bool
     dp = max(1, candidate.train_gpus // layout.model_parallel)
     train = {k: float(v) for k, v in train_costs(inputs, layout, dp).items()}
     violations += split_rule_violations(inputs, layout, candidate.train_gpus, train, check_thresholds)
+    train.update(_with_borrowed(inputs, layout, dp, candidate.rollout_gpus, r, train))
     t_mem = train_memory(inputs, layout, dp)
     if not t_mem.fits:
         violations.append(Rule("train_memory", memory_message("training", t_mem)))
@@ -120,6 +122,21 @@ def evaluate(inputs: PlannerInputs, candidate: Candidate, check_thresholds: bool
                       step_s=step, samples_per_s=w.samples_per_step / step,
                       tokens_per_s=w.samples_per_step * w.mean_sequence_tokens / step,
                       kv_capacity_sequences=capacity, violations=tuple(violations))
+
+
+def _with_borrowed(inputs: PlannerInputs, layout: TrainLayout, dp: int, rollout_gpus: int, rollout_tp: int,
+                   own: dict[str, float]) -> dict[str, float]:
+    """The training-side seconds on the pool's own DP ranks and the ranks elastic hybrid parallelism borrows
+    (`planner.ehp.planned_borrowed_dp`): `train_s` and `logprob_recompute_s` of the step as it runs, the own
+    pool's alone as `*_own`, and `ehp_borrowed_dp` (0: nothing borrowed, nothing changes). The rules and the
+    memory check stay on the own pool (it steps the optimizer)."""
+    borrowed = planned_borrowed_dp(inputs, layout, rollout_gpus, rollout_tp)
+    if borrowed < 1:
+        return {"ehp_borrowed_dp": 0.0} if inputs.ehp is not None else {}
+    joint = train_costs(inputs, layout, dp + borrowed)
+    return {"ehp_borrowed_dp": float(borrowed), "train_s_own": own["train_s"],
+            "logprob_recompute_s_own": own["logprob_recompute_s"], "train_s": float(joint["train_s"]),
+            "logprob_recompute_s": float(joint["logprob_recompute_s"])}
 
 
 def brute_force(inputs: PlannerInputs) -> tuple[Evaluation | None, int]:
@@ -181,9 +198,11 @@ def _integer_codes(inputs: PlannerInputs, model_parallel: int, splits: np.ndarra
 
 
 def _split_codes(inputs: PlannerInputs, layout: TrainLayout, splits: np.ndarray,
-                 base: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+                 base: tuple[np.ndarray, np.ndarray],
+                 rollout_tp: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """Rule code per split (0 = feasible, i = SPLIT_CODES[i - 1]), the splits whose costs were computed, and
-    the numbers behind the reasons for those splits: TP/EP ratios, bubble, peak bytes, training-side seconds."""
+    the numbers behind the reasons for those splits: TP/EP ratios, bubble, peak bytes, training-side seconds
+    (with the DP ranks elastic hybrid parallelism borrows from each split's rollout side, `rollout_tp`)."""
     w, s = inputs.workload, inputs.space
     dp, code = base[0], base[1].copy()
     if layout.ep > 1:
@@ -200,6 +219,14 @@ def _split_codes(inputs: PlannerInputs, layout: TrainLayout, splits: np.ndarray,
               "bubble_ratio": costs["bubble_ratio"] + np.zeros(len(rows)),
               "peak": train_peak_bytes(inputs, layout, dp[rows]) + np.zeros(len(rows)),
               "side": costs["train_s"] + costs["logprob_recompute_s"] + np.zeros(len(rows))}
+    if inputs.ehp is not None and rollout_tp is not None:
+        total = inputs.cluster.total_gpus
+        borrowed = np.array([planned_borrowed_dp(inputs, layout, int(total - splits[i]), int(rollout_tp[i]))
+                             for i in rows.tolist()], dtype=np.int64)
+        lends = borrowed > 0
+        if lends.any():
+            joint = train_costs(inputs, layout, dp[rows] + borrowed)
+            values["side"] = np.where(lends, joint["train_s"] + joint["logprob_recompute_s"], values["side"])
     sub = np.zeros(len(rows), dtype=np.int64)
     for name, failed in (("tp_comm_ratio", values["tp_comm_ratio"] > s.comm_compute_ratio_threshold),
                          ("ep_comm_ratio", values["ep_comm_ratio"] > s.ep_comm_compute_ratio_threshold),
@@ -245,10 +272,11 @@ def _split_reason(name: str, inputs: PlannerInputs, layout: TrainLayout, values:
     return text, smallest, threshold
 
 
-def _train_side(inputs: PlannerInputs, splits: np.ndarray,
-                pruned: list[Pruned]) -> tuple[list[TrainLayout], np.ndarray, np.ndarray, int]:
-    """Layouts that pass the structural rules, their training-side seconds per split (inf = pruned) and their
-    peak training bytes per split (for the tie-break on headroom)."""
+def _train_side(inputs: PlannerInputs, splits: np.ndarray, pruned: list[Pruned],
+                rollout_tp: np.ndarray | None = None) -> tuple[list[TrainLayout], np.ndarray, np.ndarray, int]:
+    """Layouts that pass the structural rules, their training-side seconds per split (inf = pruned; with the
+    ranks borrowed from each split's rollout side of TP `rollout_tp`) and their peak training bytes per split
+    (for the tie-break on headroom)."""
     s, spec = inputs.space, inputs.model
     layouts = enumerate_layouts(s.allowed_tp, s.allowed_pp, s.allowed_cp, s.allowed_ep, inputs.train.vpp)
     kept: list[TrainLayout] = []
@@ -264,7 +292,7 @@ def _train_side(inputs: PlannerInputs, splits: np.ndarray,
         mp = layout.model_parallel
         if mp not in shared:
             shared[mp] = _integer_codes(inputs, mp, splits)
-        code, computed, values = _split_codes(inputs, layout, splits, shared[mp])
+        code, computed, values = _split_codes(inputs, layout, splits, shared[mp], rollout_tp)
         for index in np.unique(code).tolist():
             if index == 0:
                 continue
@@ -335,7 +363,7 @@ def _search_grp(inputs: PlannerInputs) -> Plan:
     if len(splits) == 0:
         return plan
     rollout_best, rollout_tp = _rollout_side(inputs, splits, pruned)
-    layouts, train_side, train_peak, n_layouts = _train_side(inputs, splits, pruned)
+    layouts, train_side, train_peak, n_layouts = _train_side(inputs, splits, pruned, rollout_tp)
     plan.pruned = pruned
     plan.candidates_evaluated = (n_layouts + len(set(inputs.space.allowed_rollout_tp))) * len(splits)
     if not layouts:

@@ -223,8 +223,19 @@ def _positive(problems: list[str], name: str, value: float, minimum: float = 1) 
 
 
 @dataclass(frozen=True)
+class EhpOptions:
+    """Elastic hybrid parallelism as a job runs it (`planner.ehp`): in a synchronous job the training step
+    borrows the rollout GPUs beyond `min_rollout_gpus` as extra data-parallel replicas of `replica_size_gpus`
+    GPUs (0 = one complete replica of the layout). Set only where the job lends (not plan-only)."""
+
+    min_rollout_gpus: int = 0
+    replica_size_gpus: int = 0
+
+
+@dataclass(frozen=True)
 class PlannerInputs:
-    """Everything one search needs."""
+    """Everything one search needs. `ehp`: the training phase is priced on the GPUs elastic hybrid
+    parallelism lends it (None: on the training pool's own)."""
 
     model: ModelSpec
     cluster: ClusterSpec
@@ -234,6 +245,7 @@ class PlannerInputs:
     budget: MemoryBudget = field(default_factory=MemoryBudget)
     space: SearchSpace = field(default_factory=SearchSpace)
     cost: CostParams = field(default_factory=CostParams)
+    ehp: EhpOptions | None = None
 
     def with_cluster(self, num_nodes: int) -> PlannerInputs:
         return replace(self, cluster=replace(self.cluster, num_nodes=num_nodes))
@@ -283,5 +295,8 @@ class PlannerInputs:
             p.append(f"global_resource_planner.min_train_gpus + min_rollout_gpus: "
                      f"{s.min_train_gpus} + {max(1, s.min_rollout_gpus)} > {c.total_gpus} GPUs in the cluster: "
                      "lower the minimums or add nodes")
+        if self.ehp is not None:
+            _positive(p, "global_resource_planner.elastic_hybrid_min_rollout_gpus", self.ehp.min_rollout_gpus, 0)
+            _positive(p, "global_resource_planner.elastic_hybrid_replica_size_gpus", self.ehp.replica_size_gpus, 0)
         if p:
             raise PlannerInputError(p)

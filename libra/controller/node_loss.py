@@ -44,6 +44,7 @@ from libra.controller.capacity import (
 from libra.controller.desired_store import DesiredStore
 from libra.controller.events import EventLog
 from libra.controller.executor import Executor
+from libra.controller.members import MemberState as S
 from libra.controller.state import ROLLOUT, DesiredState
 from libra.controller.tracker import MemberTracker
 from planner.layout import TrainLayout
@@ -204,19 +205,27 @@ class NodeLossRecovery:
     def _rollout_gpus_live(self, desired: DesiredState) -> int:
         return sum(m.gpus(desired.rollout_tp) for m in self.tracker.members(ROLLOUT) if m.live)
 
+    def _rollout_gpus_held(self, desired: DesiredState) -> int:
+        """The GPUs the rollout members still hold in Ray: live ones, and draining or failed ones whose stop has
+        not ended (their placement groups are released by it; Ray places a lost node's groups again elsewhere
+        until then)."""
+        return sum(m.gpus(desired.rollout_tp) for m in self.tracker.members(ROLLOUT) if m.state != S.STOPPED)
+
     def _live(self) -> int:
         """The GPUs alive, never more than the configured cluster (a larger Ray cluster loses nothing of ours
         while it still has room for the job)."""
         return min(self.live_gpus(), self.cfg.total_gpus)
 
-    def _rollout_holds_at_most(self, gpus: int, deadline: float) -> bool:
-        """Wait until the live rollout members hold at most `gpus` GPUs, until `deadline` (monotonic) or a stop;
-        whether they do."""
+    def _rollout_holds_at_most(self, gpus: int, deadline: float,
+                               held: Callable[[DesiredState], int] | None = None) -> bool:
+        """Wait until the rollout members hold at most `gpus` GPUs (`held`, the live members' by default), until
+        `deadline` (monotonic) or a stop; whether they do."""
+        count = held or self._rollout_gpus_live
         while time.monotonic() < deadline and not self.stopping.is_set():
-            if self._rollout_gpus_live(self.store.get()) <= gpus:
+            if count(self.store.get()) <= gpus:
                 return True
             self.stopping.wait(0.2)
-        return self._rollout_gpus_live(self.store.get()) <= gpus
+        return count(self.store.get()) <= gpus
 
     def _wait_for_lost_rollout(self, live: int, training_kept: int) -> None:
         """Until the rollout instances of the lost GPUs are failed: the rollout pool and what training keeps
@@ -227,7 +236,9 @@ class NodeLossRecovery:
             log.info("the rollout pool still holds more GPUs than are alive; the re-plan stops the surplus")
 
     def _wait_for_rollout_gpus(self, gpus: int) -> None:
-        if not self._rollout_holds_at_most(gpus, time.monotonic() + SURPLUS_STOPPED_S):
+        """Until the surplus stops have ended, not just begun: a stop in flight still holds its GPUs and waits for
+        the weight gate, which the training restart then holds while its placement group cannot be placed."""
+        if not self._rollout_holds_at_most(gpus, time.monotonic() + SURPLUS_STOPPED_S, self._rollout_gpus_held):
             log.warning("the rollout pool still holds more than %d GPUs; restarting the training pool anyway", gpus)
 
 def _not_placed(exc: BaseException) -> bool:

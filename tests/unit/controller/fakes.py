@@ -30,7 +30,8 @@ class FakeInstance:
 
 class FakeRolloutEdge:
     """`gpus` GPUs for rollout (0 = unlimited); `fail_next` makes the next create/start/stop/publish/serve
-    raise; `ops` records every call in order; `gate`, when set, makes start() block until it is set."""
+    raise; `ops` records every call in order; `gate`, when set, makes start() block until it is set, and
+    `stop_gate` stop() (a drain that takes a while)."""
 
     def __init__(self, preexisting: int = 0, gpus: int = 0, spec: RolloutSpec = RolloutSpec(1)) -> None:
         self.instances: dict[str, FakeInstance] = {}
@@ -41,6 +42,7 @@ class FakeRolloutEdge:
         self.removed: list[tuple[str, bool]] = []
         self.ops: list[tuple[str, ...]] = []
         self.gate: threading.Event | None = None
+        self.stop_gate: threading.Event | None = None
         self._lock = threading.Lock()
         for index in range(preexisting):
             self._new(f"rollout-{index}", spec, serving=True)
@@ -88,6 +90,8 @@ class FakeRolloutEdge:
     def stop(self, key: str, drain: bool) -> None:
         self.ops.append(("stop", key))
         self._maybe_fail("stop")
+        if self.stop_gate is not None:
+            self.stop_gate.wait(10)
         self.removed.append((key, drain))
         with self._lock:
             self.instances.pop(key, None)

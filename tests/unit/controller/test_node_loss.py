@@ -193,21 +193,35 @@ def test_rollout_node_lost_survivors_keep_their_places(make_job) -> None:
     assert job.recovery.replan(training_lost=False) is None  # nothing more to do
 
 
-def test_training_rank_lost_restarts_training_at_its_new_size_after_the_rollout_surplus_stopped(make_job) -> None:
+@pytest.mark.parametrize("stop_s", [0.0, 1.0], ids=["quick-stops", "stops-that-take-a-while"])
+def test_training_rank_lost_restarts_training_at_its_new_size_after_the_rollout_surplus_stopped(
+        make_job, stop_s: float) -> None:
+    """The restart waits until the surplus stops have ended, not just begun: a stop in flight still holds its
+    GPUs (and, on Ray, waits for the weight gate the restart holds while its placement group cannot be placed)."""
     job = make_job(train=1, instances=3)
+    job.rollout.stop_gate = threading.Event() if stop_s else None
+    opened = threading.Timer(stop_s, job.rollout.stop_gate.set) if job.rollout.stop_gate else None
     job.lose(gpus=2, rollout_keys=1)  # the node held the training rank and one rollout instance
     job.training_answers = False
-    held: list[int] = []
-    original = job.train.restart
+    held: list[tuple[int, int]] = []
+    original = job.executor.training.restart
 
-    def restart(gpus=None, layout=None):  # type: ignore[no-untyped-def]
-        held.append(sum(1 for i in job.rollout.instances.values() if i.state.value != "STOPPED"))
-        return original(gpus, layout)
+    def restart(*args, **kwargs):  # type: ignore[no-untyped-def]
+        # before the restart takes the weight gate: a stop still in flight would then wait behind it
+        held.append((sum(1 for i in job.rollout.instances.values() if i.state.value != "STOPPED"),
+                     sum(1 for m in job.tracker.members(ROLLOUT) if m.state.value != "STOPPED")))
+        return original(*args, **kwargs)
 
-    job.train.restart = restart  # type: ignore[method-assign]
-    outcome = job.recovery.restart_training("a training worker died")
+    job.executor.training.restart = restart  # type: ignore[method-assign]
+    if opened is not None:
+        opened.start()
+    try:
+        outcome = job.recovery.restart_training("a training worker died")
+    finally:
+        if opened is not None:
+            opened.join()
     assert outcome["training_restarted"] and outcome["to_gpus"] == 1
-    assert held == [1], "the training pool restarted before the rollout pool gave up its surplus"
+    assert held == [(1, 1)], "the training pool restarted before the rollout pool gave up its surplus"
     want = job.store.get()
     assert (want.train_gpus, want.rollout_instances, want.cluster_gpus) == (1, 1, 2)
     assert job.wait(lambda: len(job.serving()) == 1 and len(job.train.workers) == 1)

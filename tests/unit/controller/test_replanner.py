@@ -30,8 +30,10 @@ from libra.planning import planner_inputs
 from planner.plan import Candidate
 
 REPO = Path(__file__).resolve().parents[3]
-# 4 logical GPUs, training 2, one rollout instance: one GPU left over
-OVERRIDES = ["global_resource_planner.initial_allocation_strategy=configured", "train_gpus=2", "rollout_gpus=1"]
+# 4 logical GPUs, training 2, one rollout instance: one GPU left over; no rollout GPU lent to training (the rows
+# below are steps of the training pool alone)
+OVERRIDES = ["global_resource_planner.initial_allocation_strategy=configured", "train_gpus=2", "rollout_gpus=1",
+             "global_resource_planner.elastic_hybrid_min_rollout_gpus=4"]
 
 
 def row(step: int, instances: int = 1, train_gpus: int = 2, tokens: float = 5120.0, busy: float = 5.0,

@@ -1,5 +1,6 @@
-"""Elastic hybrid parallelism planning: replica size (0 derives it), which rollout GPUs may be borrowed, and
-whether a lending server stays resident or sleeps."""
+"""Elastic hybrid parallelism planning: replica size (0 derives it), which rollout GPUs may be borrowed,
+whether a lending server stays resident or sleeps, and the search pricing the training phase on the GPUs
+lent to it."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from planner.ehp import (
     borrowed_rank_memory,
     lent_gpu_residency,
     plan_borrow,
+    planned_borrowed_dp,
     replica_size_gpus,
 )
 from planner.layout import TrainLayout
 from planner.memory import train_memory
+from planner.search import brute_force, evaluate, search
+from planner.workload import EhpOptions, PlannerInputError
 
 
 @pytest.mark.parametrize(("configured", "layout", "expected"), [
@@ -157,3 +161,88 @@ def test_residency_refuses_bad_input() -> None:
         lent_gpu_residency(inputs(dense()), TrainLayout(), 1, 0)
     with pytest.raises(EhpPlanError, match="borrowed_dp=0"):
         lent_gpu_residency(inputs(dense()), TrainLayout(), 0, 1)
+
+
+# ---- the search prices the training phase on the GPUs EHP lends it -----------------------------------------
+def _ehp(inp: object, keep: int = 0, size: int = 0) -> object:
+    return replace(inp, ehp=EhpOptions(min_rollout_gpus=keep, replica_size_gpus=size))  # type: ignore[type-var]
+
+
+BORROWED_CASES = {
+    # name: (inputs changes, ehp (keep, size) or None, layout, rollout GPUs, rollout TP, borrowed DP ranks)
+    "ehp-off": ({}, None, TrainLayout(), 6, 1, 0),
+    "every-rollout-gpu": ({}, (0, 0), TrainLayout(), 6, 1, 6),
+    "keep-two-serving": ({}, (2, 0), TrainLayout(), 6, 1, 4),
+    "whole-instances-only": ({}, (1, 0), TrainLayout(), 6, 2, 4),  # 5 lendable GPUs: two TP-2 instances
+    "replicas-of-the-layout": ({}, (0, 0), TrainLayout(tp=2), 6, 1, 3),
+    "configured-replica-size": ({}, (0, 4), TrainLayout(tp=2), 6, 1, 2),  # one replica of 4 GPUs = 2 DP ranks
+    "bad-replica-size-lends-nothing": ({}, (0, 3), TrainLayout(tp=2), 6, 1, 0),
+    "asynchronous-job": ({"max_head_offpolicyness": 1}, (0, 0), TrainLayout(), 6, 1, 0),
+    "fewer-than-a-replica": ({}, (5, 0), TrainLayout(tp=2), 6, 1, 0),
+}
+
+
+@pytest.mark.parametrize("case", BORROWED_CASES, ids=list(BORROWED_CASES))
+def test_planned_borrowed_dp(case: str) -> None:
+    changes, ehp, layout, rollout_gpus, rollout_tp, expected = BORROWED_CASES[case]
+    inp = inputs(dense(), **changes)
+    if ehp is not None:
+        inp = _ehp(inp, *ehp)
+    assert planned_borrowed_dp(inp, layout, rollout_gpus, rollout_tp) == expected  # type: ignore[arg-type]
+
+
+def test_expert_parallel_layouts_borrow_nothing() -> None:
+    inp = _ehp(inputs("qwen3-30b-a3b"))
+    assert planned_borrowed_dp(inp, TrainLayout(ep=2), 4, 1) == 0  # type: ignore[arg-type]
+
+
+def test_a_gpu_that_cannot_hold_a_borrowed_rank_is_not_lent() -> None:
+    inp = _ehp(inputs("qwen2.5-32b"))  # a 32B training rank with no model parallelism fills an H100 alone
+    layout = TrainLayout()
+    assert lent_gpu_residency(inp, layout, 4, 1).decision == "no_fit"  # type: ignore[arg-type]
+    assert planned_borrowed_dp(inp, layout, 4, 1) == 0  # type: ignore[arg-type]
+
+
+EHP_SEARCH_CASES = {
+    "7b-8gpu": dict(spec="qwen2.5-7b", nodes=1, allowed_pp=(1, 2)),
+    "7b-16gpu-keep-4": dict(spec="qwen2.5-7b", nodes=2, allocation_granularity_gpus=2, allowed_pp=(1, 2), keep=4),
+    "dense-8gpu-small": dict(spec="dense", nodes=1, allowed_pp=(1,)),
+}
+
+
+@pytest.mark.parametrize("case", EHP_SEARCH_CASES, ids=list(EHP_SEARCH_CASES))
+def test_the_search_with_ehp_finds_the_brute_force_optimum(case: str) -> None:
+    changes = dict(EHP_SEARCH_CASES[case])
+    keep = int(changes.pop("keep", 0))  # type: ignore[call-overload]
+    spec = dense() if changes["spec"] == "dense" else changes["spec"]
+    changes.pop("spec")
+    inp = _ehp(inputs(spec, **changes), keep)  # type: ignore[arg-type]
+    plan = search(inp)  # type: ignore[arg-type]
+    best, _ = brute_force(inp)  # type: ignore[arg-type]
+    assert best is not None and plan.chosen is not None
+    assert plan.chosen.candidate == best.candidate
+    assert plan.chosen.samples_per_s == pytest.approx(best.samples_per_s, rel=1e-9)
+
+
+def test_ehp_prices_the_training_phase_on_the_lent_gpus_and_moves_the_split_to_the_rollout() -> None:
+    """Training every step on all the GPUs it borrows, a synchronous job gives the rollout pool more GPUs
+    than when training runs on its own pool alone; the evaluation keeps the own pool's seconds beside."""
+    plain = inputs("qwen2.5-7b", nodes=2, allowed_pp=(1,))
+    lent = _ehp(plain)
+    without, with_ehp = search(plain).chosen, search(lent).chosen  # type: ignore[arg-type]
+    assert without is not None and with_ehp is not None
+    assert with_ehp.candidate.rollout_gpus > without.candidate.rollout_gpus
+    assert with_ehp.samples_per_s > without.samples_per_s
+    borrowed = with_ehp.train["ehp_borrowed_dp"]
+    assert borrowed == with_ehp.candidate.rollout_gpus // with_ehp.candidate.layout.model_parallel
+    assert with_ehp.train["train_s"] < with_ehp.train["train_s_own"]
+    own = evaluate(plain, with_ehp.candidate)
+    assert own.train["train_s"] == pytest.approx(with_ehp.train["train_s_own"])
+    assert own.train_memory.peak_bytes == with_ehp.train_memory.peak_bytes  # memory stays the own pool's
+
+
+@pytest.mark.parametrize("field,value", [("min_rollout_gpus", -1), ("replica_size_gpus", -2)])
+def test_bad_ehp_options_are_named(field: str, value: int) -> None:
+    inp = replace(inputs(dense()), ehp=replace(EhpOptions(), **{field: value}))
+    with pytest.raises(PlannerInputError, match=f"elastic_hybrid_{field}: {value}"):
+        inp.validate()

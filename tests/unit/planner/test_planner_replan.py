@@ -11,6 +11,7 @@ from planner.layout import TrainLayout
 from planner.plan import Candidate
 from planner.replan import Observation, ReplanPolicy, calibrate, replan, switch_cost_s
 from planner.search import evaluate, search
+from planner.workload import EhpOptions
 
 
 def _setup():  # type: ignore[no-untyped-def]
@@ -109,3 +110,23 @@ def test_switch_cost_counts_the_slower_pool_change() -> None:
     assert switch_cost_s(inp, c, other) == inp.cost.rollout_restart_s
     moved = replace(c, train_gpus=c.train_gpus + 8, rollout_gpus=c.rollout_gpus - 8)
     assert switch_cost_s(inp, c, moved) == max(inp.cost.rollout_restart_s, inp.cost.train_restart_s)
+
+
+def test_with_ehp_calibration_reproduces_the_step_trained_on_the_lent_gpus_and_keeps_pricing_them() -> None:
+    """In a synchronous job that lends its rollout GPUs to training, the measured training side is the borrowed
+    step's: calibration matches it with the borrowed ranks counted, so the speed factor stays the GPUs' own,
+    and an alternative split is still priced with the ranks it would borrow."""
+    inp = replace(inputs("qwen2.5-7b", nodes=2, allowed_pp=(1,), allocation_granularity_gpus=2),
+                  ehp=EhpOptions())
+    current = Candidate(train_gpus=8, rollout_gpus=8, layout=TrainLayout(tp=2), rollout_tp=1)
+    truth = replace(inp, cost=replace(inp.cost, train_speed_factor=0.5))  # the GPUs run at half the model's speed
+    measured = evaluate(truth, current, check_thresholds=False)
+    assert measured.train["ehp_borrowed_dp"] == 4  # 8 lent GPUs, replicas of TP 2
+    obs = Observation(rollout_tokens_per_s=measured.rollout["tokens_per_s"], train_step_s=measured.train_side_s,
+                      mean_response_tokens=inp.workload.response_tokens)
+    cal = calibrate(inp, current, obs, horizon_steps=20)
+    assert cal.cost.train_speed_factor == pytest.approx(0.5, rel=0.02)
+    other = Candidate(train_gpus=4, rollout_gpus=12, layout=TrainLayout(tp=2), rollout_tp=1)
+    priced = evaluate(cal, other, check_thresholds=False)
+    assert priced.train["ehp_borrowed_dp"] == 6
+    assert priced.train_side_s == pytest.approx(evaluate(truth, other, check_thresholds=False).train_side_s, rel=0.02)
