@@ -12,14 +12,16 @@ and the same number of steps, on metered logical GPUs (`cluster.metered_cpu_per_
   them, spread out, with `--quick`); the best is the oracle baseline;
 - `planner_initial`: the planner's split (`grp`), never re-planned, no rollout GPU lent to training;
 - `elastic`: the planner's split with online re-planning (`runtime_online_replanning`) and elastic hybrid
-  parallelism as configs/drift.yaml sets it (each training step borrows the idle rollout GPUs).
+  parallelism as configs/drift.yaml sets it (each training step borrows the idle rollout GPUs; the planner
+  prices the training phase on them, so it chooses the split for the rollout pool).
 
 Each run's figures come from its own `metrics.jsonl` and `events.jsonl` (benchmarks/elastic_gain_figures.py).
 Then the `ehp` part: configs/dev.yaml made synchronous (`max_head_offpolicyness: 0`), 2 training and 2
 rollout GPUs, without and with elastic hybrid parallelism borrowing both rollout GPUs; its figure is the
 training phase's seconds per step (`time_train_s`, median after the first step; the first borrowing step
 starts the borrowed workers, later ones re-attach them parked, and the first step's figures are written on
-their own). `--only-ehp` runs this part alone. Written besides the issue's keys: `machine_load` (load
+their own). Each of its two runs first waits (up to 3 minutes, `settle_s`) for the load average to fall to the
+machine's cores, as the policy runs' processes end. `--only-ehp` runs this part alone. Written besides the issue's keys: `machine_load` (load
 average before and after each run: on a shared, loaded machine the figures are not a gain measurement),
 `slices_left` (metering slices found after each run; must be empty) and `not_covered`.
 """
@@ -113,6 +115,19 @@ def validate(config: Path, overrides: list[str]) -> str:
 
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+SETTLE_MAX_S = 180.0  # the longest the EHP part waits for the machine to calm down after the policy runs
+
+
+def settle(max_s: float = SETTLE_MAX_S) -> float:
+    """Wait until the 1-minute load average is at most the machine's cores (the processes of the last run have
+    gone), at most `max_s`; the seconds waited. The EHP part's runs are short (6 steps of under a second
+    each), so the tail of the policy runs' shutdown would otherwise weigh on the first of them."""
+    started = time.monotonic()
+    while os.getloadavg()[0] > (os.cpu_count() or 1) and time.monotonic() - started < max_s:
+        time.sleep(5.0)
+    return round(time.monotonic() - started, 1)
 
 
 def slices_left() -> list[str]:
@@ -219,8 +234,10 @@ def ehp_runs(work: Path, shape: Shape, ray_address: str, cpu_per_gpu: float) -> 
     for name, keep in (("without", 2), ("with", 0)):  # rollout GPUs EHP may never borrow
         run_dir = work / f"ehp-{name}"
         overrides = [*base, f"{GRP}.elastic_hybrid_min_rollout_gpus={keep}"]
-        print(f"[elastic_gain] ehp {name}", flush=True)
+        waited = settle()
+        print(f"[elastic_gain] ehp {name} (after {waited:g} s for the load to settle)", flush=True)
         runs[name] = launch(config, run_dir, overrides, shape.ehp_steps, shape.run_timeout_s)
+        runs[name]["settle_s"] = waited
         runs[name]["rows"] = fig.read_jsonl(run_dir / "metrics.jsonl")
     result: dict[str, Any] = {"job": "configs/dev.yaml, synchronous (max_head_offpolicyness 0), train 2 | rollout 2"}
     try:
