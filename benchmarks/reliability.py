@@ -26,6 +26,7 @@ Faults (`--faults` picks some):
                               engine runs requests; the job goes on and the instance is replaced
   rollout_kill9_mid_reload    the same job: SIGKILL while a weight publish reloads that server (its /is_paused)
   rollout_hung_sigstop        the same job: SIGSTOP of a server's process group while it runs requests
+  rollout_hung_mid_reload     the same job: SIGSTOP while a weight publish reloads that server in place
   disk_full_mid_checkpoint    the run directory on a small tmpfs, filled while the worker writes a
                               checkpoint after step 2; once the filler is removed a new launch runs to step END
                               (benchmarks/reliability_disk.py)
@@ -39,7 +40,7 @@ Faults (`--faults` picks some):
                               max_concurrent_rollouts (stand-in server), then 1,000 `status` calls a minute to
                               a launch of LOAD_END_STEP steps while it trains; RSS sampled
                               (benchmarks/reliability_load.py)
-The three rollout faults are injected one after another into ONE launch (tests/integration/reliability/
+The four rollout faults are injected one after another into ONE launch (tests/integration/reliability/
 server_fault_rig.py), which runs once whichever of them are picked; each one's figures cover the steps from
 it to the next, and its recovery is until the replacement instance serves.
 Each fault also records what a clean stop must leave: the first launch's exit code, whether its console
@@ -109,9 +110,8 @@ NOT_COVERED = [
     "once); a node that dies silently is declared dead by Ray's health checks later, and a training restart "
     "meanwhile waits for that (`NodeLossRecovery.restart_training`, a unit case), not measured; the "
     "`runtime_node_loss_policy: wait` path and a node that comes back are unit cases only",
-    "a rollout server that hangs in the middle of its own reload (in-place: failed by the health rule, a "
-    "unit case, not a fault on a running job; restart: waits out the start-up timeout); a job with a "
-    "single rollout instance losing it",
+    "a rollout server that hangs in the middle of a restart reload (it waits out the start-up timeout; the "
+    "in-place reload is the measured rollout_hung_mid_reload); a job with a single rollout instance losing it",
     "load at scale: the queue part is one vLLM-CPU instance of a tiny model with 2-token answers "
     "(benchmarks/reliability_load.py), the status part one small job",
 ]
@@ -311,13 +311,13 @@ def controller_kill_mid_reconfiguration(root: Path) -> dict[str, Any]:
 
 
 SERVER_FAULTS = {"rollout_kill9_mid_generation": "kill9_mid_generation", "rollout_kill9_mid_reload": "kill9_mid_reload",
-                 "rollout_hung_sigstop": "hung_server"}
+                 "rollout_hung_sigstop": "hung_server", "rollout_hung_mid_reload": "hung_mid_reload"}
 SERVER_END_STEP = 40  # the loop is let go only for the faults (server_fault_rig.py)
 _server_figures: dict[str, dict[str, Any]] = {}
 
 
 def server_faults(root: Path) -> dict[str, dict[str, Any]]:
-    """The three rollout-server faults in one launch of a job with 2 rollout instances (run once, then
+    """The four rollout-server faults in one launch of a job with 2 rollout instances (run once, then
     remembered): each fault's figures by its benchmark name."""
     if _server_figures:
         return _server_figures
@@ -333,6 +333,7 @@ def server_faults(root: Path) -> dict[str, dict[str, Any]]:
         run.kill_mid_generation()
         run.kill_mid_reload()
         run.hang()
+        run.hang_mid_reload()
         code = run.finish(timeout=900)
         final = metric_rows(run_dir)
         names = {rig: name for name, rig in SERVER_FAULTS.items()}

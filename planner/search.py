@@ -7,6 +7,8 @@ layout, so the best rollout TP is chosen per split first. The selection maximise
 (synchronous or bounded-staleness asynchronous step time); candidates within `THROUGHPUT_TIE_TOLERANCE` of
 the best tie and are ordered by training-memory headroom, then fewer training GPUs (`planner.plan.rank`).
 `brute_force` evaluates every candidate one by one with the scalar path; the tests check that both agree.
+With `inputs.ehp` (a synchronous job that lends its idle rollout GPUs to training) the training side of each
+split is priced on the training pool's DP ranks plus those its rollout GPUs lend (`planner.ehp`).
 
 The search gives no advice (`planner.advice` does, and `planner.grp.plan` combines both), so advice can
 re-run the search without an import cycle.

@@ -352,7 +352,7 @@ class Controller:
 
     def _replan_onto_capacity(self) -> dict[str, Any] | None:
         """At a step boundary: the pools re-planned onto the GPUs alive when the cluster lost some."""
-        return self.node_loss.replan(training_lost=False) if self.node_loss is not None else None
+        return self.node_loss.replan(training_lost=False, observed=True) if self.node_loss is not None else None
 
     def _training_answers(self) -> bool:
         """Whether every rank of the training pool answers a call (False when one's process is gone)."""

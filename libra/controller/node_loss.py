@@ -6,7 +6,8 @@ Two threads take part:
   counts alive, so the rollout strategies start no replacement for a lost instance on GPUs that are gone
   (starts never ask for more than the spare GPUs);
 - the RL loop (`replan`, at a step boundary or after a training call lost a rank) re-plans the pools onto what
-  remains (`libra.controller.capacity.fit_to_capacity`). It waits, bounded by the health rule, until the
+  remains (`libra.controller.capacity.fit_to_capacity`); a step boundary asks Ray only once the control loop's
+  reading shows GPUs gone. It waits, bounded by the health rule, until the
   rollout instances of the lost node are failed (so `diff` stops only surplus live ones), then:
   * the training ranks all answer: the whole new desired state is set and the control loop carries it out
     as any reconfiguration (a training change by the checkpoint resize, nothing repeated);
@@ -102,12 +103,16 @@ class NodeLossRecovery:
                          live_gpus=live, was_gpus=desired.cluster_gpus, in_use=gpus_in_use(desired))
 
     # ---- RL loop --------------------------------------------------------------------------------------
-    def replan(self, training_lost: bool, reason: str = "") -> dict[str, Any] | None:
+    def replan(self, training_lost: bool, reason: str = "", observed: bool = False) -> dict[str, Any] | None:
         """Re-plan onto the GPUs alive when the pools hold more; None when nothing was lost. Returns
-        `{"training_restarted": bool, ...the restart's cost}`; raises CapacityLost when the minimums do not fit."""
+        `{"training_restarted": bool, ...the restart's cost}`; raises CapacityLost when the minimums do not fit.
+        `observed` (a step boundary): trust the control loop's reading of the cluster (`cluster_gpus`, at most
+        `CAPACITY_CHECK_S` old) when it shows nothing lost, instead of asking Ray again every step."""
         desired = self.store.get()
-        live = self._live()
         held = gpus_in_use(desired)
+        if observed and desired.cluster_gpus >= held > 0:
+            return None
+        live = self._live()
         if live >= held:
             return None
         started = time.monotonic()

@@ -17,6 +17,9 @@ The faults, and how each one's window is hit:
   (its monitor, or the check a publish makes before a reload) declare it failed within
   `HANG_DETECTION_BOUND_S`, its hanging requests run on the other instance, the reconciler replaces it, and
   its stop ends the stopped processes. Proof that requests hung on it: the controller re-sent them.
+- `hung_mid_reload`: SIGSTOP the moment its `/is_paused` says true (an in-place reload under way, as for
+  `kill9_mid_reload`): the publisher's health watch fails it within the health rule's bound and the publish
+  goes on without it, rather than waiting on the reload's timeout. Proof: the publish left it out.
 
 The RL loop is held at a step boundary (the operator API's pause) from its start and between faults, and let
 go for each fault: a step takes well under a second here, so without the hold the job would end before the
@@ -304,3 +307,8 @@ class ServerFaultRun:
 
     def hang(self) -> FaultRecord:
         return self._inject("hung_server", signal.SIGSTOP, Server.generating, 0.02, lambda r: r.requests_resent > 0)
+
+    def hang_mid_reload(self) -> FaultRecord:
+        """SIGSTOP while a weight publish reloads the server in place (its /is_paused): the health rule fails it
+        and the publish goes on without it (`left_out`), instead of waiting on the reload's timeout."""
+        return self._inject("hung_mid_reload", signal.SIGSTOP, lambda s: s.paused, 0.002, lambda r: bool(r.left_out))

@@ -1,6 +1,6 @@
 """Rollout-server faults on one running job (`libra launch` of a small job with two vLLM-CPU rollout instances,
-real Ray and Megatron-Core): kill -9 of a server mid-generation, kill -9 of a server mid-weight-reload and a
-hung (SIGSTOP) server, one after another (how each window is hit: `server_fault_rig.py`). After each the job
+real Ray and Megatron-Core): kill -9 of a server mid-generation, kill -9 of a server mid-weight-reload, a
+hung (SIGSTOP) server, and a server hung in the middle of its in-place reload, one after another (how each window is hit: `server_fault_rig.py`). After each the job
 goes on, the failed instance is replaced, and at the end the job has reached its last step with every step's
 samples counted once, no step trained twice, and no process of a failed server left; after the job ends,
 nothing of it runs."""
@@ -55,6 +55,10 @@ def test_server_faults_in_one_job(tmp_path: Path) -> None:
         detection_s = hung.detected_at - hung.fault_at
         assert detection_s <= HANG_DETECTION_BOUND_S + DETECTION_SLACK_S, f"hang detected after {detection_s:.1f}s"
         assert hung.requests_resent >= 1, "the hung server's requests ran on the other instance"
+        hung_reload = faults.hang_mid_reload()
+        assert hung_reload.left_out and hung_reload.detected_at is not None
+        detection_s = hung_reload.detected_at - hung_reload.fault_at
+        assert detection_s <= HANG_DETECTION_BOUND_S + DETECTION_SLACK_S, f"hang in a reload detected after {detection_s:.1f}s"
 
         code = faults.finish(timeout=900)
         assert code == 0, launch.output()[-4000:]
@@ -67,7 +71,7 @@ def test_server_faults_in_one_job(tmp_path: Path) -> None:
             assert live(record.victim_pids) == [], f"{record.name}: processes of {record.victim} left"
         assert live(server_pids(run_dir)) == [] and processes_using(run_dir) == [], "the job left processes"
         assert registry(run_dir) == {}
-        print(f"three server faults in one job took {time.monotonic() - started:.0f} s: "
+        print(f"four server faults in one job took {time.monotonic() - started:.0f} s: "
               + ", ".join(f"{r.name} recovered in {r.recovered_at - r.fault_at:.1f} s" for r in faults.records
                           if r.recovered_at))
     finally:

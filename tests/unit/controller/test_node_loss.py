@@ -361,3 +361,27 @@ def test_a_node_lost_while_a_rollout_change_is_in_flight_ends_on_what_fits(make_
     live = [k for k, i in job.rollout.instances.items() if i.state.value != "STOPPED"]
     assert len(live) == 1 and len(job.train.workers) == 1, (live, job.rollout.ops)
     assert job.recovery.replan(training_lost=False) is None
+
+
+def test_a_step_boundary_reads_the_cluster_only_when_the_control_loop_saw_gpus_go(make_job) -> None:
+    """`replan(observed=True)` (each step boundary) trusts the control loop's reading of the cluster while it
+    shows every GPU the pools hold; once it shows a loss, the re-plan reads the cluster itself and acts."""
+    job = make_job(train=2, instances=4)
+    main = threading.get_ident()
+    reads: list[int] = []
+    cluster = job.recovery.live_gpus
+
+    def counted() -> int:
+        if threading.get_ident() == main:
+            reads.append(1)
+        return cluster()
+
+    job.recovery.live_gpus = counted  # type: ignore[method-assign]
+    for _ in range(5):
+        assert job.recovery.replan(training_lost=False, observed=True) is None
+    assert reads == [], "a step boundary asked Ray while nothing was lost"
+    job.lose(gpus=1, rollout_keys=1)
+    assert job.wait(lambda: job.store.get().cluster_gpus == 5)  # the control loop saw it
+    outcome = job.recovery.replan(training_lost=False, observed=True)
+    assert outcome is not None and not outcome["training_restarted"] and reads
+    assert job.store.get().rollout_instances == 3
