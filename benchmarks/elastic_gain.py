@@ -21,7 +21,7 @@ rollout GPUs, without and with elastic hybrid parallelism borrowing both rollout
 training phase's seconds per step (`time_train_s`, median after the first step; the first borrowing step
 starts the borrowed workers, later ones re-attach them parked, and the first step's figures are written on
 their own). Each of its two runs first waits (up to 3 minutes, `settle_s`) for the load average to fall to the
-machine's cores, as the policy runs' processes end. `--only-ehp` runs this part alone. Written besides the issue's keys: `machine_load` (load
+machine's cores or stop falling, as the policy runs' processes end. `--only-ehp` runs this part alone. Written besides the issue's keys: `machine_load` (load
 average before and after each run: on a shared, loaded machine the figures are not a gain measurement),
 `slices_left` (metering slices found after each run; must be empty) and `not_covered`.
 """
@@ -122,14 +122,36 @@ def load_average() -> list[float]:
 SETTLE_MAX_S = 180.0  # the longest the EHP part waits for the machine to calm down after the policy runs
 
 
+SETTLE_POLL_S = 5.0
+SETTLE_WINDOW_S = 30.0  # the load has settled when it fell by less than SETTLE_FALL in this long
+SETTLE_FALL = 0.1
+
+
+def load_settled(samples: list[tuple[float, float]], cores: int) -> bool:
+    """Whether the machine has calmed down, from (seconds, 1-minute load average) samples taken so far: the
+    load is at most the cores, or it has stopped falling (less than SETTLE_FALL lower than SETTLE_WINDOW_S
+    ago). The second rule ends the wait where something that stays (the benchmark's own Ray cluster) keeps
+    the load above the cores: only the tail of the last run's processes is waited out."""
+    if not samples:
+        return False
+    now, load = samples[-1]
+    if load <= cores:
+        return True
+    earlier = [value for at, value in samples if now - at >= SETTLE_WINDOW_S]
+    return bool(earlier) and earlier[-1] - load < SETTLE_FALL
+
+
 def settle(max_s: float = SETTLE_MAX_S) -> float:
-    """Wait until the 1-minute load average is at most the machine's cores (the processes of the last run have
-    gone), at most `max_s`; the seconds waited. The EHP part's runs are short (6 steps of under a second
-    each), so the tail of the policy runs' shutdown would otherwise weigh on the first of them."""
+    """Wait until `load_settled`, at most `max_s`; the seconds waited. The EHP part's runs are short (steps of
+    under a second each), so the tail of the policy runs' shutdown would otherwise weigh on the first of
+    them."""
     started = time.monotonic()
-    while os.getloadavg()[0] > (os.cpu_count() or 1) and time.monotonic() - started < max_s:
-        time.sleep(5.0)
-    return round(time.monotonic() - started, 1)
+    samples: list[tuple[float, float]] = []
+    while True:
+        samples.append((time.monotonic() - started, os.getloadavg()[0]))
+        if load_settled(samples, os.cpu_count() or 1) or samples[-1][0] >= max_s:
+            return round(samples[-1][0], 1)
+        time.sleep(SETTLE_POLL_S)
 
 
 def slices_left() -> list[str]:

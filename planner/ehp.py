@@ -237,24 +237,35 @@ def planned_borrowed_dp(inputs: PlannerInputs, layout: TrainLayout, rollout_gpus
     `min_rollout_gpus`, grouped into replicas, as `plan_borrow` does on one node (the search does not place
     instances on nodes, so a replica split over two nodes counts here); none with expert parallelism (refused
     at attach) or where a lent GPU cannot hold a borrowed rank beside its server (`lent_gpu_residency`)."""
+    return planned_borrowed_dp_each(inputs, layout, [rollout_gpus], [rollout_tp])[0]
+
+
+def planned_borrowed_dp_each(inputs: PlannerInputs, layout: TrainLayout, rollout_gpus: Sequence[int],
+                             rollout_tp: Sequence[int]) -> list[int]:
+    """`planned_borrowed_dp` of many candidates of one layout (the vectorized search's splits): the memory
+    check, a whole estimate, runs once per distinct (borrowed DP, rollout TP), not once per candidate."""
+    if len(rollout_gpus) != len(rollout_tp):
+        raise EhpPlanError(f"{len(rollout_gpus)} rollout sizes but {len(rollout_tp)} rollout TPs")
     ehp = inputs.ehp
-    if ehp is None or inputs.workload.is_async or layout.ep > 1 or rollout_tp < 1:
-        return 0
+    if ehp is None or inputs.workload.is_async or layout.ep > 1:
+        return [0] * len(rollout_gpus)
     try:
         size = replica_size_gpus(ehp.replica_size_gpus, layout)
     except EhpPlanError:
-        return 0
-    lendable = max(0, rollout_gpus - ehp.min_rollout_gpus) // rollout_tp * rollout_tp
-    replicas = lendable // size
-    if replicas < 1:
-        return 0
-    borrowed = replicas * size // layout.model_parallel
-    if lent_gpu_residency(inputs, layout, borrowed, rollout_tp).decision == "no_fit":
-        return 0
-    return borrowed
+        return [0] * len(rollout_gpus)
+    fits: dict[tuple[int, int], bool] = {}
+    found: list[int] = []
+    for gpus, tp in zip(rollout_gpus, rollout_tp, strict=True):
+        lendable = max(0, gpus - ehp.min_rollout_gpus) // tp * tp if tp >= 1 else 0
+        borrowed = lendable // size * size // layout.model_parallel
+        if borrowed >= 1 and (borrowed, tp) not in fits:
+            fits[borrowed, tp] = lent_gpu_residency(inputs, layout, borrowed, tp).decision != "no_fit"
+        found.append(borrowed if borrowed >= 1 and fits[borrowed, tp] else 0)
+    return found
 
 
 __all__ = [
     "BorrowPlan", "EhpPlanError", "LentGpuMemory", "RolloutInstanceGpus", "borrowed_rank_memory",
-    "lent_gpu_residency", "plan_borrow", "planned_borrowed_dp", "replica_size_gpus", "replica_unit",
+    "lent_gpu_residency", "plan_borrow", "planned_borrowed_dp", "planned_borrowed_dp_each", "replica_size_gpus",
+    "replica_unit",
 ]

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from planner.cost import rollout_costs, step_seconds, train_costs
-from planner.ehp import planned_borrowed_dp
+from planner.ehp import planned_borrowed_dp, planned_borrowed_dp_each
 from planner.explain import memory_message, rollout_memory_message
 from planner.layout import Rule, TrainLayout, enumerate_layouts, layout_rule_violation, rollout_rule_violation
 from planner.memory import kv_capacity_sequences, rollout_memory, train_memory, train_peak_bytes
@@ -135,10 +135,18 @@ def _with_borrowed(inputs: PlannerInputs, layout: TrainLayout, dp: int, rollout_
     borrowed = planned_borrowed_dp(inputs, layout, rollout_gpus, rollout_tp)
     if borrowed < 1:
         return {"ehp_borrowed_dp": 0.0} if inputs.ehp is not None else {}
-    joint = train_costs(inputs, layout, dp + borrowed)
+    train_s, logprob_s = _training_side_with_borrowed(inputs, layout, dp, borrowed)
     return {"ehp_borrowed_dp": float(borrowed), "train_s_own": own["train_s"],
-            "logprob_recompute_s_own": own["logprob_recompute_s"], "train_s": float(joint["train_s"]),
-            "logprob_recompute_s": float(joint["logprob_recompute_s"])}
+            "logprob_recompute_s_own": own["logprob_recompute_s"], "train_s": float(train_s),
+            "logprob_recompute_s": float(logprob_s)}
+
+
+def _training_side_with_borrowed(inputs: PlannerInputs, layout: TrainLayout, dp: Any,
+                                 borrowed: Any) -> tuple[Any, Any]:
+    """(train seconds, log-prob recomputation seconds) of a step on `dp` own and `borrowed` borrowed DP ranks,
+    scalars or arrays alike (both search paths price the borrowed step here)."""
+    joint = train_costs(inputs, layout, dp + borrowed)
+    return joint["train_s"], joint["logprob_recompute_s"]
 
 
 def brute_force(inputs: PlannerInputs) -> tuple[Evaluation | None, int]:
@@ -223,12 +231,12 @@ def _split_codes(inputs: PlannerInputs, layout: TrainLayout, splits: np.ndarray,
               "side": costs["train_s"] + costs["logprob_recompute_s"] + np.zeros(len(rows))}
     if inputs.ehp is not None and rollout_tp is not None:
         total = inputs.cluster.total_gpus
-        borrowed = np.array([planned_borrowed_dp(inputs, layout, int(total - splits[i]), int(rollout_tp[i]))
-                             for i in rows.tolist()], dtype=np.int64)
+        borrowed = np.array(planned_borrowed_dp_each(inputs, layout, (total - splits[rows]).tolist(),
+                                                     rollout_tp[rows].tolist()), dtype=np.int64)
         lends = borrowed > 0
         if lends.any():
-            joint = train_costs(inputs, layout, dp[rows] + borrowed)
-            values["side"] = np.where(lends, joint["train_s"] + joint["logprob_recompute_s"], values["side"])
+            train_s, logprob_s = _training_side_with_borrowed(inputs, layout, dp[rows], borrowed)
+            values["side"] = np.where(lends, train_s + logprob_s, values["side"])
     sub = np.zeros(len(rows), dtype=np.int64)
     for name, failed in (("tp_comm_ratio", values["tp_comm_ratio"] > s.comm_compute_ratio_threshold),
                          ("ep_comm_ratio", values["ep_comm_ratio"] > s.ep_comm_compute_ratio_threshold),

@@ -16,6 +16,7 @@ from planner.ehp import (
     lent_gpu_residency,
     plan_borrow,
     planned_borrowed_dp,
+    planned_borrowed_dp_each,
     replica_size_gpus,
 )
 from planner.layout import TrainLayout
@@ -189,6 +190,31 @@ def test_planned_borrowed_dp(case: str) -> None:
     if ehp is not None:
         inp = _ehp(inp, *ehp)
     assert planned_borrowed_dp(inp, layout, rollout_gpus, rollout_tp) == expected  # type: ignore[arg-type]
+
+
+def test_the_batch_form_checks_memory_once_per_distinct_borrow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vectorized search asks for many splits of one layout at once: each answer equals the single form's,
+    and the memory estimate runs once per distinct (borrowed DP, rollout TP), not once per split."""
+    import planner.ehp as ehp_module
+
+    inp = _ehp(inputs(dense()), 1)
+    rollout_gpus = [1, 2, 3, 3, 5, 5, 5, 7, 7]
+    rollout_tp = [1, 1, 1, 1, 1, 2, 2, 1, 1]
+    expected = [planned_borrowed_dp(inp, TrainLayout(), g, t)  # type: ignore[arg-type]
+                for g, t in zip(rollout_gpus, rollout_tp, strict=True)]
+    assert expected == [0, 1, 2, 2, 4, 4, 4, 6, 6]
+    checked: list[tuple[int, int]] = []
+    real = ehp_module.lent_gpu_residency
+
+    def counting(inputs_: object, layout: TrainLayout, borrowed: int, tp: int) -> object:
+        checked.append((borrowed, tp))
+        return real(inputs_, layout, borrowed, tp)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ehp_module, "lent_gpu_residency", counting)
+    assert planned_borrowed_dp_each(inp, TrainLayout(), rollout_gpus, rollout_tp) == expected  # type: ignore[arg-type]
+    assert checked == [(1, 1), (2, 1), (4, 1), (4, 2), (6, 1)]
+    with pytest.raises(EhpPlanError, match="2 rollout sizes but 1 rollout TPs"):
+        planned_borrowed_dp_each(inp, TrainLayout(), [1, 2], [1])  # type: ignore[arg-type]
 
 
 def test_expert_parallel_layouts_borrow_nothing() -> None:
