@@ -182,6 +182,25 @@ def group_members(pgid: int) -> list[int]:
     return found
 
 
+def job_tree(pid: int) -> list[psutil.Process]:
+    """`pid` and every process it started, as they are now (taken before a stop to check none survives it)."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def survivors(tree: list[psutil.Process], grace_s: float) -> list[str]:
+    """The processes of `tree` still alive (zombies aside) after `grace_s`, described by pid and command."""
+    _, alive = psutil.wait_procs(tree, timeout=grace_s)
+    described = []
+    for proc in alive:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                described.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    return described
+
+
 def processes_using(path: Path) -> list[int]:
     """Live processes whose command line mentions `path` (servers, Ray workers of this run)."""
     needle = str(path)

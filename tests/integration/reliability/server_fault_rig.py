@@ -15,7 +15,7 @@ The faults, and how each one's window is hit:
   answers) is this fault's record, which saves a replacement.
 - `hung_server`: SIGSTOP of a server's process group while it generates (as above): the pool's health checks
   (its monitor, or the check a publish makes before a reload) declare it failed within
-  `HANG_DETECTION_BOUND_S`, its hanging requests run on the other instance, the reconciler replaces it, and
+  the health rule's bound (`ServerFaultRun.hang_detection_bound_s`), its hanging requests run on the other instance, the reconciler replaces it, and
   its stop ends the stopped processes. Proof that requests hung on it: the controller re-sent them.
 - `hung_mid_reload`: SIGSTOP the moment its `/is_paused` says true (an in-place reload under way, as for
   `kill9_mid_reload`): the publisher's health watch fails it within the health rule's bound and the publish
@@ -53,13 +53,16 @@ WINDOW_S = 240.0  # waiting for requests in flight / a reload on the victim
 ATTEMPTS = 3  # a fault that missed its window (proof above) is tried again on another instance
 STOP_SEEN_S = 10.0  # a SIGSTOP shows in /proc once each process is next scheduled (late on a loaded machine)
 DETECTION_SLACK_S = 30.0  # a loaded machine delays the monitor's rounds beyond the bound
-# the job keeps the default health rule (rollout_health_check_* unset): a hang is detected within 45 s
-HANG_DETECTION_BOUND_S = HealthRule().hang_detection_bound_s
 
 
-def server_job(data: dict[str, Any], end_step: int) -> dict[str, Any]:
+def server_job(data: dict[str, Any], end_step: int, health: HealthRule | None = None) -> dict[str, Any]:
     """The controller tests' small job with two rollout instances (one logical GPU each) and a publish
-    after every step; answers long enough that a server is seen running requests."""
+    after every step; answers long enough that a server is seen running requests. `health` sets the
+    rollout health rule (rollout_health_check_*); None keeps the default one."""
+    if health is not None:
+        data.update(rollout_health_check_interval_s=health.interval_s,
+                    rollout_health_check_timeout_s=health.timeout_s,
+                    rollout_health_check_failures=health.failures_to_fail)
     data["cluster"]["gpus_per_node"] = 3
     data["rollout_gpus"] = 2
     data["total_steps"] = end_step
@@ -189,9 +192,11 @@ def stopped_within(pids: list[int], timeout_s: float) -> int:
 class ServerFaultRun:
     """Drives the faults into the running launch `launch` of `run_dir`."""
 
-    def __init__(self, run_dir: Path, launch: Any) -> None:
+    def __init__(self, run_dir: Path, launch: Any, health: HealthRule | None = None) -> None:
         self.run_dir = run_dir
         self.launch = launch
+        # the job's health rule (as given to `server_job`): how long a hang may take to be detected
+        self.hang_detection_bound_s = (health or HealthRule()).hang_detection_bound_s
         self.records: list[FaultRecord] = []  # in the order they were injected
         self._spare: dict[str, FaultRecord] = {}  # an attempt that met another fault's window
 
@@ -243,7 +248,7 @@ class ServerFaultRun:
         run_dir = self.run_dir
         wait_for(lambda: self.event_after(record.fault_at, lambda e: e["kind"] == "member_failed"
                                           and e.get("member") == record.victim) is not None,
-                 HANG_DETECTION_BOUND_S + DETECTION_SLACK_S + 60, f"{record.victim} to be declared failed",
+                 self.hang_detection_bound_s + DETECTION_SLACK_S + 60, f"{record.victim} to be declared failed",
                  self.launch)
         failed = self.event_after(record.fault_at, lambda e: e["kind"] == "member_failed" and e.get("member") == record.victim)
         assert failed is not None

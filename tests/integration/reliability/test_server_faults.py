@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from libra.rollout.spec import HealthRule
+
 from ..controller.conftest import (
     live,
     make_workspace,
@@ -23,7 +25,6 @@ from ..controller.conftest import (
 )
 from .server_fault_rig import (
     DETECTION_SLACK_S,
-    HANG_DETECTION_BOUND_S,
     STARTUP_S,
     ServerFaultRun,
     registry,
@@ -32,18 +33,22 @@ from .server_fault_rig import (
 
 END_STEP = 40  # the loop is let go only for the faults: each costs a few steps
 SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4
+# a tighter health rule than the default (45 s bound) so the two hangs are found sooner: a hang is failed within
+# 3 x (2 + 5) = 21 s (the node-loss test runs the same rule); benchmarks/reliability.py keeps the default
+HEALTH = HealthRule(interval_s=2.0, timeout_s=5.0, failures_to_fail=3)
+HANG_DETECTION_BOUND_S = HEALTH.hang_detection_bound_s
 
 
 @pytest.mark.slow_job
 def test_server_faults_in_one_job(tmp_path: Path) -> None:
     ws, launches = make_workspace(tmp_path)
-    ws["config"].write_text(yaml.safe_dump(server_job(yaml.safe_load(ws["config"].read_text()), END_STEP),
+    ws["config"].write_text(yaml.safe_dump(server_job(yaml.safe_load(ws["config"].read_text()), END_STEP, HEALTH),
                                            sort_keys=False))
     run_dir: Path = ws["run_dir"]
     started = time.monotonic()
     try:
         launch = ws["launch"]("--max-steps", str(END_STEP))
-        faults = ServerFaultRun(run_dir, launch)
+        faults = ServerFaultRun(run_dir, launch, HEALTH)
         faults.start(STARTUP_S)
 
         generation = faults.kill_mid_generation()
