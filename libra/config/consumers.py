@@ -115,6 +115,7 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     f"{GRP}min_rollout_gpus": ("PlannerInputs.space.min_rollout_gpus", NODE_LOSS),
     f"{GRP}runtime_node_loss_policy": (NODE_LOSS,),
     f"{GRP}runtime_node_loss_wait_s": (NODE_LOSS,),
+    f"{GRP}runtime_training_restart_limit": (RL_LOOP,),
     f"{GRP}allowed_train_tp": ("PlannerInputs.space.allowed_tp~",),
     f"{GRP}allowed_train_ep": ("PlannerInputs.space.allowed_ep~",),
     f"{GRP}allowed_train_pp": ("PlannerInputs.space.allowed_pp~",),

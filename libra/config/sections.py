@@ -248,6 +248,13 @@ class PlannerConfig(DataClassJsonMixin):
         "re-plans; with either policy, for its smallest pools to fit before it stops.",
         ge=0,
     )
+    runtime_training_restart_limit: int = opt(
+        3,
+        "Times in a row a running job restarts its training pool after a lost training worker (each restart "
+        "resumes from the newest complete checkpoint) before it stops; a checkpoint saved in between starts the "
+        "count again. 0 stops the job at the first lost worker.",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,8 +18,8 @@ A training worker that dies (its process killed or crashed) fails the training c
 restarts the training pool at the same layout, and the loop resumes as a new launch would, from the newest
 complete checkpoint (a checkpoint the dead worker left half-written is never complete), dropping the metric
 rows after it and drawing the prompts again from its position; the steps after that checkpoint are trained
-again. A worker lost more than `MAX_TRAINING_RESTARTS` times in a row, with no checkpoint saved in between,
-fails the job.
+again. A worker lost more than `runtime_training_restart_limit` times in a row, with no checkpoint saved in
+between, fails the job.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from libra.controller.checkpoints import (
     restore_newest,
 )
 from libra.controller.events import EventLog
+from libra.controller.pools import training_worker_lost
 from libra.controller.producer import RolloutProducer, SamplingSettings
 from libra.controller.reporting import Reporter
 from libra.controller.rl_step import build_samples, rollout_metrics
@@ -52,7 +53,6 @@ from libra.observability.phase_trace import get_tracer
 from libra.run_dir import RunDir, truncate_jsonl_after_step
 
 PHASES = ("rollout", "train", "sync", "eval", "checkpoint")
-MAX_TRAINING_RESTARTS = 3  # restarts after lost training workers with no checkpoint saved in between
 
 
 class TrainingWorkersLostError(RuntimeError):
@@ -244,6 +244,14 @@ class RLLoop:
         if restart is None:
             return False
         step = self._step_in_flight
+        limit = self.cfg.global_resource_planner.runtime_training_restart_limit
+        if self._restarts_in_a_row >= limit and training_worker_lost(exc):
+            raise TrainingWorkersLostError(
+                f"the training pool lost a worker {self._restarts_in_a_row + 1} times in a row without saving a "
+                f"checkpoint in between (last during step {step}; runtime_training_restart_limit {limit}); the job "
+                f"stops. Look for the cause in {self.run.controller_log} and the Ray worker logs (memory, a failing "
+                "node), then launch the job again on this run directory to resume from its newest checkpoint"
+            ) from exc
         started = time.monotonic()
         was_lost = self._training_state_lost  # a restart for a lost node may have failed before this error
         self._training_state_lost = True  # until a checkpoint is loaded, the pool's state is not the loop's
@@ -256,12 +264,6 @@ class RLLoop:
         self.events.emit("train_worker_lost", f"a training worker died during step {step}; the training pool was "
                          f"started again ({self.training_restarts} time(s) in this session)", step=step,
                          restarts=self.training_restarts, restart_s=cost.get("switch_s"))
-        if self._restarts_in_a_row > MAX_TRAINING_RESTARTS:
-            raise TrainingWorkersLostError(
-                f"the training pool lost a worker {self._restarts_in_a_row} times in a row without saving a "
-                f"checkpoint in between (last during step {step}); the job stops. Look for the cause in "
-                f"{self.run.controller_log} and the Ray worker logs (memory, a failing node), then launch the job "
-                "again on this run directory to resume from its newest checkpoint") from exc
         self._back_to_checkpoint(step, f"a training worker died during step {step}", started)
         return True
 

@@ -18,7 +18,7 @@ from libra.controller.desired_store import DesiredStore
 from libra.controller.events import EventLog
 from libra.controller.pools import training_worker_lost
 from libra.controller.reporting import Reporter
-from libra.controller.rl_loop import MAX_TRAINING_RESTARTS, RLLoop, TrainingWorkersLostError
+from libra.controller.rl_loop import RLLoop, TrainingWorkersLostError
 from libra.controller.services import JobSession
 from libra.controller.signals import StopRequest
 from libra.controller.state import DesiredState, TrainLayout
@@ -121,8 +121,8 @@ class Training:
 
 
 def run_loop(tmp_path: Path, training: Training, replan_onto_capacity: Any = None,
-             rollout: Rollout | None = None) -> tuple[RLLoop, RunDir]:
-    loop, run = make_loop(tmp_path, training, replan_onto_capacity, rollout)
+             rollout: Rollout | None = None, restart_limit: int | None = None) -> tuple[RLLoop, RunDir]:
+    loop, run = make_loop(tmp_path, training, replan_onto_capacity, rollout, restart_limit)
     try:
         loop.run_steps()
     finally:
@@ -131,8 +131,9 @@ def run_loop(tmp_path: Path, training: Training, replan_onto_capacity: Any = Non
 
 
 def make_loop(tmp_path: Path, training: Training, replan_onto_capacity: Any = None,
-              rollout: Rollout | None = None) -> tuple[RLLoop, RunDir]:
-    cfg = load_dict({"model_path": str(tmp_path / "m"), "rollout_kv_cache_bytes": 2**26,
+              rollout: Rollout | None = None, restart_limit: int | None = None) -> tuple[RLLoop, RunDir]:
+    planner = {} if restart_limit is None else {"runtime_training_restart_limit": restart_limit}
+    cfg = load_dict({"global_resource_planner": planner,"model_path": str(tmp_path / "m"), "rollout_kv_cache_bytes": 2**26,
                      "cluster": {"gpu_type": "cpu-logical", "logical_gpus": True, "gpus_per_node": 2},
                      "train_gpus": 1, "rollout_gpus": 1, "megatron_params_dtype": "fp32", "max_model_len": 256,
                      "max_new_tokens": 2, "batch_size": 2, "n_samples": 2, "total_steps": END_STEP,
@@ -186,11 +187,20 @@ def test_a_lost_worker_resumes_from_the_newest_complete_checkpoint(
     assert len(_events(run, "train_worker_lost")) == len(resumed)
 
 
-def test_a_worker_lost_again_and_again_fails_the_job(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("limit", "restarts"), [
+    pytest.param(None, 3, id="default-3"),
+    pytest.param(0, 0, id="0-stops-at-the-first-loss"),
+    pytest.param(1, 1, id="1"),
+    pytest.param(5, 5, id="5"),
+])
+def test_a_worker_lost_again_and_again_fails_the_job(tmp_path: Path, limit: int | None, restarts: int) -> None:
+    """runtime_training_restart_limit restarts in a row, then the next loss stops the job without restarting."""
     training = Training(set(), always=True)
     with pytest.raises(TrainingWorkersLostError, match="times in a row without saving a checkpoint") as failure:
-        run_loop(tmp_path, training)
-    assert training.restarts == MAX_TRAINING_RESTARTS + 1
+        run_loop(tmp_path, training, restart_limit=limit)
+    assert training.restarts == restarts
+    assert f"lost a worker {restarts + 1} times in a row" in str(failure.value)
+    assert f"runtime_training_restart_limit {restarts}" in str(failure.value)
     assert "launch the job again on this run directory" in str(failure.value)
     assert failure.value.__cause__ is not None
     assert failure.value.__cause__.__cause__.__class__ is WorkerLostError
@@ -247,7 +257,7 @@ def test_a_node_lost_at_a_step_boundary(tmp_path: Path, before_step: int, restar
     recovered = _events(run, "train_recovered")
     assert [e["steps_repeated"] for e in recovered] == repeated
     assert all("the cluster lost GPUs before step" in e["message"] for e in recovered)
-    assert loop.training_restarts == 0  # no worker was lost: nothing counts towards MAX_TRAINING_RESTARTS
+    assert loop.training_restarts == 0  # no worker was lost: nothing counts towards runtime_training_restart_limit
 
 
 def test_pools_that_no_longer_fit_stop_the_job(tmp_path: Path) -> None:
