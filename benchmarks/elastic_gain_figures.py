@@ -180,6 +180,11 @@ def gain(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# the parts of a training phase the training pool reports per step (metrics.jsonl), for `ehp_figures`
+PHASE_PARTS = ("train_time_forward_backward_s", "train_time_combine_optimizer_s", "train_time_train_s",
+               "train_time_recompute_s", "train_time_step_s", "train_ehp_step_s")
+
+
 def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], borrowed_gpus: int,
                 warmup_steps: int = 1) -> dict[str, Any]:
     """Training-phase seconds per step (median of `time_train_s` after `warmup_steps`) of the same
@@ -222,4 +227,10 @@ def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], b
         "train_phase_s_with_mean_all_steps": round(statistics.fmean(float(r["time_train_s"]) for r in b), 3),
         "train_phase_s_without_mean_all_steps": round(statistics.fmean(float(r["time_train_s"]) for r in a), 3),
         "warmup_steps_excluded": warmup_steps,
+        # where each run's training phase goes (medians after the warm-up; a part the run did not report is left
+        # out), and every step's phase, so the spread the medians hide stays visible
+        "breakdown": {name: {part: value for part in PHASE_PARTS if (value := median_of(rows, part)) is not None}
+                      for name, rows in (("without", a), ("with", b))},
+        "train_phase_s_per_step": {"without": [round(float(r["time_train_s"]), 3) for r in a],
+                                   "with": [round(float(r["time_train_s"]), 3) for r in b]},
     }

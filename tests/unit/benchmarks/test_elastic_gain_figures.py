@@ -169,6 +169,16 @@ def test_ehp_figures_compare_median_training_phase_after_warmup() -> None:
     assert got["train_phase_s_without"] == 2.0 and got["train_phase_s_with"] == 1.0
     assert got["speedup"] == 2.0 and got["borrowed_gpus"] == 2 and got["steps_that_borrowed"] == 4
     assert got["ehp_attach_s"] == 0.5 and got["ehp_step_s"] == 0.25
+    assert got["breakdown"] == {"without": {}, "with": {"train_ehp_step_s": 0.25}}
+    assert got["train_phase_s_per_step"] == {"without": [9.0, 2.0, 2.2, 1.8], "with": [9.0, 1.0, 1.2, 0.9]}
+
+
+def test_ehp_figures_break_each_phase_down() -> None:
+    parts = {"train_time_forward_backward_s": 0.5, "train_time_recompute_s": 0.1, "train_time_step_s": 0.8}
+    without = [row(s, s, time_train_s=1.0, **{k: v * 2 for k, v in parts.items()}) for s in (1, 2, 3)]
+    with_ehp = [row(s, s, time_train_s=0.5, train_ehp_replicas=1.0, **parts) for s in (1, 2, 3)]
+    got = fig.ehp_figures(without, with_ehp, borrowed_gpus=1)
+    assert got["breakdown"] == {"without": {k: v * 2 for k, v in parts.items()}, "with": parts}
 
 
 def test_ehp_figures_report_the_first_attach_on_its_own() -> None:
