@@ -139,6 +139,16 @@ class ServerHost:
             self._server = None
             return elapsed
 
+    def abandon(self) -> int:
+        """Kill the server now, without waiting for a start or restart in progress (it holds the lock until the
+        server is healthy): for the host of a start that a killed controller left unfinished, whose server
+        nothing will adopt. The start in progress then fails. Returns the pid killed, 0 if none ran."""
+        server = self._server
+        if server is None or not server.alive():
+            return 0
+        server.kill()
+        return server.pid
+
     def status(self) -> dict[str, Any]:
         server = self._server
         return {"alive": bool(server and server.alive()), "pid": server.pid if server else 0}

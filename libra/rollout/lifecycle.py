@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 INSTANCE_PREFIX = "rollout-"
 PIN_ATTEMPTS = 5  # tries to copy the current weights for a start while newer publishes prune them
+LEFTOVER_ABANDON_S = 15.0  # the leftover host's own kill of its server (an actor call answered mid-start)
 LEFTOVER_RELEASE_S = 30.0  # a killed host actor and its placement group are gone from Ray within seconds
 
 
@@ -200,7 +201,9 @@ class InstanceManager:
     async def _release_leftover_host(self, name: str) -> None:
         """Free the name and GPUs of a host actor that outlived a controller killed while its server was
         starting: the start never reached the registry, so nobody adopts it, and a new host of the same name
-        cannot be created while it holds the name. Killing the actor stops its server (the guard's owner)."""
+        cannot be created while it holds the name. The host kills its server first (`abandon`): the server's
+        guard would also stop it once the actor is gone, but only after a SIGTERM grace, and a job that ends
+        soon after would leave it running past its end."""
         from libra.cluster import rollout_hosts
 
         namespace = self.runtime.namespace
@@ -209,6 +212,10 @@ class InstanceManager:
             return
         log.warning("%s: a host of an unfinished start by an earlier controller is still there; stopping it", name)
         if leftover is not None:
+            try:
+                await asyncio.wait_for(leftover.acall("abandon"), LEFTOVER_ABANDON_S)
+            except Exception as exc:  # a host that cannot answer is killed all the same; its guard stops the server
+                log.info("%s: the leftover host did not kill its server (%s); killing the host", name, exc)
             await asyncio.to_thread(leftover.kill)
         else:
             await asyncio.to_thread(rollout_hosts.remove_group, name)

@@ -279,6 +279,15 @@ class ServerProcess:
                 pass
         return time.monotonic() - start
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (guard, server, engine core): for a server nobody will use."""
+        self._signal_group(signal.SIGKILL)
+        if self._popen is not None:
+            try:
+                self._popen.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                pass
+
     def _signal_group(self, sig: signal.Signals) -> None:
         try:
             os.killpg(self.pid, sig)  # start_new_session made the server its group leader

@@ -22,13 +22,19 @@ from libra.rollout.spec import ServerStartError
 class FakeRayHosts:
     """The rollout_hosts module over an in-memory set of named actors and placement groups."""
 
-    def __init__(self, actors: set[str], groups: set[str], killable: bool = True) -> None:
-        self.actors, self.groups, self.killable = actors, groups, killable
+    def __init__(self, actors: set[str], groups: set[str], killable: bool = True, answers: bool = True) -> None:
+        self.actors, self.groups, self.killable, self.answers = actors, groups, killable, answers
         self.calls: list[str] = []
 
     def find_host(self, name: str, namespace: str) -> Any:
         if name not in self.actors:
             return None
+
+        async def acall(method: str) -> int:
+            self.calls.append(f"{method} {name}")
+            if not self.answers:
+                raise RuntimeError("the actor died")
+            return 4242
 
         def kill() -> None:
             self.calls.append(f"kill {name}")
@@ -36,7 +42,7 @@ class FakeRayHosts:
                 self.actors.discard(name)
                 self.groups.discard(name)
 
-        return SimpleNamespace(kill=kill)
+        return SimpleNamespace(kill=kill, acall=acall)
 
     def find_group(self, name: str) -> Any:
         return object() if name in self.groups else None
@@ -59,7 +65,7 @@ class FakeRayHosts:
     ("actors", "groups", "expected"),
     [
         ((), (), ["spawn"]),
-        (("rollout-1",), ("rollout-1",), ["kill", "spawn"]),
+        (("rollout-1",), ("rollout-1",), ["abandon", "kill", "spawn"]),
         ((), ("rollout-1",), ["remove_group", "spawn"]),
         (("rollout-0",), ("rollout-0",), ["spawn"]),  # another instance's host is left alone
     ],
@@ -73,6 +79,15 @@ def test_a_start_frees_its_name_first(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert handle.name == manager.actor_name("rollout-1")
     assert [c.split()[0] for c in fake.calls] == expected
     assert manager.actor_name("rollout-0") in fake.actors or "rollout-0" not in actors
+
+
+def test_a_leftover_host_that_cannot_answer_is_killed_all_the_same(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    manager = manager_with(monkeypatch, tmp_path)
+    name = manager.actor_name("rollout-1")
+    fake = install(monkeypatch, {name}, {name}, answers=False)
+    asyncio.run(manager._new_host("rollout-1", 1))
+    assert fake.calls == [f"abandon {name}", f"kill {name}", f"spawn {name}"]
 
 
 def test_a_leftover_that_does_not_go_away_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -89,8 +104,9 @@ def manager_with(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> InstanceMan
     return InstanceManager(spec, SimpleNamespace(namespace="ns"), str(tmp_path), session=None)  # type: ignore[arg-type]
 
 
-def install(monkeypatch: pytest.MonkeyPatch, actors: set[str], groups: set[str], killable: bool = True) -> FakeRayHosts:
-    fake = FakeRayHosts(actors, groups, killable)
+def install(monkeypatch: pytest.MonkeyPatch, actors: set[str], groups: set[str], killable: bool = True,
+            answers: bool = True) -> FakeRayHosts:
+    fake = FakeRayHosts(actors, groups, killable, answers)
     monkeypatch.setitem(sys.modules, "libra.cluster.rollout_hosts", fake)
     monkeypatch.setattr(libra.cluster, "rollout_hosts", fake, raising=False)
     return fake
