@@ -272,16 +272,15 @@ class ServerProcess:
         if was_alive or self._popen is not None:
             # Anything left in the group (an engine core whose parent died first) goes too.
             self._signal_group(signal.SIGKILL)
-        if self._popen is not None:
-            try:
-                self._popen.wait(timeout=10.0)
-            except subprocess.TimeoutExpired:
-                pass
+        self._reap()
         return time.monotonic() - start
 
     def kill(self) -> None:
         """SIGKILL the whole process group at once (guard, server, engine core): for a server nobody will use."""
         self._signal_group(signal.SIGKILL)
+        self._reap()
+
+    def _reap(self) -> None:
         if self._popen is not None:
             try:
                 self._popen.wait(timeout=10.0)
