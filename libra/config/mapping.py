@@ -145,10 +145,14 @@ def rollout_pool_spec(cfg: Config, num_instances: int, kv_cache_bytes: int, run_
         gpu_memory_utilization=cfg.rollout_gpu_memory_utilization,
         metering=cpu_metering(cfg),
         trace=trace,
-        health=HealthRule(interval_s=cfg.rollout_health_check_interval_s,
-                          timeout_s=cfg.rollout_health_check_timeout_s,
-                          failures_to_fail=cfg.rollout_health_check_failures),
+        health=health_rule(cfg),
     )
+
+
+def health_rule(cfg: Config) -> HealthRule:
+    """`rollout_health_check_*` -> the rule by which the rollout pool declares a server failed."""
+    return HealthRule(interval_s=cfg.rollout_health_check_interval_s, timeout_s=cfg.rollout_health_check_timeout_s,
+                      failures_to_fail=cfg.rollout_health_check_failures)
 
 
 # ------------------------------------------------------------------------------------------ CPU metering

