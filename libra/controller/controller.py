@@ -338,14 +338,15 @@ class Controller:
                           publish_weights=self.publish_weights, served_versions=self.served_versions,
                           wake_reconciler=self.wake_reconciler, pool_status=self.pool_status,
                           pool_text=self.pool_text, tick_errors=self.tick_errors, after_step=self._after_step,
-                          ehp_train_step=self._ehp_train_step(), restart_training=self._restart_training,
+                          ehp_train_step=self._ehp_train_step(), training_lost=training_worker_lost,
+                          restart_training=self._restart_training,
                           replan_onto_capacity=self._replan_onto_capacity)
 
     def _restart_training(self, exc: BaseException) -> dict[str, Any] | None:
-        """A training pool that lost a worker is started again (at the same layout, or re-planned onto the GPUs
-        alive when the cluster lost some), through the executor's training resizer (member bookkeeping, weight
-        gate); None when `exc` is no lost worker."""
-        if self.executor is None or self.node_loss is None or not training_worker_lost(exc):
+        """A training pool that lost a worker (`exc`, classified by `training_worker_lost`) is started again (at
+        the same layout, or re-planned onto the GPUs alive when the cluster lost some), through the executor's
+        training resizer (member bookkeeping, weight gate); None when this job cannot restart it."""
+        if self.executor is None or self.node_loss is None:
             return None
         first_line = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         return self.node_loss.restart_training(f"a training worker died: {first_line[:300]}")

@@ -42,7 +42,6 @@ from libra.controller.checkpoints import (
     restore_newest,
 )
 from libra.controller.events import EventLog
-from libra.controller.pools import training_worker_lost
 from libra.controller.producer import RolloutProducer, SamplingSettings
 from libra.controller.reporting import Reporter
 from libra.controller.rl_step import build_samples, rollout_metrics
@@ -240,12 +239,12 @@ class RLLoop:
     def _recover_training(self, exc: Exception) -> bool:
         """After a training call failed: when a worker died, the session restarts the training pool and the
         loop goes back to the newest complete checkpoint with a new producer; False for any other error."""
-        restart = self.session.restart_training
-        if restart is None:
+        restart, lost = self.session.restart_training, self.session.training_lost
+        if restart is None or lost is None or not lost(exc):
             return False
         step = self._step_in_flight
         limit = self.cfg.global_resource_planner.runtime_training_restart_limit
-        if self._restarts_in_a_row >= limit and training_worker_lost(exc):
+        if self._restarts_in_a_row >= limit:
             raise TrainingWorkersLostError(
                 f"the training pool lost a worker {self._restarts_in_a_row + 1} times in a row without saving a "
                 f"checkpoint in between (last during step {step}; runtime_training_restart_limit {limit}); the job "

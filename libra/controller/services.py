@@ -58,8 +58,10 @@ class JobSession:
     # (samples, step, rollout groups in flight) -> metrics: one training step with borrowed rollout GPUs
     # (elastic hybrid parallelism, `libra.controller.ehp_borrow`); None when it is off
     ehp_train_step: Callable[[list[Any], int, int], dict[str, float]] | None = None
-    # (error of a training call) -> the restart's cost when the error says a training worker died and the pool
-    # was started again at the same layout (its ranks then hold the initial weights); None for any other error
+    # (error of a training call) -> whether it says that a training worker died (the pool can be restarted)
+    training_lost: Callable[[BaseException], bool] | None = None
+    # (error of a training call that says a worker died) -> the restart's cost when the pool was started again at
+    # the same layout (its ranks then hold the initial weights); None when it could not be
     restart_training: Callable[[BaseException], dict[str, Any] | None] | None = None
     # at a step boundary: the pools re-planned onto the GPUs alive when the cluster lost some (a node died); None
     # when nothing was lost, else {"training_restarted": bool, ...}: a restarted training pool holds the initial

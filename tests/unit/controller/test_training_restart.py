@@ -113,8 +113,7 @@ class Training:
         return self.step
 
     def restart(self, exc: BaseException) -> dict[str, Any] | None:
-        if not training_worker_lost(exc):
-            return None
+        assert training_worker_lost(exc), f"asked to restart after an error that is no lost worker: {exc!r}"
         self.restarts += 1
         self.step = 0  # the new workers hold the initial weights
         return {"switch_s": 0.5}
@@ -148,7 +147,8 @@ def make_loop(tmp_path: Path, training: Training, replan_onto_capacity: Any = No
     session = JobSession(training=training, generation=rollout, desired=store,  # type: ignore[arg-type]
                          publish_weights=rollout.publish_weights, served_versions=lambda: [rollout.version],
                          wake_reconciler=lambda: None, pool_status=dict, pool_text=dict, tick_errors=lambda: 0,
-                         restart_training=training.restart, replan_onto_capacity=replan_onto_capacity)
+                         training_lost=training_worker_lost, restart_training=training.restart,
+                         replan_onto_capacity=replan_onto_capacity)
     loop = RLLoop(cfg, run, session, events, Reporter(run, "t", END_STEP, NullConsole(), events, None), Task(),
                   Tokenizer(), StopRequest(), END_STEP)
     loop.restore()
