@@ -141,8 +141,8 @@ def _with_borrowed(inputs: PlannerInputs, layout: TrainLayout, dp: int, rollout_
             "logprob_recompute_s": float(logprob_s)}
 
 
-def _training_side_with_borrowed(inputs: PlannerInputs, layout: TrainLayout, dp: Any,
-                                 borrowed: Any) -> tuple[Any, Any]:
+def _training_side_with_borrowed(inputs: PlannerInputs, layout: TrainLayout, dp: int | np.ndarray,
+                                 borrowed: int | np.ndarray) -> tuple[float | np.ndarray, float | np.ndarray]:
     """(train seconds, log-prob recomputation seconds) of a step on `dp` own and `borrowed` borrowed DP ranks,
     scalars or arrays alike (both search paths price the borrowed step here)."""
     joint = train_costs(inputs, layout, dp + borrowed)
