@@ -21,8 +21,9 @@ rollout GPUs, without and with elastic hybrid parallelism borrowing both rollout
 training phase's seconds per step (`time_train_s`, median after the first step; the first borrowing step
 starts the borrowed workers, later ones re-attach them parked, and the first step's figures are written on
 their own). Each of its two runs first waits (up to 3 minutes, `settle_s`) for the load average to fall to the
-machine's cores or stop falling, as the policy runs' processes end. `--only-ehp` runs this part alone. Written besides the issue's keys: `machine_load` (load
-average before and after each run: on a shared, loaded machine the figures are not a gain measurement),
+machine's cores or stop falling, as the policy runs' processes end. `--only-ehp` runs this part alone. Written
+besides the issue's keys: `machine_load` (load average before and after each run: on a shared, loaded machine the
+figures are not a gain measurement),
 `slices_left` (metering slices found after each run; must be empty) and `not_covered`.
 """
 
@@ -120,8 +121,6 @@ def load_average() -> list[float]:
 
 
 SETTLE_MAX_S = 180.0  # the longest the EHP part waits for the machine to calm down after the policy runs
-
-
 SETTLE_POLL_S = 5.0
 SETTLE_WINDOW_S = 30.0  # the load has settled when it fell by less than SETTLE_FALL in this long
 SETTLE_FALL = 0.1
@@ -239,8 +238,8 @@ def run_policy(policy: str, config: Path, run_dir: Path, overrides: list[str], s
     if figures.get("samples_per_s") and figures.get("launch_s"):  # start-up and shutdown included
         figures["samples_per_s_whole_launch"] = round(
             float(figures["samples_per_s"]) * float(figures["wall_s"]) / float(figures["launch_s"]), 4)
-    print(f"[elastic_gain] {policy}: {json.dumps({k: figures.get(k) for k in ('split', 'steps', 'samples_per_s', 'exit_code')})}",
-          flush=True)
+    shown = {k: figures.get(k) for k in ("split", "steps", "samples_per_s", "exit_code")}
+    print(f"[elastic_gain] {policy}: {json.dumps(shown)}", flush=True)
     return figures
 
 

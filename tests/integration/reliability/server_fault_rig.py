@@ -14,9 +14,10 @@ The faults, and how each one's window is hit:
   mid-generation attempt that landed in a reload instead (the publish pauses a server right after its last
   answers) is this fault's record, which saves a replacement.
 - `hung_server`: SIGSTOP of a server's process group while it generates (as above): the pool's health checks
-  (its monitor, or the check a publish makes before a reload) declare it failed within
-  the health rule's bound (`ServerFaultRun.hang_detection_bound_s`), its hanging requests run on the other
-  instance, the reconciler replaces it, and its stop ends the stopped processes. Proof that requests hung on it: the controller re-sent them.
+  (its monitor, or the check a publish makes before a reload) declare it failed within the health rule's bound
+  (`ServerFaultRun.hang_detection_bound_s`), its hanging requests run on the other instance, the reconciler
+  replaces it, and its stop ends the stopped processes. Proof that requests hung on it: the controller re-sent
+  them.
 - `hung_mid_reload`: SIGSTOP the moment its `/is_paused` says true (an in-place reload under way, as for
   `kill9_mid_reload`): the publisher's health watch fails it within the health rule's bound and the publish
   goes on without it, rather than waiting on the reload's timeout. Proof: the publish left it out.
@@ -256,7 +257,8 @@ class ServerFaultRun:
                                           and e.get("member") == record.victim) is not None,
                  self.hang_detection_bound_s + DETECTION_SLACK_S + 60, f"{record.victim} to be declared failed",
                  self.launch)
-        failed = self.event_after(record.fault_at, lambda e: e["kind"] == "member_failed" and e.get("member") == record.victim)
+        failed = self.event_after(record.fault_at,
+                                  lambda e: e["kind"] == "member_failed" and e.get("member") == record.victim)
         assert failed is not None
         record.detected_at = float(failed["ts"])
         wait_for(lambda: any(float(r["wall_time"]) > record.fault_at for r in metric_rows(run_dir)), REPLACE_S,
