@@ -182,7 +182,12 @@ def gain(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 # the parts of a training phase the training pool reports per step (metrics.jsonl), for `ehp_figures`
 PHASE_PARTS = ("train_time_forward_backward_s", "train_time_combine_optimizer_s", "train_time_train_s",
-               "train_time_recompute_s", "train_time_step_s", "train_ehp_step_s")
+               "train_time_recompute_s", "train_time_step_s", "train_ehp_step_s",
+               # a borrowed step as the driver waits for it, in consecutive segments (libra.training.ehp)
+               "train_ehp_wait_submit_s", "train_ehp_wait_params_s", "train_ehp_wait_borrowed_forward_backward_s",
+               "train_ehp_wait_core_forward_backward_s", "train_ehp_wait_finish_s",
+               # the slowest borrowed rank's own compute
+               "train_ehp_borrowed_recompute_s", "train_ehp_borrowed_forward_backward_s")
 
 
 def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], borrowed_gpus: int,

@@ -316,13 +316,17 @@ class EhpSession:
             world_refs = [ehp_workers.call_refs(w.group, "ehp", "borrowed_forward_backward",
                                                 ehp_workers.share(samples[a:b]), step) for w, (a, b) in active]
             grads = [ehp_workers.call_refs(w.group, "ehp", "export_grads", step) for w, _ in active]
+            marks = {"submit": time.perf_counter()}
             for (w, _), refs in zip(active, loads, strict=True):  # a failed load fails the step's borrow
                 ehp_workers.gather(w.group, "load_params", refs, timeout)
+            marks["params"] = time.perf_counter()
             summaries = [ehp_workers.gather(w.group, "borrowed_forward_backward", refs, timeout)
                          for (w, _), refs in zip(active, world_refs, strict=True)]
+            marks["borrowed_forward_backward"] = time.perf_counter()
         except CollectiveCallError as exc:
             return self._fall_back(samples, step, core_refs, exc)
         ehp_workers.gather(pool.group, "core_forward_backward", core_refs, timeout)
+        marks["core_forward_backward"] = time.perf_counter()
         extra = _combine_summaries(summaries)
         per_rank: list[list[Any]] = [["core_finish", step, extra] for _ in self._core_keys]
         for i, ((world, _), world_grads) in enumerate(zip(active, grads, strict=True)):
@@ -337,8 +341,10 @@ class EhpSession:
             self.detach(clean=False)
             raise
         pool.step = step
-        metrics.update(time_step_s=time.perf_counter() - t0, ehp_replicas=float(self.replicas),
-                       ehp_borrowed_samples=float(sum(b - a for _, (a, b) in active)))
+        marks["finish"] = time.perf_counter()
+        metrics.update(time_step_s=marks["finish"] - t0, ehp_replicas=float(self.replicas),
+                       ehp_borrowed_samples=float(sum(b - a for _, (a, b) in active)),
+                       **step_segments(t0, marks), **borrowed_timings(summaries))
         return metrics
 
     def _send_params(self, worlds: list[BorrowedWorld]) -> list[list[Any]]:
@@ -365,6 +371,26 @@ class EhpSession:
         metrics = self.pool.train_step(samples, step)
         metrics["ehp_fallback"] = 1.0
         return metrics
+
+
+def step_segments(t0: float, marks: dict[str, float]) -> dict[str, float]:
+    """The wall time of a borrowed step as the driver saw it, in consecutive segments ending at each mark (in
+    order): `ehp_wait_<mark>_s`. `submit` is the split of the batch and the submission of every call; `params`
+    the wait until every borrowed rank loaded the parameters (the core ranks' export included); then the waits
+    for the borrowed and the core forward/backward; `finish` the core ranks' gradient combination and
+    optimizer step, with the borrowed gradients' export and transfer. The segments add up to the step."""
+    out, last = {}, t0
+    for name, at in marks.items():
+        out[f"ehp_wait_{name}_s"] = at - last
+        last = at
+    return out
+
+
+def borrowed_timings(summaries: list[list[dict[str, Any]]]) -> dict[str, float]:
+    """The slowest borrowed rank's own recomputation and forward/backward seconds (measured inside it)."""
+    ranks = [rank.get("timings", {}) for world in summaries for rank in world]
+    return {f"ehp_borrowed_{part}": max(float(t.get(part, 0.0)) for t in ranks)
+            for part in ("recompute_s", "forward_backward_s")} if ranks else {}
 
 
 def borrowed_spec(core: TrainingPoolSpec, gpus: int) -> TrainingPoolSpec:

@@ -169,6 +169,12 @@ def test_borrowed_replicas_took_part(ehp_run: EhpRun) -> None:
     # 8 samples over 1 core + 2 borrowed DP ranks: blocks of 3, the borrowed ranks train on 5
     assert decoupled["core"]["ehp_borrowed_samples"] == per_replica["core"]["ehp_borrowed_samples"] == 5
     assert "ehp_replicas" not in alone["core"]
+    # the borrowed step's wall time in consecutive segments, and the borrowed ranks' own compute
+    for metrics in (decoupled["core"], per_replica["core"]):
+        waits = [v for k, v in metrics.items() if k.startswith("ehp_wait_")]
+        assert len(waits) == 5 and all(v >= 0 for v in waits)
+        assert sum(waits) == pytest.approx(metrics["time_step_s"], abs=1e-6)
+        assert 0 < metrics["ehp_borrowed_forward_backward_s"] < metrics["time_step_s"]
     # the step changed the weights: equal parameters are not equal initial parameters
     assert max_abs_diff(decoupled["core_state"], alone["core_state"], "param") > 1e-4
 

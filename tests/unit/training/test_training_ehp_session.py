@@ -20,7 +20,15 @@ from libra.config.sections import PlannerConfig
 from libra.metering.spec import CpuMetering
 from libra.observability.phase_trace import TraceSettings
 from libra.training.batching import dp_block
-from libra.training.ehp import EhpError, EhpSession, EhpSettings, borrowed_spec, split_shares
+from libra.training.ehp import (
+    EhpError,
+    EhpSession,
+    EhpSettings,
+    borrowed_spec,
+    borrowed_timings,
+    split_shares,
+    step_segments,
+)
 from libra.training.spec import TrainingPoolSpec
 from planner.layout import TrainLayout
 
@@ -295,3 +303,26 @@ def test_a_borrowed_rank_joins_the_lenders_slice(tmp_path: Any, holder: str, joi
     finally:
         rank.kill()
         rank.wait()
+
+
+@pytest.mark.parametrize(
+    ("marks", "expected"),
+    [
+        ({"submit": 10.5, "params": 11.0, "finish": 12.25},
+         {"ehp_wait_submit_s": 0.5, "ehp_wait_params_s": 0.5, "ehp_wait_finish_s": 1.25}),
+        ({}, {}),
+    ],
+    ids=["consecutive-segments", "no-marks"],
+)
+def test_step_segments_are_consecutive_and_add_up(marks: dict[str, float], expected: dict[str, float]) -> None:
+    segments = step_segments(10.0, marks)
+    assert segments == pytest.approx(expected)
+    assert sum(segments.values()) == pytest.approx(max(marks.values(), default=10.0) - 10.0)
+
+
+def test_borrowed_timings_take_the_slowest_rank() -> None:
+    summaries = [[{"timings": {"recompute_s": 0.1, "forward_backward_s": 0.4}},
+                  {"timings": {"recompute_s": 0.3, "forward_backward_s": 0.2}}],
+                 [{"timings": {"forward_backward_s": 0.5}}]]
+    assert borrowed_timings(summaries) == {"ehp_borrowed_recompute_s": 0.3, "ehp_borrowed_forward_backward_s": 0.5}
+    assert borrowed_timings([]) == {}
