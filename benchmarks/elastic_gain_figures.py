@@ -186,8 +186,10 @@ PHASE_PARTS = ("train_time_forward_backward_s", "train_time_combine_optimizer_s"
                # a borrowed step as the driver waits for it, in consecutive segments (libra.training.ehp)
                "train_ehp_wait_submit_s", "train_ehp_wait_params_s", "train_ehp_wait_borrowed_forward_backward_s",
                "train_ehp_wait_core_forward_backward_s", "train_ehp_wait_finish_s",
-               # the slowest borrowed rank's own compute
-               "train_ehp_borrowed_recompute_s", "train_ehp_borrowed_forward_backward_s")
+               # the slowest borrowed rank's own compute, and CPU seconds beside the wall seconds
+               "train_ehp_borrowed_recompute_s", "train_ehp_borrowed_forward_backward_s",
+               "train_time_recompute_cpu_s", "train_time_forward_backward_cpu_s",
+               "train_ehp_borrowed_recompute_cpu_s", "train_ehp_borrowed_forward_backward_cpu_s")
 
 
 def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], borrowed_gpus: int,

@@ -109,6 +109,13 @@ def gather(group: TrainingWorkerGroup, method: str, refs: list[Any], timeout: fl
     return group._gather(method, refs, timeout)
 
 
+def wait_done(refs: list[Any], timeout: float | None) -> bool:
+    """Wait until every call of `refs` has finished, without fetching the results here; False on timeout (a
+    call that raised is found by whoever gathers it)."""
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
+    return len(done) == len(refs)
+
+
 def share(value: Any) -> Any:
     """An object reference to `value` (put once, passed to many ranks)."""
     return ray.put(value)

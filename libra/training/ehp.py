@@ -8,9 +8,11 @@ the borrowed replicas when attached), then `park()` or `detach()`.
 Parking. Starting borrowed workers (Ray actors, torch.distributed, the model) costs seconds while a step
 costs a fraction of one, so when the lending server stays resident beside the borrowed rank, the workers may
 stay alive between steps ("parked": idle, blocked on their actor's call queue) and the next `attach` of the
-same GPUs to the same core pool re-attaches them without starting anything (the parameters are copied from
-the core pool every step anyway). `release(reason)` stops a parked group; `attach` does so itself when the
-GPUs differ, the core pool was resized, re-laid-out or restarted, or a parked worker no longer answers.
+same GPUs to the same core pool re-attaches them without starting anything. Parking also starts copying the
+core pool's new parameters into them, so that they load while their lending instances serve again; the next
+step uses that copy when the pool's weights have not changed since (`TrainingPool.weights_version`), and
+copies them itself otherwise. `release(reason)` stops a parked group; `attach` does so itself when the GPUs
+differ, the core pool was resized, re-laid-out or restarted, or a parked worker no longer answers.
 
 Design. Megatron's parallel state is fixed per torch.distributed world, so borrowed replicas do not join the
 core pool's world: they are extra `TrainingWorker`s (same model, TP / PP / CP as the core pool, no
@@ -125,6 +127,10 @@ class EhpSession:
         self._core_group: Any = None  # the core pool's worker group at attach: a new one means restarted workers
         self._core_keys: list[tuple[int, int, int]] = []
         self._parked = False
+        # loads of the core pool's parameters into every world's ranks, started when the group was parked, and
+        # the (core worker group, weights version) they copy: the next step uses them while that still holds
+        self._prefetched: list[list[Any]] | None = None
+        self._prefetched_for: tuple[Any, int] | None = None
         self._lock = threading.RLock()
         self.last_attach_reused = False  # the last attach re-attached a parked group (started nothing)
         self.last_stop_reason = ""  # why the last parked group was stopped
@@ -202,12 +208,34 @@ class EhpSession:
 
     def park(self) -> None:
         """After a step: keep the attached workers alive for the next `attach` of the same GPUs (the lending
-        servers stay resident beside them)."""
+        servers stay resident beside them), and start copying the pool's new parameters into them. The core
+        ranks' export is waited for here (it is part of the step); the borrowed ranks load while the lending
+        instances serve again, so the next step does not wait for the copy (unless the weights changed)."""
         with self._lock:
             if self.attached:
                 self._parked = True
+                self._prefetch_params()
                 log.info("%s: %d borrowed replica(s) parked on GPUs %s", self.name, self.replicas,
                          [g.gpu_id for g in self.gpus])
+
+    def _prefetch_params(self) -> None:
+        pool = self.pool
+        try:
+            exported, self._prefetched = self._send_params(self.worlds)
+            self._prefetched_for = (pool.group, pool.weights_version)
+            if not ehp_workers.wait_done(exported, pool.spec.call_timeout_s):
+                raise TimeoutError(f"the core ranks did not export their parameters within "
+                                   f"{pool.spec.call_timeout_s:.0f}s")
+        except Exception as exc:  # the next step copies them itself
+            log.warning("%s: copying the parameters into the parked replicas failed (%s)", self.name, exc)
+            self._prefetched = self._prefetched_for = None
+
+    def _take_prefetched(self) -> list[list[Any]] | None:
+        """The parameter loads started at park, per world, if they copy the pool's current weights."""
+        prefetched, self._prefetched = self._prefetched, None
+        current = (self.pool.group, self.pool.weights_version) == self._prefetched_for
+        self._prefetched_for = None
+        return prefetched if current else None
 
     def release(self, reason: str) -> bool:
         """Stop a parked group (`reason` says why, for the log and `on_parked_stop`); False when none is
@@ -278,6 +306,7 @@ class EhpSession:
             self.gpus = []
             self._parked = False
             self._core_group = None
+            self._prefetched = self._prefetched_for = None
             for world in worlds:
                 try:
                     if clean and world.group.actors and world.keys:
@@ -309,8 +338,12 @@ class EhpSession:
         try:
             # Submitted at once, awaited later: a (synchronous) actor runs its calls in the order they were
             # submitted, so each borrowed rank loads the parameters before its forward, while the core ranks
-            # already compute theirs.
-            loads = self._send_params([w for w, _ in active])
+            # already compute theirs. Parked replicas had them loaded at park, unless the weights changed since.
+            prefetched = self._take_prefetched()
+            if prefetched is not None:
+                loads = [prefetched[self.worlds.index(w)] for w, _ in active]
+            else:
+                loads = self._send_params([w for w, _ in active])[1]
             core_refs = ehp_workers.call_refs(pool.group, "ehp", "core_forward_backward",
                                               ehp_workers.share(core_samples), step)
             world_refs = [ehp_workers.call_refs(w.group, "ehp", "borrowed_forward_backward",
@@ -340,21 +373,22 @@ class EhpSession:
         except CollectiveCallError:
             self.detach(clean=False)
             raise
-        pool.step = step
+        pool.stepped(step)
         marks["finish"] = time.perf_counter()
         metrics.update(time_step_s=marks["finish"] - t0, ehp_replicas=float(self.replicas),
                        ehp_borrowed_samples=float(sum(b - a for _, (a, b) in active)),
+                       ehp_params_prefetched=float(prefetched is not None),
                        **step_segments(t0, marks), **borrowed_timings(summaries))
         return metrics
 
-    def _send_params(self, worlds: list[BorrowedWorld]) -> list[list[Any]]:
+    def _send_params(self, worlds: list[BorrowedWorld]) -> tuple[list[Any], list[list[Any]]]:
         """Start copying the core pool's current parameters into every rank of `worlds`, shard by shard (the
-        core ranks export them, the borrowed ranks load them, never through the driver); per world, the
-        references of the loads."""
+        core ranks export them, the borrowed ranks load them, never through the driver); the references of the
+        exports, and per world those of the loads."""
         exported = ehp_workers.call_refs(self.pool.group, "ehp", "export_params")
         by_shard = {(k[0], k[1]): ref for k, ref in zip(self._core_keys, exported, strict=True) if k[2] == 0}
-        return [ehp_workers.call_each(world.group, "ehp", [("load_params", by_shard[(k[0], k[1])]) for k in world.keys])
-                for world in worlds]
+        return exported, [ehp_workers.call_each(world.group, "ehp", [("load_params", by_shard[(k[0], k[1])])
+                                                                  for k in world.keys]) for world in worlds]
 
     def _fall_back(self, samples: list[TrainSample], step: int, core_refs: list[Any],
                    exc: CollectiveCallError) -> dict[str, float]:
@@ -387,10 +421,12 @@ def step_segments(t0: float, marks: dict[str, float]) -> dict[str, float]:
 
 
 def borrowed_timings(summaries: list[list[dict[str, Any]]]) -> dict[str, float]:
-    """The slowest borrowed rank's own recomputation and forward/backward seconds (measured inside it)."""
+    """The slowest borrowed rank's own recomputation and forward/backward seconds, wall and CPU (measured
+    inside it; each the largest over the ranks)."""
     ranks = [rank.get("timings", {}) for world in summaries for rank in world]
     return {f"ehp_borrowed_{part}": max(float(t.get(part, 0.0)) for t in ranks)
-            for part in ("recompute_s", "forward_backward_s")} if ranks else {}
+            for part in ("recompute_s", "forward_backward_s", "recompute_cpu_s", "forward_backward_cpu_s")
+            } if ranks else {}
 
 
 def borrowed_spec(core: TrainingPoolSpec, gpus: int) -> TrainingPoolSpec:

@@ -102,7 +102,7 @@ def _local_forward_backward(worker: TrainingWorker, samples: list[TrainSample], 
     batch, _ = worker.local_batch(samples, mbs, rmbs)
     old_logp: torch.Tensor | None = batch.rollout_logp
     tracer = worker.tracer  # a borrowed rank's is disabled
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if spec.recompute_logprobs:
         with tracer.span("train.recompute_logprobs", step, model="policy", ehp=1):
             old_logp = worker.logprob_pass(worker.chunks, batch, rmbs)
@@ -110,13 +110,16 @@ def _local_forward_backward(worker: TrainingWorker, samples: list[TrainSample], 
     if spec.algorithm.ref_kl.enable:
         with tracer.span("train.recompute_logprobs", step, model="reference", ehp=1):
             ref_logp = worker.logprob_pass(worker.ref_chunks, batch, rmbs)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     with tracer.span("train.forward_backward", step, ehp=1), _deferred_finalize(worker) as captured:
         sums = worker.forward_backward(batch, old_logp, ref_logp)
     num_tokens = captured.get("num_tokens")
     if num_tokens is None:
         raise RuntimeError("the training schedule did not reach gradient finalization")
-    pending = PendingStep(step, sums, num_tokens, {"recompute_s": t1 - t0, "forward_backward_s": time.perf_counter() - t1})
+    # CPU seconds beside wall seconds: on metered logical GPUs the gap is time spent waiting for the slice
+    timings = {"recompute_s": t1 - t0, "forward_backward_s": time.perf_counter() - t1,
+               "recompute_cpu_s": c1 - c0, "forward_backward_cpu_s": time.process_time() - c1}
+    pending = PendingStep(step, sums, num_tokens, timings)
     _PENDING[worker] = pending
     return pending
 

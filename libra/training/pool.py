@@ -49,6 +49,9 @@ class TrainingPool:
         self.step = 0  # the last optimizer step taken or loaded
         # the ranks hold the model's initial weights: started, no optimizer step taken, no checkpoint loaded
         self.fresh = True
+        # goes up whenever the ranks' weights change (a step, a checkpoint load, a start): a copy of them taken
+        # at one version is current while the pool (the same worker group) is still at that version
+        self.weights_version = 0
         self.resizes: list[ResizeCost] = []
         # called with each resize's cost once its first step at the new layout has run
         self.on_resize_measured: Callable[[ResizeCost], None] | None = None
@@ -71,6 +74,7 @@ class TrainingPool:
             t0 = time.perf_counter()
             group = TrainingWorkerGroup(self.runtime, TrainingWorker, (self.spec,), self.spec.num_gpus, self.name)
             self._group = group
+            self.weights_version += 1
             self.rank_info = []  # set once every rank joined the process group
             try:
                 group.start()
@@ -91,8 +95,7 @@ class TrainingPool:
             t0 = time.perf_counter()
             metrics = self.group.call("train_step", list(samples), step, timeout=self.spec.call_timeout_s)[0]
             metrics["time_step_s"] = time.perf_counter() - t0
-            self.step = step
-            self.fresh = False
+            self.stepped(step)
             if self._unmeasured is not None:
                 cost, self._unmeasured = self._unmeasured, None
                 cost.first_step_s = round(metrics["time_step_s"], 4)
@@ -117,7 +120,15 @@ class TrainingPool:
         with self._lock:
             self.step = int(self.group.call("load_checkpoint", ckpt_dir, timeout=self.spec.call_timeout_s)[0])
             self.fresh = False
+            self.weights_version += 1
             return self.step
+
+    def stepped(self, step: int) -> None:
+        """Record that the ranks took optimizer step `step` (here, or in a step shared with borrowed replicas)."""
+        with self._lock:
+            self.step = step
+            self.fresh = False
+            self.weights_version += 1
 
     # ---- resize -------------------------------------------------------------------------------------
     def spec_for(self, gpus: int, layout: TrainLayout) -> TrainingPoolSpec:

@@ -191,6 +191,8 @@ def test_parked_replicas_are_reattached_without_starting_anything(ehp_run: EhpRu
     assert ehp_run.attach_s[1] * 5 < ehp_run.attach_s[0], ehp_run.attach_s  # a call to each world, not a start
     assert [s["replicas"] for s in ehp_run.steps[4:]] == [2, 2]
     assert all("ehp_fallback" not in s["core"] and s["core"]["ehp_borrowed_samples"] == 5 for s in ehp_run.steps[4:])
+    # the re-attached step trained on the parameters copied in at park (its gradient parity is checked above)
+    assert [s["core"]["ehp_params_prefetched"] for s in ehp_run.steps[4:]] == [0.0, 1.0]
 
 
 def test_parked_replicas_are_idle_and_gone_once_released(ehp_run: EhpRun) -> None:

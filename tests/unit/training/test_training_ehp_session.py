@@ -161,6 +161,7 @@ class _RunningPool:
     group: object
     name: str = "pool"
     running: bool = True
+    weights_version: int = 0
 
 
 def _parked_session(log: list[str]) -> tuple[EhpSession, _RunningPool, list[LentGpu]]:
@@ -239,6 +240,55 @@ def test_release_stops_only_a_parked_group() -> None:
     assert session.release("the training pool is resized") is False and session.attached
     session.detach()
     assert not session.attached and not session.parked
+
+
+# ---- parking starts the copy of the new parameters; the next step uses it while the weights are unchanged ------
+def _weights_stepped(pool: _RunningPool) -> None:
+    pool.weights_version += 1
+
+
+def _pool_restarted(pool: _RunningPool) -> None:
+    pool.group = object()
+
+
+PREFETCH = [
+    pytest.param(lambda pool: None, True, id="unchanged-weights-use-the-copy"),
+    pytest.param(_weights_stepped, False, id="a-step-without-the-replicas-copies-again"),
+    pytest.param(_pool_restarted, False, id="a-restarted-pool-copies-again"),
+]
+
+
+@pytest.mark.parametrize(("change", "used"), PREFETCH)
+def test_the_parameters_copied_at_park_serve_the_next_step_only_if_current(
+        monkeypatch: pytest.MonkeyPatch, change: Any, used: bool) -> None:
+    from libra.cluster import ehp_workers
+
+    monkeypatch.setattr(ehp_workers, "wait_done", lambda refs, timeout: True)
+    session, pool, _ = _parked_session([])
+    sent: list[int] = []
+
+    def send(worlds: list[Any]) -> tuple[list[Any], list[list[Any]]]:
+        sent.append(len(worlds))
+        return ["export"], [[f"load-{w.group.name}"] for w in worlds]
+
+    session._send_params = send  # type: ignore[method-assign]
+    session._parked = False  # attached again, as after a step: park now copies
+    session.park()
+    assert sent == [2]
+    change(pool)
+    assert session._take_prefetched() == ([["load-w0"], ["load-w1"]] if used else None)
+    assert session._take_prefetched() is None  # a copy serves one step
+
+
+def test_a_failed_copy_at_park_leaves_the_step_to_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from libra.cluster import ehp_workers
+
+    monkeypatch.setattr(ehp_workers, "wait_done", lambda refs, timeout: False)  # the export timed out
+    session, _, _ = _parked_session([])
+    session._send_params = lambda worlds: (["export"], [["load"] for _ in worlds])  # type: ignore[method-assign]
+    session._parked = False
+    session.park()
+    assert session.parked and session._take_prefetched() is None
 
 
 # ---- a borrowed rank runs in the lending instance's CPU slice (metered logical GPUs) -------------------------
@@ -324,5 +374,7 @@ def test_borrowed_timings_take_the_slowest_rank() -> None:
     summaries = [[{"timings": {"recompute_s": 0.1, "forward_backward_s": 0.4}},
                   {"timings": {"recompute_s": 0.3, "forward_backward_s": 0.2}}],
                  [{"timings": {"forward_backward_s": 0.5}}]]
-    assert borrowed_timings(summaries) == {"ehp_borrowed_recompute_s": 0.3, "ehp_borrowed_forward_backward_s": 0.5}
+    assert borrowed_timings(summaries) == {"ehp_borrowed_recompute_s": 0.3, "ehp_borrowed_forward_backward_s": 0.5,
+                                           "ehp_borrowed_recompute_cpu_s": 0.0,
+                                           "ehp_borrowed_forward_backward_cpu_s": 0.0}
     assert borrowed_timings([]) == {}
