@@ -417,6 +417,10 @@ def only_ehp(args: argparse.Namespace, shape: Shape, runtime: Any, ray_tmp: str,
         "ones re-attach them parked (steps_that_reused). train_phase_s_*_mean_all_steps include the first step.",
         "Logical GPUs are CPU slices of cluster.metered_cpu_per_gpu cores; a borrowed rank runs in the slice of "
         "the GPU it borrows, beside the lending server (resident, idle while the training phase runs).",
+        "A slice's quota is counted per CFS period (libra.metering.cgroup.PERIOD_US): a slice that idled through "
+        "the rollout phase (a training rank's) may spend its period's whole quota at full core speed, which can "
+        "cover most of a step of the dev model; a lent slice served until the phase began and has none of it "
+        "left. breakdown keeps CPU seconds (*_cpu_s) beside wall seconds so that this shows.",
     ]
     if loads and max(loads) > 0.5 * cores:
         notes.append(f"The machine was shared and loaded (1-minute load average up to {max(loads)} on {cores} "

@@ -183,6 +183,8 @@ def gain(runs: list[dict[str, Any]]) -> dict[str, Any]:
 # the parts of a training phase the training pool reports per step (metrics.jsonl), for `ehp_figures`
 PHASE_PARTS = ("train_time_forward_backward_s", "train_time_combine_optimizer_s", "train_time_train_s",
                "train_time_recompute_s", "train_time_step_s", "train_ehp_step_s",
+               # the borrow around the step: attach, and park (the core ranks' parameter export for the next step)
+               "train_ehp_attach_s", "train_ehp_detach_s",
                # a borrowed step as the driver waits for it, in consecutive segments (libra.training.ehp)
                "train_ehp_wait_submit_s", "train_ehp_wait_params_s", "train_ehp_wait_borrowed_forward_backward_s",
                "train_ehp_wait_core_forward_backward_s", "train_ehp_wait_finish_s",
@@ -227,6 +229,9 @@ def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], b
         "steps_that_borrowed": len(borrowed),
         # steps whose borrowed replicas were parked ones re-attached, not started
         "steps_that_reused": sum(1 for r in borrowed if float(r.get("train_ehp_reused") or 0) > 0),
+        # steps that trained on the parameters copied into the parked replicas at the previous park
+        "steps_with_params_copied_at_park": sum(1 for r in borrowed
+                                                if float(r.get("train_ehp_params_prefetched") or 0) > 0),
         "first_attach_s": round(float(first["train_ehp_attach_s"]), 3)
         if first is not None and isinstance(first.get("train_ehp_attach_s"), int | float) else None,
         "train_phase_s_with_first_step": round(float(b[0]["time_train_s"]), 3),

@@ -169,7 +169,7 @@ def test_ehp_figures_compare_median_training_phase_after_warmup() -> None:
     assert got["train_phase_s_without"] == 2.0 and got["train_phase_s_with"] == 1.0
     assert got["speedup"] == 2.0 and got["borrowed_gpus"] == 2 and got["steps_that_borrowed"] == 4
     assert got["ehp_attach_s"] == 0.5 and got["ehp_step_s"] == 0.25
-    assert got["breakdown"] == {"without": {}, "with": {"train_ehp_step_s": 0.25}}
+    assert got["breakdown"] == {"without": {}, "with": {"train_ehp_attach_s": 0.5, "train_ehp_step_s": 0.25}}
     assert got["train_phase_s_per_step"] == {"without": [9.0, 2.0, 2.2, 1.8], "with": [9.0, 1.0, 1.2, 0.9]}
 
 
@@ -182,15 +182,18 @@ def test_ehp_figures_break_each_phase_down() -> None:
 
 
 def test_ehp_figures_report_the_first_attach_on_its_own() -> None:
-    """Step 1 starts the borrowed workers (attach 8 s); steps 2-4 re-attach them parked."""
+    """Step 1 starts the borrowed workers (attach 8 s); steps 2-4 re-attach them parked; steps 3 and 4 train on
+    the parameters copied in at the park before them (step 2 found the weights changed since)."""
     without = [row(s, s, time_train_s=t) for s, t in ((1, 3.0), (2, 2.0), (3, 2.0), (4, 2.0))]
-    with_ehp = [row(s, s, time_train_s=t, train_ehp_replicas=2.0, train_ehp_attach_s=a, train_ehp_reused=float(u))
+    with_ehp = [row(s, s, time_train_s=t, train_ehp_replicas=2.0, train_ehp_attach_s=a, train_ehp_reused=float(u),
+                    train_ehp_params_prefetched=float(s > 2))
                 for s, t, a, u in ((1, 9.0, 8.0, 0), (2, 1.0, 0.01, 1), (3, 1.0, 0.01, 1), (4, 1.0, 0.01, 1))]
     got = fig.ehp_figures(without, with_ehp, borrowed_gpus=2)
     assert got["train_phase_s_with"] == 1.0 and got["speedup"] == 2.0  # the median leaves the warm-up step out
     assert got["first_attach_s"] == 8.0 and got["train_phase_s_with_first_step"] == 9.0
     assert got["train_phase_s_with_mean_all_steps"] == 3.0 and got["train_phase_s_without_mean_all_steps"] == 2.25
     assert got["steps_that_reused"] == 3 and got["steps_that_borrowed"] == 4
+    assert got["steps_with_params_copied_at_park"] == 2
 
 
 def test_ehp_figures_without_a_breakdown_say_none() -> None:
