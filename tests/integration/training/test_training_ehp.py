@@ -45,6 +45,9 @@ class EhpRun:
     parked_cpu_s: float = -1.0
     parked_wall_s: float = 0.0
     alive_after_release: list[int] = field(default_factory=list)
+    # the core pool's `fresh` and weights version before and after its first step, a shared one
+    fresh_around_first_step: list[bool] = field(default_factory=list)
+    weights_versions: list[int] = field(default_factory=list)
 
 
 def _cpu_seconds(pids: list[int]) -> float:
@@ -122,7 +125,13 @@ def ehp_run(ray_runtime: RayRuntime, training_models: dict[str, str]) -> EhpRun:
                                         for v in w.group.call("ehp", "shard_key", timeout=60)]
                 if step == 4:
                     ray.kill(session.worlds[0].group.actors[1], no_restart=True)
+                if step == 1:
+                    run.fresh_around_first_step.append(core.fresh)
+                    run.weights_versions.append(core.weights_version)
                 core_metrics = session.train_step(samples, step)
+                if step == 1:
+                    run.fresh_around_first_step.append(core.fresh)
+                    run.weights_versions.append(core.weights_version)
             else:
                 core_metrics = core.train_step(samples, step)
             fixed_metrics = fixed.train_step(samples, step)
@@ -177,6 +186,12 @@ def test_borrowed_replicas_took_part(ehp_run: EhpRun) -> None:
         assert 0 < metrics["ehp_borrowed_forward_backward_s"] < metrics["time_step_s"]
     # the step changed the weights: equal parameters are not equal initial parameters
     assert max_abs_diff(decoupled["core_state"], alone["core_state"], "param") > 1e-4
+
+
+def test_a_shared_step_counts_as_the_pools_step(ehp_run: EhpRun) -> None:
+    # a pool whose first step was shared no longer holds its initial weights: a resize must carry its state
+    assert ehp_run.fresh_around_first_step == [True, False]
+    assert ehp_run.weights_versions[1] == ehp_run.weights_versions[0] + 1
 
 
 def test_borrowed_workers_ran_on_the_lent_gpus(ehp_run: EhpRun) -> None:
