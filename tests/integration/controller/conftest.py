@@ -260,20 +260,22 @@ def controller_workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
 
 
 @contextlib.contextmanager
-def ray_holder(gpus: int, tmp: Path, env: dict[str, str]) -> Iterator[str]:
-    """A Ray cluster of `gpus` logical GPUs kept by `ray_holder.py` in its own process session (so it outlives
-    the controllers joining it); its address. Stopped, by force if need be, when the block ends."""
-    holder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ray_holder.py")), str(gpus), str(tmp)],
-                              cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              start_new_session=True, text=True)
+def cluster_holder(script: Path, args: list[str], env: dict[str, str],
+                   stop_wait_s: float) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
+    """`script` (a Python file that starts a Ray cluster, prints one JSON line about it and keeps it until its
+    stdin closes) in its own process session, so the cluster outlives the controllers joining it; the process
+    and that line. At the end its stdin is closed, it has `stop_wait_s` to stop the cluster, and then whatever
+    is left of its session is killed."""
+    holder = subprocess.Popen([sys.executable, str(script), *args], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, start_new_session=True, text=True)
     try:
         assert holder.stdout is not None
-        yield json.loads(holder.stdout.readline())["address"]
+        yield holder, json.loads(holder.stdout.readline())
     finally:
         if holder.stdin is not None:
             holder.stdin.close()
         try:
-            holder.wait(timeout=60)
+            holder.wait(timeout=stop_wait_s)
         except subprocess.TimeoutExpired:
             pass
         try:
@@ -281,6 +283,13 @@ def ray_holder(gpus: int, tmp: Path, env: dict[str, str]) -> Iterator[str]:
         except (ProcessLookupError, PermissionError):
             pass
         holder.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def ray_holder(gpus: int, tmp: Path, env: dict[str, str]) -> Iterator[str]:
+    """A Ray cluster of `gpus` logical GPUs kept by `ray_holder.py` (see `cluster_holder`); its address."""
+    with cluster_holder(Path(__file__).with_name("ray_holder.py"), [str(gpus), str(tmp)], env, 60) as (_, info):
+        yield info["address"]
 
 
 @pytest.fixture(scope="session")

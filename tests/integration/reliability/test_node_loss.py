@@ -12,9 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +25,7 @@ import yaml
 from libra.run_dir import RunDir
 
 from ..controller.conftest import (
-    REPO,
+    cluster_holder,
     events,
     live,
     make_workspace,
@@ -65,21 +63,9 @@ class LossCluster:
 @contextlib.contextmanager
 def loss_cluster() -> Iterator[LossCluster]:
     """A head that only coordinates and two nodes of 2 logical GPUs, stopped (by force if need be) at the end."""
-    holder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("node_loss_holder.py"))], cwd=REPO,
-                              env=dict(os.environ, RAY_AUTH_MODE="disabled"), stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, start_new_session=True, text=True)
-    try:
-        assert holder.stdout is not None
-        yield LossCluster(holder, json.loads(holder.stdout.readline())["address"])
-    finally:
-        if holder.stdin is not None:
-            holder.stdin.close()
-        try:
-            holder.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(holder.pid, signal.SIGKILL)
-            holder.wait(timeout=30)
+    with cluster_holder(Path(__file__).with_name("node_loss_holder.py"), [],
+                        dict(os.environ, RAY_AUTH_MODE="disabled"), 120) as (holder, info):
+        yield LossCluster(holder, info["address"])
 
 
 def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS) -> dict[str, Any]:
