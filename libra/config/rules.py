@@ -30,6 +30,7 @@ from libra.config.errors import (
     format_value,
     sentence,
 )
+from libra.metering.spec import MIN_CORES
 from planner.architectures import PLAN, TRAIN, supporting
 
 GRP = "global_resource_planner"
@@ -264,7 +265,7 @@ RULES: tuple[Rule, ...] = (
     _r("cpu.memory_utilization_ignored", WARNING, "rollout_gpu_memory_utilization, cluster.logical_gpus",
        "rollout_gpu_memory_utilization is ignored on logical GPUs", plat.cpu_memory_utilization_ignored),
     _r("cpu.metered_logical", INVALID, "cluster.metered_cpu_per_gpu, cluster.logical_gpus", "cluster."
-       "metered_cpu_per_gpu is 0 (off) or at least 0.01 core, and set only on logical GPUs",
+       f"metered_cpu_per_gpu is 0 (off) or at least {MIN_CORES} core, and set only on logical GPUs",
        meter.metered_needs_logical),
     _r("cpu.metered_root_ignored", WARNING, "cluster.metered_cgroup_root, cluster.metered_cpu_per_gpu",
        "cluster.metered_cgroup_root is ignored while metered_cpu_per_gpu is 0", meter.metered_root_ignored),

@@ -24,8 +24,9 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from libra.metering.spec import MIN_QUOTA_US, PERIOD_US
+
 LIBRA_DIR = "libra"
-PERIOD_US = 100_000
 PROBE_NAME = "probe"
 REMOVE_ATTEMPTS = 20
 # The weight of `<root>/libra` against its siblings (the controller, Ray and anything else on the machine), in
@@ -127,7 +128,7 @@ class CpuCgroup:
     def set_quota(self, path: str, cores: float) -> None:
         """At most `cores` cores for the group, and a weight in proportion, so that slices that compete for
         the CPU share it as their quotas do."""
-        quota = max(1000, round(cores * PERIOD_US))
+        quota = max(MIN_QUOTA_US, round(cores * PERIOD_US))
         if self.version == 2:
             self.fs.write(os.path.join(path, "cpu.max"), f"{quota} {PERIOD_US}")
         else:

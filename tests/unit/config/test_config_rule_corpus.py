@@ -203,6 +203,8 @@ BAD: list[tuple[str, str, dict[str, Any], str, str, str]] = [
      "cpu.metered_logical"),
     ("metered-below-kernel-minimum", "cpu", {"cluster.metered_cpu_per_gpu": 0.001}, "cluster.metered_cpu_per_gpu",
      IC, "cpu.metered_logical"),
+    ("metered-below-one-ms-per-20ms-period", "cpu", {"cluster.metered_cpu_per_gpu": 0.04},
+     "cluster.metered_cpu_per_gpu", IC, "cpu.metered_logical"),
     ("metered-no-cpu-controller", "cpu", {"cluster.metered_cpu_per_gpu": 0.25, "cluster.metered_cgroup_root": "{tmp}"},
      "cluster.metered_cpu_per_gpu", NV, "cpu.metering_controller"),
     # task, files, checkpoint, tracking, tiny model

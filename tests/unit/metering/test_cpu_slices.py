@@ -18,7 +18,7 @@ import pytest
 from libra.metering.cgroup import CgroupFs, CgroupUnavailable, CpuCgroup, cgroup_at
 from libra.metering.holder import GpuHolderSlice, MeteringError, end_job
 from libra.metering.slices import CpuSlices, SliceName, safe_part, start_ticks, sweep_orphans
-from libra.metering.spec import CpuMetering
+from libra.metering.spec import PERIOD_US, CpuMetering
 
 V1_FILES = {"cgroup.procs": "", "cpu.cfs_quota_us": "-1", "cpu.cfs_period_us": "100000", "cpu.shares": "1024"}
 V2_FILES = {"cgroup.procs": "", "cgroup.controllers": "cpu io memory", "cgroup.subtree_control": "",
@@ -97,7 +97,7 @@ def test_slice_quota_join_resize_remove(version: int, tmp_path: Path, sleepers: 
     assert piece.name == SliceName("dev-job-run", "rollout-0", os.getpid(), start_ticks(os.getpid()))
     assert cgroup.quota(piece.path) == 0.5
     quota_file = "cpu.max" if version == 2 else "cpu.cfs_quota_us"
-    assert Path(piece.path, quota_file).read_text().split()[0] == "50000"
+    assert Path(piece.path, quota_file).read_text().split()[0] == str(round(0.5 * PERIOD_US))
     assert slices.join(piece, pid) == [pid] and procs_of(piece.path) == {pid}
     piece = slices.resize(piece, 1.5)
     assert cgroup.quota(piece.path) == 1.5
