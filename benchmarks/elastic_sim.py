@@ -160,18 +160,11 @@ def sim_10k(steps: int = 1000) -> dict[str, Any]:
             "policy": "elastic", "reconfigurations": result.reconfigurations, "failures": result.failures}
 
 
-def replayed_overrides(document: dict[str, Any]) -> list[str]:
-    """The overrides the measured runs shared (written by benchmarks/elastic_gain.py; for a result written
-    before it recorded them, those of its form, from the benchmark's shapes)."""
-    if isinstance(document.get("overrides"), list):
-        return [str(item) for item in document["overrides"]]
-    if document.get("form") in ("full", "quick"):
-        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-        import elastic_gain  # the benchmark's own shapes: the job it ran
-
-        return list(elastic_gain.replay_overrides(elastic_gain.FULL if document["form"] == "full"
-                                                  else elastic_gain.QUICK))
-    return []
+def replayed_overrides(document: dict[str, Any]) -> list[str] | None:
+    """The overrides the measured runs shared, as benchmarks/elastic_gain.py records them (`overrides`); None
+    for a result written before it did, which cannot be replayed as the job it ran."""
+    overrides = document.get("overrides")
+    return [str(item) for item in overrides] if isinstance(overrides, list) else None
 
 
 def drift_workload(cfg: Any, steps: int) -> dict[str, float]:
@@ -225,10 +218,15 @@ def calibration(gain_path: str, gain_config: str) -> dict[str, Any]:
                           "(benchmarks/elastic_gain.py) have not been made"}
     with open(gain_path, encoding="utf-8") as fh:
         document = json.load(fh)
+    overrides = replayed_overrides(document)
+    if overrides is None:
+        return {"rel_error_step_s": None, "rel_error_throughput": None,
+                "reason": f"{os.path.relpath(gain_path, ROOT)} does not record the overrides its runs shared "
+                          "(`overrides`, written by benchmarks/elastic_gain.py since the drift job's full form): "
+                          "run the measured-gain benchmark again to calibrate on it"}
     runs = measured_runs(document)
     # a run that changed split, or whose training borrowed rollout GPUs, is not a static split's run
     replayable = [run for run in runs if run.splits_over_time == 1 and run.borrowing_steps == 0]
-    overrides = replayed_overrides(document)
     config = document.get("config", gain_config)
     cfg = load(os.path.join(ROOT, config), overrides, planning=True)
     inputs = planner_inputs(cfg)
