@@ -50,7 +50,7 @@ sys.path.insert(0, ROOT)
 
 from libra.config import load  # noqa: E402
 from libra.planning import planner_inputs  # noqa: E402
-from planner.sim.allocation import Allocation  # noqa: E402
+from planner.plan import Candidate  # noqa: E402
 from planner.sim.calibration import MeasuredRun, calibration_errors, measured_runs  # noqa: E402
 from planner.sim.engine import Engine, SimOptions  # noqa: E402
 from planner.sim.fit import Replayer, alternate_splits, holdout, leave_one_split_out  # noqa: E402
@@ -139,7 +139,7 @@ def run_case(model: str, config: str, gpus: int, steps: int | None, reload: Relo
             "intervals": {name: intervals(comparison.results[name], INTERVAL_STEPS) for name in ("best_static", "elastic")}}
 
 
-def elastic_policy(job: Any, start: Allocation, options: SimOptions, predictor: Literal["tail", "replan"] = "tail") -> ElasticPolicy:
+def elastic_policy(job: Any, start: Candidate, options: SimOptions, predictor: Literal["tail", "replan"] = "tail") -> ElasticPolicy:
     return ElasticPolicy(job.inputs, start, options.replan_interval_steps, options.replan_min_gain,
                          options.replan_horizon_steps, predictor=predictor)
 
@@ -243,7 +243,7 @@ def calibration(gain_path: str, gain_config: str) -> dict[str, Any]:
     headline = holdout(replayer, replayable, fitted_splits)
     on_cost_model = []
     for run in replayable:
-        split = Allocation(run.train_gpus, run.rollout_gpus, start.layout, start.rollout_tp)
+        split = Candidate(run.train_gpus, run.rollout_gpus, start.layout, start.rollout_tp)
         result = run_policy(job, StaticPolicy(split), SimOptions(steps=run.steps, seed=SEED))
         on_cost_model.append((run, result.wall_s / run.steps, result.samples_per_s))
     uncalibrated = calibration_errors(on_cost_model)

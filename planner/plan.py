@@ -15,9 +15,10 @@ from planner.memory import MemoryEstimate
 from planner.workload import PlannerInputs
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Candidate:
-    """One train/rollout split with its training layout and rollout instance size."""
+    """One train/rollout split with its training layout and rollout instance size (ordered by its fields, so
+    that a set of splits sorts the same way every run)."""
 
     train_gpus: int
     rollout_gpus: int
@@ -31,6 +32,10 @@ class Candidate:
     @property
     def rollout_instances(self) -> int:
         return self.rollout_gpus // self.rollout_tp
+
+    @property
+    def total_gpus(self) -> int:
+        return self.train_gpus + self.rollout_gpus
 
     def label(self) -> str:
         return (f"train {self.train_gpus} GPUs ({self.layout.label()} dp={self.dp}) | rollout {self.rollout_gpus} "

@@ -1,7 +1,6 @@
 """A split of the cluster between the training pool and the rollout pool, and the splits a policy may choose.
 
-An `Allocation` is the planner's `Candidate` (training GPUs and layout, rollout GPUs and instance TP). The
-simulated elastic runtime resizes the training pool by data-parallel replicas and keeps its TP x PP x CP x EP
+A split is the planner's `Candidate` (training GPUs and layout, rollout GPUs and instance TP). The simulated elastic runtime resizes the training pool by data-parallel replicas and keeps its TP x PP x CP x EP
 layout (as Libra's elastic training does); the rollout instance TP may change with a restart of the
 instances. `static_splits` lists every split that the planner's own rules admit for a layout: training GPUs
 on the allocation granularity, the layout's divisibility and batch rules (`planner.search.split_rule_violations`
@@ -9,8 +8,6 @@ without the cost thresholds) and the training memory model; rollout GPUs a multi
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,40 +18,7 @@ from planner.search import split_rule_violations, split_sizes
 from planner.workload import PlannerInputs
 
 
-@dataclass(frozen=True, order=True)
-class Allocation:
-    """Training GPUs with their layout, rollout GPUs with their instance TP."""
-
-    train_gpus: int
-    rollout_gpus: int
-    layout: TrainLayout
-    rollout_tp: int
-
-    @property
-    def dp(self) -> int:
-        return self.layout.dp(self.train_gpus)
-
-    @property
-    def instances(self) -> int:
-        return self.rollout_gpus // self.rollout_tp
-
-    @property
-    def total_gpus(self) -> int:
-        return self.train_gpus + self.rollout_gpus
-
-    def candidate(self) -> Candidate:
-        return Candidate(self.train_gpus, self.rollout_gpus, self.layout, self.rollout_tp)
-
-    @classmethod
-    def of(cls, candidate: Candidate) -> Allocation:
-        return cls(candidate.train_gpus, candidate.rollout_gpus, candidate.layout, candidate.rollout_tp)
-
-    def label(self) -> str:
-        return (f"train {self.train_gpus} ({self.layout.label()} dp={self.dp}) | rollout {self.rollout_gpus} "
-                f"({self.instances} x tp={self.rollout_tp})")
-
-
-def static_splits(inputs: PlannerInputs, layout: TrainLayout, rollout_tps: tuple[int, ...]) -> list[Allocation]:
+def static_splits(inputs: PlannerInputs, layout: TrainLayout, rollout_tps: tuple[int, ...]) -> list[Candidate]:
     """Every split of the whole cluster for `layout` and each rollout TP that the planner's rules admit."""
     total, gpn = inputs.cluster.total_gpus, inputs.cluster.gpus_per_node
     sizes = split_sizes(inputs)
@@ -66,9 +30,9 @@ def static_splits(inputs: PlannerInputs, layout: TrainLayout, rollout_tps: tuple
         if inputs.budget.check_enabled and peak > inputs.cluster.gpu.memory_bytes:
             continue
         fits.append(int(train))
-    out: list[Allocation] = []
+    out: list[Candidate] = []
     for tp in sorted(set(rollout_tps)):
         if rollout_rule_violation(inputs.model, tp, gpn) or kv_capacity_sequences(inputs, tp) < 1:
             continue
-        out += [Allocation(t, total - t, layout, tp) for t in fits if (total - t) % tp == 0 and total - t >= tp]
+        out += [Candidate(t, total - t, layout, tp) for t in fits if (total - t) % tp == 0 and total - t >= tp]
     return out

@@ -50,8 +50,8 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from planner.ehp import replica_unit
+from planner.plan import Candidate
 from planner.replan import Observation
-from planner.sim.allocation import Allocation
 from planner.sim.costs import PhaseCosts
 from planner.sim.decode import drain_batch, instance_generation, slots, streaming_generation
 from planner.sim.lengths import BatchStats
@@ -130,9 +130,9 @@ class Policy(Protocol):
     name: str
     ehp: bool
 
-    def initial(self) -> Allocation: ...
+    def initial(self) -> Candidate: ...
 
-    def decide(self, engine: Engine) -> Allocation | None: ...
+    def decide(self, engine: Engine) -> Candidate | None: ...
 
 
 @dataclass
@@ -429,7 +429,7 @@ class Engine:
         self._try_train()
 
     # ------------------------------------------------------------------------------------------ changes
-    def reconfigure(self, target: Allocation) -> None:
+    def reconfigure(self, target: Candidate) -> None:
         """Move to `target` with the configured strategy (at a step boundary: training is idle)."""
         if target.total_gpus > self.job.total_gpus:
             raise ValueError(f"{self.policy.name}: target {target.label()} exceeds the cluster")

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from planner.layout import TrainLayout
-from planner.sim.allocation import Allocation
+from planner.plan import Candidate
 from planner.sim.calibration import MeasuredRun, calibration_errors, split_ranking
 from planner.sim.costs import MeasuredCosts, PhaseCosts
 from planner.sim.engine import Engine, SimJob, SimOptions, SimResult
@@ -99,8 +99,8 @@ class Replayer:
                              "steps only")
         job = SimJob(self.job.inputs, self.job.batches,
                      PhaseCosts(self.job.inputs, self.job.costs.reload_strategy, measured=costs))
-        split = Allocation(run.train_gpus, run.rollout_gpus, self.layout, self.rollout_tp)
-        if split.dp < 1 or split.instances < 1:
+        split = Candidate(run.train_gpus, run.rollout_gpus, self.layout, self.rollout_tp)
+        if split.dp < 1 or split.rollout_instances < 1:
             raise ValueError(f"{run.name}: split {run.split_label} leaves no training replica of "
                              f"{self.layout.label()} or no rollout instance of TP {self.rollout_tp}")
         return Engine(job, StaticPolicy(split, name=run.policy), SimOptions(steps=run.steps)).run()

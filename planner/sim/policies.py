@@ -29,8 +29,9 @@ from typing import Any, Literal
 import numpy as np
 
 from planner.grp import plan
+from planner.plan import Candidate
 from planner.replan import ReplanPolicy, replan, switch_cost_s
-from planner.sim.allocation import Allocation, static_splits
+from planner.sim.allocation import static_splits
 from planner.sim.decode import drain_batch, instance_generation, slots
 from planner.sim.engine import Engine, SimJob, SimOptions, SimResult
 from planner.sim.predictor import SETTLE_STEPS, outlook, replay_step_s
@@ -43,14 +44,14 @@ POLICIES: tuple[str, ...] = ("best_static", "planner_initial", "elastic", "ehp",
 class StaticPolicy:
     """One split for the whole job."""
 
-    allocation: Allocation
+    allocation: Candidate
     name: str = "static"
     ehp: bool = False
 
-    def initial(self) -> Allocation:
+    def initial(self) -> Candidate:
         return self.allocation
 
-    def decide(self, engine: Engine) -> Allocation | None:
+    def decide(self, engine: Engine) -> Candidate | None:
         return None
 
 
@@ -60,7 +61,7 @@ class ElasticPolicy:
     `planner.replan.replan` (`predictor="replan"`)."""
 
     inputs: PlannerInputs
-    start: Allocation
+    start: Candidate
     interval: int
     min_gain: float
     horizon_steps: int
@@ -68,27 +69,27 @@ class ElasticPolicy:
     ehp: bool = False
     predictor: Literal["tail", "replan"] = "tail"
     decisions: list[dict[str, Any]] = field(default_factory=list)
-    _splits: list[Allocation] = field(default_factory=list)
+    _splits: list[Candidate] = field(default_factory=list)
     _failures_seen: int = 0
 
-    def initial(self) -> Allocation:
+    def initial(self) -> Candidate:
         return self.start
 
-    def decide(self, engine: Engine) -> Allocation | None:
+    def decide(self, engine: Engine) -> Candidate | None:
         if engine.trained % self.interval:
             return None
         if self.predictor == "replan":
             return self._replan(engine)
         return self._tail(engine)
 
-    def splits(self) -> list[Allocation]:
+    def splits(self) -> list[Candidate]:
         """The splits the policy chooses from: every static split of the start layout, and the start."""
         if not self._splits:
             found = static_splits(self.inputs, self.start.layout, tuple(self.inputs.space.allowed_rollout_tp))
             self._splits = sorted(set(found) | {self.start})
         return self._splits
 
-    def _tail(self, engine: Engine) -> Allocation | None:
+    def _tail(self, engine: Engine) -> Candidate | None:
         job, current = engine.job, engine.alloc
         lo, hi, max_new = max(0, engine.trained - self.interval), engine.trained, job.inputs.workload.max_new_tokens
         lengths = outlook(job.batches, lo, hi, self.horizon_steps / 2.0, max_new)
@@ -105,7 +106,7 @@ class ElasticPolicy:
         gain = now_s / best_s - 1.0 if best_s > 0 else 0.0
         steps = min(self.horizon_steps, engine.steps - engine.trained)
         saved = steps * (now_s - best_s)
-        cost = switch_cost_s(job.inputs, current.candidate(), best.candidate())
+        cost = switch_cost_s(job.inputs, current, best)
         if best == current:
             change, reason = False, "the current split is still the best"
         elif gain < self.min_gain:
@@ -135,12 +136,12 @@ class ElasticPolicy:
             return None
         return since, float(engine.step_end[hi - 1] - engine.step_end[since - 1]) / (hi - since)
 
-    def _replan(self, engine: Engine) -> Allocation | None:
+    def _replan(self, engine: Engine) -> Candidate | None:
         obs = engine.observation(self.interval)
         policy = ReplanPolicy(min_gain=self.min_gain, horizon_steps=self.horizon_steps,
                               allow_train_layout_change=False)
-        decision = replan(self.inputs, engine.alloc.candidate(), obs, policy)
-        target = Allocation.of(decision.target.candidate) if decision.change else None
+        decision = replan(self.inputs, engine.alloc, obs, policy)
+        target = decision.target.candidate if decision.change else None
         engine.result.decisions.append({
             "step": engine.trained, "time_s": round(engine.now, 1), "change": decision.change,
             "reason": decision.reason, "predicted_gain": round(decision.predicted_gain, 4),
@@ -149,21 +150,21 @@ class ElasticPolicy:
         return target
 
 
-def planner_allocation(inputs: PlannerInputs) -> Allocation:
+def planner_allocation(inputs: PlannerInputs) -> Candidate:
     """The split the planner chooses for the job as declared (grp search)."""
     searched = replace(inputs, space=replace(inputs.space, strategy="grp", pinned=None))
     result = plan(searched)
     if result.chosen is None:
         problems = "; ".join(result.suggestions[:3]) or "no feasible split"
         raise ValueError(f"the planner finds no feasible split for {inputs.cluster.total_gpus} GPUs: {problems}")
-    return Allocation.of(result.chosen.candidate)
+    return result.chosen.candidate
 
 
 def run_policy(job: SimJob, policy: Any, options: SimOptions) -> SimResult:
     return Engine(job, policy, options).run()
 
 
-def best_static(job: SimJob, start: Allocation, options: SimOptions,
+def best_static(job: SimJob, start: Candidate, options: SimOptions,
                 rollout_tps: Sequence[int] | None = None) -> tuple[SimResult, list[SimResult]]:
     """Simulate every static split of `start`'s training layout (and each rollout TP in `rollout_tps`,
     default the planner's allowed ones) and return the best run and all of them."""
@@ -176,7 +177,7 @@ def best_static(job: SimJob, start: Allocation, options: SimOptions,
     return replace(best, policy="best_static"), runs
 
 
-def colocate_switch_s(inputs: PlannerInputs, allocation: Allocation) -> float:
+def colocate_switch_s(inputs: PlannerInputs, allocation: Candidate) -> float:
     """Seconds per step to move the rollout weights and the training state off and back onto every GPU."""
     spec, opts = inputs.model, inputs.train
     rollout_bytes = spec.total_params * inputs.rollout.weight_dtype_bytes / allocation.rollout_tp
@@ -185,11 +186,11 @@ def colocate_switch_s(inputs: PlannerInputs, allocation: Allocation) -> float:
     return 2.0 * (rollout_bytes + train_bytes) / inputs.cost.host_link_bytes_per_s
 
 
-def colocated(job: SimJob, start: Allocation, options: SimOptions) -> SimResult:
+def colocated(job: SimJob, start: Candidate, options: SimOptions) -> SimResult:
     """Every GPU generates, then trains (time-shared, synchronous). Node failures are not simulated here."""
     total, layout, tp = job.total_gpus, start.layout, start.rollout_tp
     dp = total // layout.model_parallel
-    whole = Allocation(dp * layout.model_parallel, total, layout, tp)
+    whole = Candidate(dp * layout.model_parallel, total, layout, tp)
     b, c, inputs = job.batches, job.costs, job.inputs
     instances = total // tp
     switch = colocate_switch_s(inputs, whole)

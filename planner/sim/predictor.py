@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.sim.allocation import Allocation
+from planner.plan import Candidate
 from planner.sim.engine import Engine, ReconfigureStrategy, SimJob, SimOptions
 from planner.sim.lengths import BatchStats
 
@@ -45,15 +45,15 @@ REPLAY_STEPS = WARM_STEPS + SETTLE_STEPS + MEASURED_STEPS + 1  # the last batch 
 class _SwitchAfterWarmUp:
     """`current` for `WARM_STEPS` steps, then `candidate`."""
 
-    current: Allocation
-    candidate: Allocation
+    current: Candidate
+    candidate: Candidate
     name: str = "replay"
     ehp: bool = False
 
-    def initial(self) -> Allocation:
+    def initial(self) -> Candidate:
         return self.current
 
-    def decide(self, engine: Engine) -> Allocation | None:
+    def decide(self, engine: Engine) -> Candidate | None:
         return self.candidate if engine.trained == WARM_STEPS else None
 
 
@@ -78,12 +78,12 @@ def outlook(batches: BatchStats, lo: int, hi: int, ahead: float, max_new_tokens:
     return BatchStats(replay_count, total, np.clip(mean * longest_ratio, mean, cap), total * biased)
 
 
-def replay_step_s(job: SimJob, current: Allocation, candidate: Allocation, lengths: BatchStats,
+def replay_step_s(job: SimJob, current: Candidate, candidate: Candidate, lengths: BatchStats,
                   strategy: ReconfigureStrategy = "diff") -> float:
     """Seconds per step of `candidate` on `lengths` (an `outlook`) when the job moves to it from `current` by
     `strategy`, timed over `MEASURED_STEPS` steps once the new pools have settled (`current == candidate`: no
     switch)."""
-    if candidate.instances < 1 or candidate.dp < 1:
+    if candidate.rollout_instances < 1 or candidate.dp < 1:
         return math.inf
     if lengths.steps != REPLAY_STEPS:
         raise ValueError(f"lengths: {lengths.steps} steps: a replay runs {REPLAY_STEPS} (use outlook())")

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.sim.allocation import Allocation
+from planner.plan import Candidate
 from planner.sim.costs import PhaseCosts, ReloadMethod, ReloadStrategy
 from planner.sim.engine import SimJob, SimOptions, SimResult
 from planner.sim.lengths import LengthModel, draw_batches
@@ -74,7 +74,7 @@ class Comparison:
     """Every policy's run on one job, and what each took to simulate."""
 
     job: SimJob
-    start: Allocation
+    start: Candidate
     results: dict[str, SimResult] = field(default_factory=dict)
     statics: list[SimResult] = field(default_factory=list)
     sim_s: dict[str, float] = field(default_factory=dict)

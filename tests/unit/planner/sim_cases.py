@@ -10,7 +10,7 @@ import numpy as np
 from planner_cases import inputs
 
 from planner.layout import TrainLayout
-from planner.sim.allocation import Allocation
+from planner.plan import Candidate
 from planner.sim.calibration import MeasuredRun
 from planner.sim.costs import MeasuredCosts, PhaseCosts
 from planner.sim.engine import Engine, SimJob
@@ -78,23 +78,23 @@ def real_job(steps: int = 30, start: float = 400, end: float = 3000, drift: bool
     return build_job(base, lengths, steps, seed)
 
 
-def split(job: SimJob, train: int, tp: int = 1, pp: int = 1, rollout_tp: int = 1) -> Allocation:
-    return Allocation(train, job.total_gpus - train, TrainLayout(tp=tp, pp=pp), rollout_tp)
+def split(job: SimJob, train: int, tp: int = 1, pp: int = 1, rollout_tp: int = 1) -> Candidate:
+    return Candidate(train, job.total_gpus - train, TrainLayout(tp=tp, pp=pp), rollout_tp)
 
 
 @dataclass
 class SwitchOnce:
     """A policy that runs `first`, then switches to `second` after step 2."""
 
-    first: Allocation
-    second: Allocation
+    first: Candidate
+    second: Candidate
     name: str = "switch"
     ehp: bool = False
 
-    def initial(self) -> Allocation:
+    def initial(self) -> Candidate:
         return self.first
 
-    def decide(self, engine: Engine) -> Allocation | None:
+    def decide(self, engine: Engine) -> Candidate | None:
         return self.second if engine.trained == 2 else None
 
 

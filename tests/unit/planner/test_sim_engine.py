@@ -10,13 +10,13 @@ from dataclasses import replace
 import pytest
 from sim_cases import SwitchOnce, fixed_job, real_job, split
 
-from planner.sim.allocation import Allocation
+from planner.plan import Candidate
 from planner.sim.engine import STRATEGIES, Engine, SimJob, SimOptions
 from planner.sim.policies import StaticPolicy
 from planner.workload import CostParams
 
 
-def run(job: SimJob, allocation: Allocation, **options: object) -> Engine:
+def run(job: SimJob, allocation: Candidate, **options: object) -> Engine:
     engine = Engine(job, StaticPolicy(allocation), SimOptions(steps=job.batches.steps, **options))  # type: ignore[arg-type]
     engine.run()
     return engine
@@ -129,11 +129,11 @@ def test_ehp_borrows_idle_rollout_gpus_in_a_synchronous_job() -> None:
 
 
 def test_same_seed_same_run() -> None:
-    a = run(real_job(steps=20, seed=4), Allocation(8, 24, split(real_job(steps=1), 8, tp=2).layout, 1),
+    a = run(real_job(steps=20, seed=4), Candidate(8, 24, split(real_job(steps=1), 8, tp=2).layout, 1),
             node_failures_per_node_hour=1.0, seed=4).result
-    b = run(real_job(steps=20, seed=4), Allocation(8, 24, split(real_job(steps=1), 8, tp=2).layout, 1),
+    b = run(real_job(steps=20, seed=4), Candidate(8, 24, split(real_job(steps=1), 8, tp=2).layout, 1),
             node_failures_per_node_hour=1.0, seed=4).result
-    c = run(real_job(steps=20, seed=5), Allocation(8, 24, split(real_job(steps=1), 8, tp=2).layout, 1),
+    c = run(real_job(steps=20, seed=5), Candidate(8, 24, split(real_job(steps=1), 8, tp=2).layout, 1),
             node_failures_per_node_hour=1.0, seed=5).result
     assert a.summary() == b.summary() and list(a.step_end_s) == list(b.step_end_s)
     assert a.wall_s != c.wall_s
