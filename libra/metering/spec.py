@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The CFS period of every slice. A slice may spend a whole period's quota in one burst at full core speed, which a
-# GPU cannot: with 100 ms, a 0.2-core slice that idled ran 20 ms of CPU unthrottled, the whole training step of a
-# small model. With 20 ms the burst is 4 ms, so a step of tens of milliseconds of CPU runs at the slice's rate.
+# GPU cannot: with 100 ms, a 0.2-core slice that idled ran 20 ms of CPU unthrottled, more than a dev-model training
+# rank's forward and backward. With 20 ms the burst is 4 ms, so tens of milliseconds of CPU run at the slice's rate.
 PERIOD_US = 20_000
 # The kernel refuses a CFS quota under 1 ms per period (cgroup v1; v2 takes the same minimum)
 MIN_QUOTA_US = 1_000

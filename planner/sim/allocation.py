@@ -1,7 +1,8 @@
 """A split of the cluster between the training pool and the rollout pool, and the splits a policy may choose.
 
-A split is the planner's `Candidate` (training GPUs and layout, rollout GPUs and instance TP). The simulated elastic runtime resizes the training pool by data-parallel replicas and keeps its TP x PP x CP x EP
-layout (as Libra's elastic training does); the rollout instance TP may change with a restart of the
+A split is the planner's `Candidate` (training GPUs and layout, rollout GPUs and instance TP). The simulated
+elastic runtime resizes the training pool by data-parallel replicas and keeps its TP x PP x CP x EP layout (as
+Libra's elastic training does); the rollout instance TP may change with a restart of the
 instances. `static_splits` lists every split that the planner's own rules admit for a layout: training GPUs
 on the allocation granularity, the layout's divisibility and batch rules (`planner.search.split_rule_violations`
 without the cost thresholds) and the training memory model; rollout GPUs a multiple of the instance TP.
