@@ -222,7 +222,7 @@ def calibration(gain_path: str, gain_config: str) -> dict[str, Any]:
     if overrides is None:
         return {"rel_error_step_s": None, "rel_error_throughput": None,
                 "reason": f"{os.path.relpath(gain_path, ROOT)} does not record the overrides its runs shared "
-                          "(`overrides`, written by benchmarks/elastic_gain.py since the drift job's full form): "
+                          "(`overrides`, which benchmarks/elastic_gain.py writes): "
                           "run the measured-gain benchmark again to calibrate on it"}
     runs = measured_runs(document)
     # a run that changed split, or whose training borrowed rollout GPUs, is not a static split's run
