@@ -83,13 +83,18 @@ def device_args(launch: ServerLaunch, device: str) -> list[str]:
 
 
 def device_env(
-    gpu_ids: list[str], device: str, tp_size: int = 1, cpu_count: int | None = None
+    gpu_ids: list[str], device: str, tp_size: int = 1, cpu_count: int | None = None, enforce_eager: bool = False
 ) -> dict[str, str]:
     """Environment that places the server on its devices. On CPU, logical GPU k maps to core k mod #cores
     (one OpenMP binding per TP rank), so instances on different logical GPUs do not share a core."""
     if device == "cuda":
         return {}
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if tp_size == 1 else {}
+    if enforce_eager:
+        # --enforce-eager leaves vLLM's sampler helpers compiled: the first request that asks for logprobs (every
+        # request of Libra's) builds the logprob-rank kernel with inductor, a C++ compile inside the server's
+        # first rollout phase. Eager means no torch.compile at all on CPU.
+        env["TORCH_COMPILE_DISABLE"] = "1"
     cores = cpu_count or os.cpu_count() or 1
     ranks = [str(int(g) % cores) for g in gpu_ids if g.strip().isdigit()]
     if ranks:
@@ -116,7 +121,9 @@ def server_command(launch: ServerLaunch, device: str, python: str = sys.executab
     return cmd + device_args(launch, device)
 
 
-def server_env(base: Mapping[str, str], gpu_ids: list[str], device: str, tp_size: int = 1) -> dict[str, str]:
+def server_env(
+    base: Mapping[str, str], gpu_ids: list[str], device: str, tp_size: int = 1, enforce_eager: bool = False
+) -> dict[str, str]:
     env = dict(base)
     env.update(
         VLLM_SERVER_DEV_MODE="1",  # /pause, /resume, /collective_rpc, /reset_prefix_cache
@@ -124,7 +131,7 @@ def server_env(base: Mapping[str, str], gpu_ids: list[str], device: str, tp_size
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
     )
-    env.update(device_env(gpu_ids, device, tp_size))
+    env.update(device_env(gpu_ids, device, tp_size, enforce_eager=enforce_eager))
     return env
 
 
@@ -222,7 +229,7 @@ class ServerProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=server_env(os.environ, gpu_ids, device, launch.tp_size),
+                env=server_env(os.environ, gpu_ids, device, launch.tp_size, launch.enforce_eager),
                 start_new_session=True,  # survives its parent; the group is stopped as one
                 close_fds=True,
             )

@@ -22,6 +22,7 @@ from libra.rollout.server import (
     pid_alive,
     process_start_ticks,
     server_command,
+    server_env,
 )
 from libra.rollout.spec import RolloutPoolSpec, RolloutSpecError
 
@@ -126,17 +127,29 @@ def test_cpu_token_budget_holds_the_longest_prompt() -> None:
 
 
 @pytest.mark.parametrize(
-    ("gpu_ids", "tp", "cpus", "device", "expect"),
+    ("gpu_ids", "tp", "cpus", "device", "eager", "expect"),
     [
-        (["0"], 1, 2, "cpu", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0"}),
-        (["5"], 1, 2, "cpu", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "1"}),
-        (["2", "3"], 2, 8, "cpu", {"VLLM_CPU_OMP_THREADS_BIND": "2|3"}),
-        ([], 1, 2, "cpu", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
-        (["0"], 1, 2, "cuda", {}),
+        (["0"], 1, 2, "cpu", False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0"}),
+        (["5"], 1, 2, "cpu", False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "1"}),
+        (["2", "3"], 2, 8, "cpu", False, {"VLLM_CPU_OMP_THREADS_BIND": "2|3"}),
+        ([], 1, 2, "cpu", False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+        (["0"], 1, 2, "cpu", True, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0",
+                                    "TORCH_COMPILE_DISABLE": "1"}),
+        (["0"], 1, 2, "cuda", False, {}),
+        (["0"], 1, 2, "cuda", True, {}),
     ],
+    ids=["cpu-core0", "cpu-gpu5-on-core1", "cpu-tp2", "cpu-no-gpu-ids", "cpu-eager-compiles-nothing", "cuda",
+         "cuda-eager-keeps-vllm-compile"],
 )
-def test_device_env(gpu_ids: list[str], tp: int, cpus: int, device: str, expect: dict[str, str]) -> None:
-    assert device_env(gpu_ids, device, tp, cpu_count=cpus) == expect
+def test_device_env(gpu_ids: list[str], tp: int, cpus: int, device: str, eager: bool, expect: dict[str, str]) -> None:
+    assert device_env(gpu_ids, device, tp, cpu_count=cpus, enforce_eager=eager) == expect
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_server_env_passes_the_launchs_eager_setting(eager: bool) -> None:
+    env = server_env({"KEEP": "1"}, ["0"], "cpu", 1, eager)
+    assert env["KEEP"] == "1" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert ("TORCH_COMPILE_DISABLE" in env) is eager
 
 
 def test_launch_fingerprint_ignores_model_and_port() -> None:
