@@ -182,14 +182,14 @@ def drift_workload(cfg: Any, steps: int) -> dict[str, float]:
 
 CALIBRATION_COVERS = (
     "Whole measured runs as benchmarks/elastic_gain.json records them: wall_s, rollout_phase_s and "
-    "train_phase_s are totals over every step, step 1 included. Step 1 carries the rollout instances' "
-    "first-request warm-up (seconds to tens of seconds of rollout); the simulator has no warm-up term, so the "
-    "fitted decode_fixed_s absorbs it, together with each batch's dispatch and prefill, spread over the job's "
-    "decode steps (whole-run totals of one length schedule cannot tell these three apart). Errors are "
-    "held-out: a run's figure comes from constants fitted without any run of its split.")
+    "train_phase_s are totals over every step, step 1 included. The simulator has no warm-up term: whatever "
+    "step 1 costs beyond the others (the rollout servers no longer compile at their first request) goes into "
+    "the fitted decode_fixed_s, together with each batch's dispatch and prefill, spread over the job's decode "
+    "steps (whole-run totals of one length schedule cannot tell these apart). Errors are held-out: a run's "
+    "figure comes from constants fitted without any run of its split.")
 CALIBRATION_NOT_COVERED = [
     "the constants are fitted to this one job (model, batch, length schedule) on this machine: decode_fixed_s "
-    "carries the warm-up and per-batch overheads of this length schedule, so another job needs its own fit",
+    "carries the first step's extra cost and per-batch overheads of this length schedule, so another job needs its own fit",
     "runs were replayed at the split they ran, with the simulator's synchronous engine; a run that changed "
     "split or whose training borrowed rollout GPUs (elastic hybrid parallelism) is left out, so the figures "
     "test the splits' predictions, not the elastic policy's decisions or EHP",

@@ -40,6 +40,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.slow_job]
 STARTUP_S = 600  # Ray, vLLM-CPU servers and Megatron init on 2 loaded cores, with margin
 CHANGE_S = 600  # a second vLLM-CPU server started while the job trains
 GRP = "global_resource_planner"
+# Since the rollout servers stopped compiling at their first request, a second instance is predicted to gain
+# 4 to 5 % on this job (it was more while every fresh server compiled): the threshold sits below that, and the
+# never-reached total_steps lets the saving over the remaining steps pay for the switch
+MIN_GAIN = 0.02
 
 
 def replan_config(root: Path) -> dict[str, Any]:
@@ -51,14 +55,14 @@ def replan_config(root: Path) -> dict[str, Any]:
         rollout_gpus=1,  # one GPU spare: a rollout instance short
         max_model_len=128,
         max_new_tokens=32,
-        total_steps=2000,  # never reached: the test stops the job once it has seen what it checks
+        total_steps=20000,  # never reached: the test stops the job once it has seen what it checks
         task={"name": "drift", "params": {"num_values": 5, "length": 3, "start_tokens": 32, "end_tokens": 32,
                                           "ramp_prompts": 1}, "eval_interval": 0},
         checkpoint={"interval_steps": 0, "keep_last": 1},
         tracking={"backends": ["jsonl"], "console": "plain"},
     )
     data[GRP] = {**data[GRP], "runtime_dynamic_reconfiguration_enabled": True, "runtime_online_replanning": True,
-                 "replan_interval_steps": 3, "replan_min_gain": 0.05}
+                 "replan_interval_steps": 3, "replan_min_gain": MIN_GAIN}
     return data
 
 
@@ -107,7 +111,7 @@ def test_replanning_requests_the_spare_gpu_and_the_change_completes(workspace: d
     assert len(requested) == 1, made  # no flapping: one change, then the new split is kept
     first = requested[0]
     assert "rollout 1 GPUs (1 x tp=1)" in first["current"] and "rollout 2 GPUs (2 x tp=1)" in first["best"]
-    assert first["best_samples_per_s"] > first["current_samples_per_s"] and first["gain"] >= 0.05
+    assert first["best_samples_per_s"] > first["current_samples_per_s"] and first["gain"] >= MIN_GAIN
     assert first["time_saved_s"] > first["switch_cost_s"] and first["switch_cost_source"] == "planner estimate"
     window = first["window"]
     assert window["rollout_tokens_per_s"] > 0 and window["train_step_s"] > 0
