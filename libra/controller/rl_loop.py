@@ -2,8 +2,10 @@
 
 Each step: a lag-bounded batch from the rollout producer -> advantages -> one optimizer step on the
 training pool -> weight publish every `sync_interval` steps (one reload request, validated ACK batch) ->
-evaluation and checkpoint when due -> one metrics row. Resuming loads the newest complete checkpoint and
-brings the rollout servers to its weights first.
+evaluation and checkpoint files when due -> one metrics row -> the checkpoint marked complete. A checkpoint
+is complete only once its step's row is written, so a controller killed in between resumes from the checkpoint
+before (the step is trained again) and never after a step without a row. Resuming loads the newest complete
+checkpoint and brings the rollout servers to its weights first.
 
 Evaluation runs beside the next step's rollout: the held-out prompts go to the rollout pool right after the
 publish of step N (so they see policy N), and their result is taken before step N+1 trains, ahead of the next
@@ -30,7 +32,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from libra.config import Config
 from libra.controller.batching import SampleBuffer
@@ -80,6 +82,8 @@ class RLLoop:
         self.producer: RolloutProducer | None = None
         self.store = CheckpointStore(run, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
         self._last_checkpoint_step = -1
+        self._saved_checkpoint_step: int | None = None  # written, not yet complete (waits for the step's row)
+        self._reported_step = 0  # the newest step whose metrics row was written (or loaded at resume)
         self._disk_full = False  # a checkpoint write met a full disk: no second try at shutdown
         self._loop_started: float | None = None
         self._eval_runner: concurrent.futures.ThreadPoolExecutor | None = None
@@ -132,6 +136,7 @@ class RLLoop:
         if dropped:
             self.events.emit("metrics_truncated", f"dropped {dropped} metric rows after step {self.state.step}")
         self.rows = [row for row in self.rows if int(row["step"]) <= self.state.step]
+        self._reported_step = self.state.step
         if not after:
             self.start_step = self.state.step
 
@@ -230,6 +235,8 @@ class RLLoop:
                 self.reporter.pools(self.session.pool_status())
                 self.reporter.step(row, self.session.pool_text(), self.buffer.depth(),
                                    {"tick_errors": self.session.tick_errors(), "rollout_failures": self.producer.failures})
+                self._reported_step = int(row["step"])
+                self._commit_saved_checkpoint()
         finally:
             self._settle_pending_evaluation()
             self.timings["loop"] = time.monotonic() - loop_started
@@ -348,7 +355,7 @@ class RLLoop:
             times["eval"] = eval_wait + time.monotonic() - t
             t = time.monotonic()
             if cfg.checkpoint.interval_steps and number % cfg.checkpoint.interval_steps == 0:
-                self.checkpoint()
+                self._save_checkpoint_files()  # marked complete once the step's metrics row is written
             times["checkpoint"] = time.monotonic() - t
         for phase, seconds in times.items():
             self.timings[phase] += seconds
@@ -477,6 +484,16 @@ class RLLoop:
 
     def checkpoint(self) -> None:
         """Save the training pool's checkpoint of the current step, then the controller state (last)."""
+        if self.state.step == self._last_checkpoint_step:
+            return
+        self._save_checkpoint_files()
+        self._commit_saved_checkpoint()
+
+    def _save_checkpoint_files(self) -> None:
+        """Write the training pool's checkpoint of the current step, not yet complete: a step's checkpoint is
+        marked complete (its controller state written) only after the step's metrics row, so a controller that
+        dies in between resumes from the checkpoint before and trains the step again, and no step that a
+        checkpoint holds is without its row."""
         step = self.state.step
         if step == self._last_checkpoint_step:
             return
@@ -484,22 +501,44 @@ class RLLoop:
             with get_tracer().span("checkpoint.save", step=step):
                 target = self.store.begin(step)
                 self.session.training.save_checkpoint(str(target), step)
-                snapshot = ControllerState.from_dict(self.state.to_dict())
-                if self._loop_started is not None:
-                    snapshot.train_seconds += time.monotonic() - self._loop_started
-                folder = self.store.commit(snapshot)
         except Exception as exc:
-            full = disk_full_error(self.store, step, exc)
-            if full is None:
-                raise
-            self._disk_full = True
-            raise full from exc
+            self._raise_disk_full_or(exc, step)
+        self._saved_checkpoint_step = step
+
+    def _commit_saved_checkpoint(self) -> None:
+        """Mark the checkpoint written by `_save_checkpoint_files` complete; nothing when none waits."""
+        step = self._saved_checkpoint_step
+        if step is None:
+            return
+        self._saved_checkpoint_step = None
+        if step != self.state.step:  # the loop went back to an earlier checkpoint: the files are not this state's
+            return
+        try:
+            snapshot = ControllerState.from_dict(self.state.to_dict())
+            if self._loop_started is not None:
+                snapshot.train_seconds += time.monotonic() - self._loop_started
+            folder = self.store.commit(snapshot)
+        except Exception as exc:
+            self._raise_disk_full_or(exc, step)
         self._last_checkpoint_step = step
         self._restarts_in_a_row = 0
         self.events.emit("checkpoint", f"saved step {step}", step=step, path=str(folder))
 
+    def _raise_disk_full_or(self, exc: Exception, step: int) -> NoReturn:
+        full = disk_full_error(self.store, step, exc)
+        if full is None:
+            raise exc
+        self._disk_full = True
+        raise full from exc
+
     def final_checkpoint(self) -> None:
         if self._training_state_lost or self._disk_full:  # the pool lost its state / a save cannot be written
+            return
+        if self.state.step != self._reported_step:
+            # the loop stopped between a step's training and its metrics row: a checkpoint of that step would
+            # resume after a step without a row, so the job resumes from the checkpoint before and trains it again
+            self.events.emit("checkpoint_skipped", f"step {self.state.step} ended without its metrics row; not "
+                             f"saved, a resume trains it again", step=self.state.step)
             return
         if self.state.step > 0 and self.state.step != self._last_checkpoint_step:
             self.checkpoint()

@@ -5,6 +5,7 @@ any other training error fails it unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -295,3 +296,56 @@ def test_an_error_after_a_restart_for_a_lost_node_writes_no_checkpoint_of_the_in
     saved = sorted(p.name for p in run.checkpoints.iterdir())
     loop.final_checkpoint()
     assert sorted(p.name for p in run.checkpoints.iterdir()) == saved, "a checkpoint of the initial weights"
+
+
+def _metric_steps(run: RunDir) -> list[int]:
+    return [json.loads(line)["step"] for line in run.metrics_jsonl.read_text().splitlines() if line.strip()]
+
+
+def test_a_steps_checkpoint_is_complete_only_after_its_metrics_row(tmp_path: Path) -> None:
+    """A controller killed between the two writes must not resume after a step that has no row."""
+    loop, run = make_loop(tmp_path, Training(set()))
+    complete_at_row: dict[int, int] = {}
+    report = loop.reporter.step
+
+    def step(row: dict[str, Any], *args: Any) -> None:
+        newest = run.latest_checkpoint()
+        complete_at_row[row["step"]] = newest[0] if newest else 0
+        report(row, *args)
+
+    loop.reporter.step = step  # type: ignore[method-assign]
+    try:
+        loop.run_steps()
+    finally:
+        loop.stop_producer()
+    # checkpoints every 2 steps: when row 2 is written the newest complete checkpoint is still none, at row 4 it is 2
+    assert complete_at_row == {1: 0, 2: 0, 3: 2, 4: 2, 5: 4, 6: 4}
+    assert [s for s, _ in run.checkpoints_by_step()] == [2, 4, 6]
+    assert _metric_steps(run) == list(range(1, END_STEP + 1))
+
+
+@pytest.mark.parametrize("stop_at", [pytest.param(4, id="a-step-with-a-checkpoint-due"),
+                                     pytest.param(3, id="a-step-without")])
+def test_a_stop_between_a_step_and_its_row_keeps_every_checkpointed_step_with_its_row(
+        tmp_path: Path, stop_at: int) -> None:
+    """A loop that stops after training a step and before writing its row (here the step's hook fails) leaves
+    no complete checkpoint of that step, also not the shutdown's; the resume trains the step again."""
+    loop, run = make_loop(tmp_path, Training(set()))
+
+    def after_step(rows: list[dict[str, Any]]) -> None:
+        if rows[-1]["step"] == stop_at:
+            raise RuntimeError("the step's hook failed")
+
+    loop.session = dataclasses.replace(loop.session, after_step=after_step)
+    try:
+        with pytest.raises(RuntimeError, match="the step's hook failed"):
+            loop.run_steps()
+    finally:
+        loop.stop_producer()
+    loop.final_checkpoint()
+    assert [s for s, _ in run.checkpoints_by_step()] == [2]
+    assert _metric_steps(run) == list(range(1, stop_at))
+    assert [e["step"] for e in _events(run, "checkpoint_skipped")] == [stop_at]
+    again, _ = run_loop(tmp_path, Training(set()))
+    assert again.start_step == 2
+    assert _metric_steps(run) == list(range(1, END_STEP + 1))

@@ -152,6 +152,28 @@ def test_server_env_passes_the_launchs_eager_setting(eager: bool) -> None:
     assert ("TORCH_COMPILE_DISABLE" in env) is eager
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_a_started_server_runs_with_the_launchs_eager_setting(
+        eager: bool, tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ServerProcess.start` hands the launch's `enforce_eager` to the server's environment (the process start
+    itself is replaced: a vLLM server cannot start in a unit test)."""
+    started: list[dict[str, object]] = []
+
+    class RecordedStart:
+        pid = 4242
+
+        def __init__(self, command: list[str], **kwargs: object) -> None:
+            started.append(dict(kwargs, command=command))
+
+    monkeypatch.setattr(subprocess, "Popen", RecordedStart)
+    server = ServerProcess.start(launch(enforce_eager=eager, log_path=os.path.join(tmp_path, "s.log")), ["0"], "cpu")
+    (call,) = started
+    env = call["env"]
+    assert isinstance(env, dict) and ("TORCH_COMPILE_DISABLE" in env) is eager
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and server.pid == 4242  # placed on its logical GPU's core
+    assert ("--enforce-eager" in call["command"]) is eager
+
+
 def test_launch_fingerprint_ignores_model_and_port() -> None:
     assert launch().fingerprint() == launch(model_path="/other", port=9).fingerprint()
     assert launch().fingerprint() != launch(max_model_len=1024).fingerprint()
