@@ -24,7 +24,9 @@ their own). Each of its two runs first waits (up to 3 minutes, `settle_s`) for t
 machine's cores or stop falling, as the policy runs' processes end. `--only-ehp` runs this part alone. Written
 besides the issue's keys: `machine_load` (load average before and after each run: on a shared, loaded machine the
 figures are not a gain measurement),
-`slices_left` (metering slices found after each run; must be empty) and `not_covered`.
+`slices_left` (metering slices found after each run; must be empty), `slice_cpu` (per run: the cores the
+servers, borrowed replicas and training workers used inside their slices in each phase,
+benchmarks/slice_cpu.py) and `not_covered`.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import elastic_gain_figures as fig  # noqa: E402
+import slice_cpu  # noqa: E402
 
 from libra.metering.spec import PERIOD_US  # noqa: E402
 
@@ -203,8 +206,20 @@ def stop_group(proc: subprocess.Popen[bytes], run_dir: Path) -> None:
     proc.wait()
 
 
-def launch(config: Path, run_dir: Path, overrides: list[str], steps: int, timeout_s: float) -> dict[str, Any]:
-    """`libra launch` as a user runs it; returns exit code, seconds and load around it."""
+def slices_base() -> str:
+    """The folder the job's metering slices are made in ("" without a writable CPU controller)."""
+    from libra.metering.cgroup import CgroupUnavailable, find_cpu_cgroup
+
+    try:
+        return find_cpu_cgroup().base
+    except CgroupUnavailable:
+        return ""
+
+
+def launch(config: Path, run_dir: Path, overrides: list[str], steps: int, timeout_s: float,
+           sampler: slice_cpu.SliceCpuSampler | None = None) -> dict[str, Any]:
+    """`libra launch` as a user runs it; returns exit code, seconds and load around it. With `sampler`, the
+    slices' processes are sampled while it runs."""
     cmd = [sys.executable, "-m", "libra.cli.main", "launch", str(config), "--run-dir", str(run_dir),
            "--max-steps", str(steps), "--console", "plain"]
     for item in overrides:
@@ -216,11 +231,15 @@ def launch(config: Path, run_dir: Path, overrides: list[str], steps: int, timeou
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        if sampler is not None:
+            sampler.start()
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             code = None
         finally:
+            if sampler is not None:
+                sampler.stop()
             stop_group(proc, run_dir)
     out: dict[str, Any] = {"exit_code": code, "launch_s": round(time.monotonic() - started, 1),
                            "load_before": load_before, "load_after": load_average(), "slices_left": slices_left()}
@@ -232,11 +251,16 @@ def launch(config: Path, run_dir: Path, overrides: list[str], steps: int, timeou
 
 def run_policy(policy: str, config: Path, run_dir: Path, overrides: list[str], shape: Shape) -> dict[str, Any]:
     print(f"[elastic_gain] {policy}: {' '.join(overrides)}", flush=True)
-    outcome = launch(config, run_dir, overrides, shape.steps, shape.run_timeout_s)
+    base = slices_base()
+    sampler = slice_cpu.SliceCpuSampler(base) if base else None
+    outcome = launch(config, run_dir, overrides, shape.steps, shape.run_timeout_s, sampler)
     rows = fig.read_jsonl(run_dir / "metrics.jsonl")
     events = fig.read_jsonl(run_dir / "events.jsonl")
     figures: dict[str, Any] = fig.run_figures(policy, rows, events) if rows else {"policy": policy, "steps": 0}
     figures.update(outcome, run_dir=str(run_dir))
+    if sampler is not None and rows:
+        # where the slices' CPU went in each phase (a parked replica beside its lending server, for one)
+        figures["slice_cpu"] = slice_cpu.cpu_by_phase(sampler.snapshots, slice_cpu.phase_intervals(fig.last_session(rows)))
     if figures.get("samples_per_s") and figures.get("launch_s"):  # start-up and shutdown included
         figures["samples_per_s_whole_launch"] = round(
             float(figures["samples_per_s"]) * float(figures["wall_s"]) / float(figures["launch_s"]), 4)
@@ -484,6 +508,11 @@ def not_covered(quick: bool, shape: Shape, allowed: list[fig.Split], chosen: lis
     notes.append("Logical GPUs are CPU slices of cluster.metered_cpu_per_gpu cores: a pool's capacity follows its "
                  "GPU count, but memory bandwidth, caches and the unmetered controller and Ray are shared.")
     notes.append(period_note(result["cpu_per_gpu"]))
+    if any("slice_cpu" in r for r in runs):
+        notes.append("slice_cpu (cores each kind of process used in the rollout and training slices, per phase, steps "
+                     "after the first) comes from samples every 0.5 s of the slices' processes; a process that "
+                     "started and ended between two samples is missed, and the sampler itself runs outside the "
+                     "slices, beside the controller.")
     notes.append("wall_s is the step loop (first step start to last step end); start-up (Ray join, vLLM-CPU "
                  "servers, Megatron init, and in the elastic run the borrowed training replicas started and parked "
                  "before the first step) is in launch_s and not in samples_per_s; samples_per_s_whole_launch "

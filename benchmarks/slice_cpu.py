@@ -1,0 +1,156 @@
+"""Where the CPU of metered slices goes during a run: `SliceCpuSampler` and `cpu_by_phase`.
+
+A run of the gain benchmark holds its logical GPUs as CPU slices (cgroups under `<cpu controller>/libra`). The
+sampler reads, every `interval_s`, which processes each slice holds and their CPU time (`/proc/PID/stat`,
+user + system); `cpu_by_phase` then adds up, for the rollout and the training phases of every step after the
+first (from the run's metrics rows), the cores each kind of process used, per kind of slice:
+
+- in a rollout slice: `server` (the vLLM server's processes: guard, API server, engine core) and
+  `borrowed_worker` (a training replica on the lent GPU, working or parked: a Ray worker);
+- in a training slice: `training_worker` (the worker and anything it started).
+
+A process's CPU between two samples counts for the phase the middle of the interval falls in; processes that
+start and end between two samples are missed, and the sampler's own reads run outside every slice.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from libra.metering.slices import SliceName
+
+TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+PHASES = ("rollout", "train")
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    """One process of one slice at one moment."""
+
+    slice_holder: str  # "rollout-3", "train-0"
+    pid: int
+    cpu_s: float  # user + system seconds since the process started
+    ray_worker: bool  # a Ray worker process (its command line starts with "ray::")
+
+
+@dataclass
+class Snapshot:
+    at: float  # time.time()
+    processes: list[ProcessSample] = field(default_factory=list)
+
+
+def process_kind(sample: ProcessSample) -> str:
+    """`server`, `borrowed_worker` or `training_worker` (see the module docstring)."""
+    if sample.slice_holder.startswith("rollout"):
+        return "borrowed_worker" if sample.ray_worker else "server"
+    return "training_worker"
+
+
+def slice_kind(holder: str) -> str:
+    return "rollout_slices" if holder.startswith("rollout") else "train_slices"
+
+
+def phase_intervals(rows: Iterable[Mapping[str, Any]], skip_first: bool = True) -> list[tuple[str, float, float]]:
+    """(phase, start, end) in wall-clock seconds of every step's rollout and training phases: a row is written
+    when its step ends (`wall_time`), and the step ran `time_step_s` with its rollout phase first."""
+    out: list[tuple[str, float, float]] = []
+    for index, row in enumerate(rows):
+        if skip_first and index == 0:
+            continue  # the first step starts the borrowed workers
+        start = float(row["wall_time"]) - float(row["time_step_s"])
+        rollout_end = start + float(row["time_rollout_s"])
+        out.append(("rollout", start, rollout_end))
+        out.append(("train", rollout_end, rollout_end + float(row["time_train_s"])))
+    return out
+
+
+def cpu_by_phase(snapshots: Sequence[Snapshot], intervals: Sequence[tuple[str, float, float]]) -> dict[str, Any]:
+    """Per phase: the seconds sampled in it and the cores each kind of process used in each kind of slice."""
+    cpu: dict[tuple[str, str, str], float] = defaultdict(float)
+    wall: dict[str, float] = defaultdict(float)
+    for before, after in zip(snapshots, snapshots[1:], strict=False):
+        middle = (before.at + after.at) / 2.0
+        phase = next((name for name, start, end in intervals if start <= middle < end), None)
+        if phase is None:
+            continue
+        wall[phase] += after.at - before.at
+        earlier = {(p.slice_holder, p.pid): p.cpu_s for p in before.processes}
+        for p in after.processes:
+            if (p.slice_holder, p.pid) in earlier:
+                cpu[(phase, slice_kind(p.slice_holder), process_kind(p))] += p.cpu_s - earlier[(p.slice_holder, p.pid)]
+    result: dict[str, Any] = {}
+    for phase in PHASES:
+        seconds = wall.get(phase, 0.0)
+        kinds: dict[str, dict[str, float]] = defaultdict(dict)
+        for (ph, where, kind), used in sorted(cpu.items()):
+            if ph == phase and seconds > 0:
+                kinds[where][kind] = round(used / seconds, 4)
+        result[phase] = {"sampled_s": round(seconds, 2), "cores": dict(kinds)}
+    return result
+
+
+def read_slices(base: str) -> list[ProcessSample]:
+    """Every process of every slice under `base` with its CPU seconds now (vanished processes are skipped)."""
+    found: list[ProcessSample] = []
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return found
+    for entry in entries:
+        name = SliceName.parse(entry)
+        if name is None:
+            continue
+        try:
+            with open(os.path.join(base, entry, "cgroup.procs"), encoding="ascii") as fh:
+                pids = [int(p) for p in fh.read().split()]
+        except OSError:
+            continue
+        for pid in pids:
+            sample = _process(name.holder, pid)
+            if sample is not None:
+                found.append(sample)
+    return found
+
+
+def _process(holder: str, pid: int) -> ProcessSample | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as fh:
+            stat = fh.read()
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            command = fh.read(64)
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    cpu_s = (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # utime, stime
+    return ProcessSample(holder, pid, cpu_s, command.startswith(b"ray::"))
+
+
+class SliceCpuSampler:
+    """A daemon thread that snapshots the slices under `base` every `interval_s` until `stop()`."""
+
+    def __init__(self, base: str, interval_s: float = 0.5) -> None:
+        self.base = base
+        self.interval_s = interval_s
+        self.snapshots: list[Snapshot] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="slice-cpu-sampler", daemon=True)
+
+    def start(self) -> SliceCpuSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[Snapshot]:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        return self.snapshots
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.snapshots.append(Snapshot(time.time(), read_slices(self.base)))
+            self._stop.wait(self.interval_s)

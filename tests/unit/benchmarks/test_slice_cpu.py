@@ -1,0 +1,84 @@
+"""The gain benchmark's account of where the slices' CPU goes: phases from metrics rows, cores per kind of
+process and slice, and the reading of a slice tree (a folder laid out as the cgroup is, holding this process)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from benchmark_modules import load_benchmark_module
+
+sc = load_benchmark_module("slice_cpu")
+
+ROWS = [  # step 1 starts the borrowed workers and is left out
+    {"wall_time": 100.0, "time_step_s": 10.0, "time_rollout_s": 6.0, "time_train_s": 3.0},
+    {"wall_time": 110.0, "time_step_s": 10.0, "time_rollout_s": 4.0, "time_train_s": 5.0},
+]
+
+
+def proc(holder: str, pid: int, cpu_s: float, ray: bool = False) -> object:
+    return sc.ProcessSample(holder, pid, cpu_s, ray)
+
+
+def test_phase_intervals_follow_the_rows() -> None:
+    assert sc.phase_intervals(ROWS) == [("rollout", 100.0, 104.0), ("train", 104.0, 109.0)]
+    assert sc.phase_intervals(ROWS, skip_first=False)[:2] == [("rollout", 90.0, 96.0), ("train", 96.0, 99.0)]
+
+
+@pytest.mark.parametrize(("snapshots", "expect"), [
+    pytest.param(
+        [sc.Snapshot(100.0, [proc("rollout-1", 7, 1.0), proc("rollout-1", 8, 5.0, ray=True)]),
+         sc.Snapshot(102.0, [proc("rollout-1", 7, 1.3), proc("rollout-1", 8, 5.02, ray=True)])],
+        {"rollout": {"sampled_s": 2.0, "cores": {"rollout_slices": {"borrowed_worker": 0.01, "server": 0.15}}},
+         "train": {"sampled_s": 0.0, "cores": {}}},
+        id="server-and-parked-replica-in-a-rollout-phase"),
+    pytest.param(
+        [sc.Snapshot(104.5, [proc("train-0", 3, 2.0), proc("rollout-2", 9, 1.0, ray=True)]),
+         sc.Snapshot(105.5, [proc("train-0", 3, 2.2), proc("rollout-2", 9, 1.19, ray=True)])],
+        {"rollout": {"sampled_s": 0.0, "cores": {}},
+         "train": {"sampled_s": 1.0, "cores": {"rollout_slices": {"borrowed_worker": 0.19},
+                                                "train_slices": {"training_worker": 0.2}}}},
+        id="borrowed-and-core-ranks-in-a-training-phase"),
+    pytest.param(
+        [sc.Snapshot(95.0, [proc("rollout-1", 7, 1.0)]), sc.Snapshot(96.0, [proc("rollout-1", 7, 1.5)])],
+        {"rollout": {"sampled_s": 0.0, "cores": {}}, "train": {"sampled_s": 0.0, "cores": {}}},
+        id="in-the-first-step"),
+    pytest.param(
+        [sc.Snapshot(109.2, [proc("rollout-1", 7, 1.6)]), sc.Snapshot(110.5, [proc("rollout-1", 7, 1.7)])],
+        {"rollout": {"sampled_s": 0.0, "cores": {}}, "train": {"sampled_s": 0.0, "cores": {}}},
+        id="between-the-training-phase-and-the-row"),
+    pytest.param(
+        [sc.Snapshot(100.0, [proc("rollout-1", 7, 1.0)]), sc.Snapshot(101.0, [proc("rollout-1", 8, 0.4)]),
+         sc.Snapshot(102.0, [proc("rollout-1", 8, 0.5)])],
+        {"rollout": {"sampled_s": 2.0, "cores": {"rollout_slices": {"server": 0.05}}},
+         "train": {"sampled_s": 0.0, "cores": {}}},
+        id="a-process-counts-from-its-first-sample"),
+])
+def test_cpu_by_phase(snapshots: list[object], expect: dict[str, object]) -> None:
+    assert sc.cpu_by_phase(snapshots, sc.phase_intervals(ROWS)) == expect
+
+
+def test_read_slices_finds_the_processes_of_slices_only(tmp_path: Path) -> None:
+    me = os.getpid()
+    slice_dir = tmp_path / f"job@rollout-3@{me}-1"
+    slice_dir.mkdir()
+    (slice_dir / "cgroup.procs").write_text(f"{me}\n999999999\n")  # the second pid does not exist
+    (tmp_path / "not-a-slice").mkdir()
+    ((tmp_path / "not-a-slice") / "cgroup.procs").write_text(f"{me}\n")
+    (found,) = sc.read_slices(str(tmp_path))
+    assert (found.slice_holder, found.pid, found.ray_worker) == ("rollout-3", me, False)
+    assert 0.0 < found.cpu_s <= sum(os.times()[:2]) + 0.05
+    assert sc.read_slices(str(tmp_path / "missing")) == []
+
+
+def test_the_sampler_takes_snapshots_until_stopped(tmp_path: Path) -> None:
+    sampler = sc.SliceCpuSampler(str(tmp_path), interval_s=0.01).start()
+    try:
+        time.sleep(0.1)
+    finally:
+        snapshots = sampler.stop()
+    count = len(snapshots)
+    assert count >= 2 and all(s.processes == [] for s in snapshots)
+    assert len(sampler.snapshots) == count
