@@ -14,12 +14,6 @@ step uses that copy when the pool's weights have not changed since (`TrainingPoo
 copies them itself otherwise. `release(reason)` stops a parked group; `attach` does so itself when the GPUs
 differ, the core pool was resized, re-laid-out or restarted, or a parked worker no longer answers.
 
-On metered logical GPUs a borrowed rank computes in the CPU slice of the GPU it borrows, beside the lending
-server. Once its copy of the parameters is loaded, a parked rank leaves that slice for the host's share of the
-CPU, and it joins the slice again at the next `attach`: a parked replica on a GPU holds memory, not compute,
-and its idle threads (Ray's, gloo's) took 15 % of the lending slices' CPU from the serving instances while
-parked inside them (`benchmarks/results/elastic_gain.json`, `slice_cpu`).
-
 Design. Megatron's parallel state is fixed per torch.distributed world, so borrowed replicas do not join the
 core pool's world: they are extra `TrainingWorker`s (same model, TP / PP / CP as the core pool, no
 distributed optimizer, no trace) on the lent GPUs (`libra.cluster.ehp_workers`), forming worlds of their own:
@@ -113,7 +107,6 @@ class BorrowedWorld:
     group: BorrowedWorkerGroup
     spec: TrainingPoolSpec
     keys: list[tuple[int, int, int]] = field(default_factory=list)  # per rank: (TP, PP, DP x CP) rank
-    holders: list[str] = field(default_factory=list)  # per rank: the lending instance ("" = a GPU of its own)
 
     @property
     def dp(self) -> int:
@@ -138,7 +131,6 @@ class EhpSession:
         # the (core worker group, weights version) they copy: the next step uses them while that still holds
         self._prefetched: list[list[Any]] | None = None
         self._prefetched_for: tuple[Any, int] | None = None
-        self._left_slices: list[tuple[BorrowedWorld, list[Any]]] = []  # per world: the parked ranks' leave calls
         self._lock = threading.RLock()
         self.last_attach_reused = False  # the last attach re-attached a parked group (started nothing)
         self.last_stop_reason = ""  # why the last parked group was stopped
@@ -184,7 +176,7 @@ class EhpSession:
                 raise EhpError(f"{self.name}: already attached to {len(self.gpus)} GPUs; detach() first")
             self.last_attach_reused = False
             if self.parked:
-                problem = self.reuse_problem(gpus) or self._rejoin_lent_slices()
+                problem = self.reuse_problem(gpus)
                 if not problem:
                     self._parked = False
                     self.last_attach_reused = True
@@ -223,7 +215,6 @@ class EhpSession:
             if self.attached:
                 self._parked = True
                 self._prefetch_params()
-                self._leave_lent_slices()
                 log.info("%s: %d borrowed replica(s) parked on GPUs %s", self.name, self.replicas,
                          [g.gpu_id for g in self.gpus])
 
@@ -238,33 +229,6 @@ class EhpSession:
         except Exception as exc:  # the next step copies them itself
             log.warning("%s: copying the parameters into the parked replicas failed (%s)", self.name, exc)
             self._prefetched = self._prefetched_for = None
-
-    def _leave_lent_slices(self) -> None:
-        """Metered logical GPUs: each parked rank on a lent GPU leaves the lending instance's CPU slice once its
-        parameter copy is loaded (a rank runs its calls in order); not waited for here."""
-        metering = self.pool.spec.metering
-        self._left_slices = []
-        if not metering.enabled:
-            return
-        for world in self.worlds:
-            if any(world.holders):
-                calls = [("leave_lent_slice", metering, holder) for holder in world.holders]
-                self._left_slices.append((world, ehp_workers.call_each(world.group, "ehp", calls)))
-
-    def _rejoin_lent_slices(self) -> str:
-        """Before re-attaching a parked group: every rank that left its lent GPU's slice joins it again; why
-        the group cannot be re-attached ("" when every rank is back in its slice)."""
-        left, self._left_slices = self._left_slices, []
-        timeout = self.pool.spec.call_timeout_s
-        try:
-            for world, refs in left:
-                ehp_workers.gather(world.group, "leave_lent_slice", refs, timeout)
-                calls = [("join_lent_slice", self.pool.spec.metering, holder) for holder in world.holders]
-                ehp_workers.gather(world.group, "join_lent_slice",
-                                   ehp_workers.call_each(world.group, "ehp", calls), timeout)
-        except Exception as exc:
-            return f"a parked borrowed rank could not move back into its lent GPU's CPU slice ({exc})"
-        return ""
 
     def _take_prefetched(self) -> list[list[Any]] | None:
         """The parameter loads started at park, per world, if they copy the pool's current weights."""
@@ -314,7 +278,7 @@ class EhpSession:
                 spec = borrowed_spec(pool.spec, len(world_gpus))
                 check_spec(spec, pool.arch, cuda_available())
                 group = BorrowedWorkerGroup(pool.runtime, TrainingWorker, (spec,), world_gpus, f"{self.name}{i}")
-                world = BorrowedWorld(group, spec, holders=[g.holder for g in world_gpus])
+                world = BorrowedWorld(group, spec)
                 self.worlds.append(world)
                 group.start()
                 addr = group.rendezvous_host()
@@ -343,7 +307,6 @@ class EhpSession:
             self._parked = False
             self._core_group = None
             self._prefetched = self._prefetched_for = None
-            self._left_slices = []
             for world in worlds:
                 try:
                     if clean and world.group.actors and world.keys:
