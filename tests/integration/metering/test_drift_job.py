@@ -76,6 +76,13 @@ def tree(pid: int) -> set[int]:
         return set()
 
 
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @pytest.mark.slow_job
 def test_drift_job_responses_grow(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -98,10 +105,10 @@ def test_drift_job_responses_grow(tmp_path: Path) -> None:
             assert set(slices) == {"rollout-0", "train-0"}, slices
             (server,) = registered_servers(run_dir)
             # the tree is read before the slices: a child forked in between inherits the slice, and one that
-            # exited in between is no longer a process, so only a living process outside the slice counts
+            # exited in between (gone, or a zombie: no longer in any cgroup) does not count
             server_tree = tree(server)
             procs = {h: {int(p) for p in Path(path, "cgroup.procs").read_text().split()} for h, path in slices.items()}
-            outside = {pid for pid in server_tree - procs["rollout-0"] if psutil.pid_exists(pid)}
+            outside = {pid for pid in server_tree - procs["rollout-0"] if running(pid)}
             assert server_tree and not outside, (server_tree, procs["rollout-0"])
             assert job.cgroup.quota(slices["rollout-0"]) == CORES_PER_GPU
             assert job.cgroup.quota(slices["train-0"]) == CORES_PER_GPU
