@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import elastic_gain_figures as fig  # noqa: E402
 import slice_cpu  # noqa: E402
 
+from libra.metering.cgroup import CpuCgroup  # noqa: E402
 from libra.metering.spec import PERIOD_US  # noqa: E402
 
 GRP = fig.GRP
@@ -206,14 +207,14 @@ def stop_group(proc: subprocess.Popen[bytes], run_dir: Path) -> None:
     proc.wait()
 
 
-def slices_base() -> str:
-    """The folder the job's metering slices are made in ("" without a writable CPU controller)."""
+def metering_cgroup() -> CpuCgroup | None:
+    """The CPU controller the job's metering slices are made in (None without a writable one)."""
     from libra.metering.cgroup import CgroupUnavailable, find_cpu_cgroup
 
     try:
-        return find_cpu_cgroup().base
+        return find_cpu_cgroup()
     except CgroupUnavailable:
-        return ""
+        return None
 
 
 def launch(config: Path, run_dir: Path, overrides: list[str], steps: int, timeout_s: float,
@@ -251,8 +252,8 @@ def launch(config: Path, run_dir: Path, overrides: list[str], steps: int, timeou
 
 def run_policy(policy: str, config: Path, run_dir: Path, overrides: list[str], shape: Shape) -> dict[str, Any]:
     print(f"[elastic_gain] {policy}: {' '.join(overrides)}", flush=True)
-    base = slices_base()
-    sampler = slice_cpu.SliceCpuSampler(base) if base else None
+    cgroup = metering_cgroup()
+    sampler = slice_cpu.SliceCpuSampler(cgroup) if cgroup is not None else None
     outcome = launch(config, run_dir, overrides, shape.steps, shape.run_timeout_s, sampler)
     rows = fig.read_jsonl(run_dir / "metrics.jsonl")
     events = fig.read_jsonl(run_dir / "events.jsonl")

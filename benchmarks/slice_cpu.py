@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from libra.metering.cgroup import CpuCgroup
 from libra.metering.slices import SliceName
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -95,21 +96,16 @@ def cpu_by_phase(snapshots: Sequence[Snapshot], intervals: Sequence[tuple[str, f
     return result
 
 
-def read_slices(base: str) -> list[ProcessSample]:
-    """Every process of every slice under `base` with its CPU seconds now (vanished processes are skipped)."""
+def read_slices(cgroup: CpuCgroup) -> list[ProcessSample]:
+    """Every process of every slice of `cgroup` with its CPU seconds now (vanished processes are skipped)."""
     found: list[ProcessSample] = []
-    try:
-        entries = os.listdir(base)
-    except OSError:
-        return found
-    for entry in entries:
+    for entry in cgroup.names():
         name = SliceName.parse(entry)
         if name is None:
             continue
         try:
-            with open(os.path.join(base, entry, "cgroup.procs"), encoding="ascii") as fh:
-                pids = [int(p) for p in fh.read().split()]
-        except OSError:
+            pids = cgroup.pids(cgroup.path(entry))
+        except OSError:  # removed meanwhile
             continue
         for pid in pids:
             sample = _process(name.holder, pid)
@@ -132,10 +128,10 @@ def _process(holder: str, pid: int) -> ProcessSample | None:
 
 
 class SliceCpuSampler:
-    """A daemon thread that snapshots the slices under `base` every `interval_s` until `stop()`."""
+    """A daemon thread that snapshots the slices of `cgroup` every `interval_s` until `stop()`."""
 
-    def __init__(self, base: str, interval_s: float = 0.5) -> None:
-        self.base = base
+    def __init__(self, cgroup: CpuCgroup, interval_s: float = 0.5) -> None:
+        self.cgroup = cgroup
         self.interval_s = interval_s
         self.snapshots: list[Snapshot] = []
         self._stop = threading.Event()
@@ -152,5 +148,5 @@ class SliceCpuSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.snapshots.append(Snapshot(time.time(), read_slices(self.base)))
+            self.snapshots.append(Snapshot(time.time(), read_slices(self.cgroup)))
             self._stop.wait(self.interval_s)

@@ -484,8 +484,6 @@ class RLLoop:
 
     def checkpoint(self) -> None:
         """Save the training pool's checkpoint of the current step, then the controller state (last)."""
-        if self.state.step == self._last_checkpoint_step:
-            return
         self._save_checkpoint_files()
         self._commit_saved_checkpoint()
 

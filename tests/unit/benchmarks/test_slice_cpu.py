@@ -61,20 +61,25 @@ def test_cpu_by_phase(snapshots: list[object], expect: dict[str, object]) -> Non
 
 
 def test_read_slices_finds_the_processes_of_slices_only(tmp_path: Path) -> None:
+    from libra.metering.cgroup import CpuCgroup
+
     me = os.getpid()
-    slice_dir = tmp_path / f"job@rollout-3@{me}-1"
-    slice_dir.mkdir()
+    cgroup = CpuCgroup(str(tmp_path), 1, str(tmp_path))
+    slice_dir = Path(cgroup.path(f"job@rollout-3@{me}-1"))
+    slice_dir.mkdir(parents=True)
     (slice_dir / "cgroup.procs").write_text(f"{me}\n999999999\n")  # the second pid does not exist
-    (tmp_path / "not-a-slice").mkdir()
-    ((tmp_path / "not-a-slice") / "cgroup.procs").write_text(f"{me}\n")
-    (found,) = sc.read_slices(str(tmp_path))
+    (Path(cgroup.base) / "not-a-slice").mkdir()
+    (Path(cgroup.base) / "not-a-slice" / "cgroup.procs").write_text(f"{me}\n")
+    (found,) = sc.read_slices(cgroup)
     assert (found.slice_holder, found.pid, found.ray_worker) == ("rollout-3", me, False)
     assert 0.0 < found.cpu_s <= sum(os.times()[:2]) + 0.05
-    assert sc.read_slices(str(tmp_path / "missing")) == []
+    assert sc.read_slices(CpuCgroup(str(tmp_path / "missing"), 1, str(tmp_path))) == []
 
 
 def test_the_sampler_takes_snapshots_until_stopped(tmp_path: Path) -> None:
-    sampler = sc.SliceCpuSampler(str(tmp_path), interval_s=0.01).start()
+    from libra.metering.cgroup import CpuCgroup
+
+    sampler = sc.SliceCpuSampler(CpuCgroup(str(tmp_path), 1, str(tmp_path)), interval_s=0.01).start()
     try:
         time.sleep(0.1)
     finally:
