@@ -1,8 +1,8 @@
 """Where the CPU of metered slices goes during a run: `SliceCpuSampler` and `cpu_by_phase`.
 
 A run of the gain benchmark holds its logical GPUs as CPU slices (cgroups under `<cpu controller>/libra`). The
-sampler reads, every `interval_s`, which processes each slice holds and their CPU time (`/proc/PID/stat`,
-user + system); `cpu_by_phase` then adds up, for the rollout and the training phases of every step after the
+sampler reads, every `interval_s`, which processes each slice holds and their CPU time (user + system,
+from psutil); `cpu_by_phase` then adds up, for the rollout and the training phases of every step after the
 first (from the run's metrics rows), the cores each kind of process used, per kind of slice:
 
 - in a rollout slice: `server` (the vLLM server's processes: guard, API server, engine core) and
@@ -15,7 +15,6 @@ start and end between two samples are missed, and the sampler's own reads run ou
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import defaultdict
@@ -23,10 +22,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 from libra.metering.cgroup import CpuCgroup
 from libra.metering.slices import SliceName
 
-TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 PHASES = ("rollout", "train")
 
 
@@ -57,13 +57,12 @@ def slice_kind(holder: str) -> str:
     return "rollout_slices" if holder.startswith("rollout") else "train_slices"
 
 
-def phase_intervals(rows: Iterable[Mapping[str, Any]], skip_first: bool = True) -> list[tuple[str, float, float]]:
-    """(phase, start, end) in wall-clock seconds of every step's rollout and training phases: a row is written
-    when its step ends (`wall_time`), and the step ran `time_step_s` with its rollout phase first."""
+def phase_intervals(rows: Iterable[Mapping[str, Any]]) -> list[tuple[str, float, float]]:
+    """(phase, start, end) in wall-clock seconds of the rollout and training phases of every step but the first
+    (it starts the borrowed workers): a row is written when its step ends (`wall_time`), and the step ran
+    `time_step_s` with its rollout phase first."""
     out: list[tuple[str, float, float]] = []
-    for index, row in enumerate(rows):
-        if skip_first and index == 0:
-            continue  # the first step starts the borrowed workers
+    for row in list(rows)[1:]:
         start = float(row["wall_time"]) - float(row["time_step_s"])
         rollout_end = start + float(row["time_rollout_s"])
         out.append(("rollout", start, rollout_end))
@@ -116,15 +115,13 @@ def read_slices(cgroup: CpuCgroup) -> list[ProcessSample]:
 
 def _process(holder: str, pid: int) -> ProcessSample | None:
     try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as fh:
-            stat = fh.read()
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            command = fh.read(64)
-    except OSError:
+        process = psutil.Process(pid)
+        times = process.cpu_times()
+        command = process.cmdline()
+    except (psutil.Error, OSError):  # gone meanwhile, or not ours to read
         return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    cpu_s = (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # utime, stime
-    return ProcessSample(holder, pid, cpu_s, command.startswith(b"ray::"))
+    ray_worker = bool(command) and command[0].startswith("ray::")
+    return ProcessSample(holder, pid, times.user + times.system, ray_worker)
 
 
 class SliceCpuSampler:

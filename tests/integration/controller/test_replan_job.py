@@ -23,6 +23,10 @@ from typing import Any
 import pytest
 import yaml
 
+from libra.config import load_dict
+from libra.planning import planner_inputs
+from planner.memory import kv_bytes_per_token
+
 from .conftest import (
     REPO,
     Launch,
@@ -45,7 +49,16 @@ MIN_GAIN = 0.05
 # the planner's model (and the job) needs the second instance. With the 2,048-sequence cache of the other jobs,
 # one instance runs every sequence at once, a decode step's cost barely depends on how many, and a second
 # instance was predicted to gain 4 to 5 %, at the edge of any threshold.
-KV_CACHE_BYTES = 8 * 128 * 256  # sequences x max_model_len x KV bytes per token of the tiny model
+CACHED_SEQUENCES = 8
+MAX_MODEL_LEN = 128
+
+
+def kv_cache_bytes(data: dict[str, Any]) -> int:
+    """The rollout KV cache of `CACHED_SEQUENCES` full-context sequences of the job's model, as the planner counts
+    a sequence's KV bytes."""
+    inputs = planner_inputs(load_dict(data))
+    per_token = kv_bytes_per_token(inputs.model, 1, inputs.rollout.kv_dtype_bytes)
+    return int(CACHED_SEQUENCES * MAX_MODEL_LEN * per_token)
 
 
 def replan_config(root: Path) -> dict[str, Any]:
@@ -55,9 +68,8 @@ def replan_config(root: Path) -> dict[str, Any]:
         cluster={**data["cluster"], "gpus_per_node": 4},
         train_gpus=2,
         rollout_gpus=1,  # one GPU spare: a rollout instance short
-        max_model_len=128,
+        max_model_len=MAX_MODEL_LEN,
         max_new_tokens=32,
-        rollout_kv_cache_bytes=KV_CACHE_BYTES,
         total_steps=2000,  # never reached: the test stops the job once it has seen what it checks
         task={"name": "drift", "params": {"num_values": 5, "length": 3, "start_tokens": 32, "end_tokens": 32,
                                           "ramp_prompts": 1}, "eval_interval": 0},
@@ -66,6 +78,7 @@ def replan_config(root: Path) -> dict[str, Any]:
     )
     data[GRP] = {**data[GRP], "runtime_dynamic_reconfiguration_enabled": True, "runtime_online_replanning": True,
                  "replan_interval_steps": 3, "replan_min_gain": MIN_GAIN}
+    data["rollout_kv_cache_bytes"] = kv_cache_bytes(data)
     return data
 
 

@@ -23,6 +23,8 @@ from libra.config.mapping import cpu_metering
 from libra.metering.cgroup import availability, find_cpu_cgroup
 from libra.metering.slices import CpuSlices
 
+from ..controller.conftest import live
+
 REPO = Path(__file__).resolve().parents[3]
 STARTUP_S = 480  # Ray + a vLLM-CPU server + Megatron init on 2 loaded cores
 METERED = not availability()
@@ -76,13 +78,6 @@ def tree(pid: int) -> set[int]:
         return set()
 
 
-def running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 @pytest.mark.slow_job
 def test_drift_job_responses_grow(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -108,7 +103,7 @@ def test_drift_job_responses_grow(tmp_path: Path) -> None:
             # exited in between (gone, or a zombie: no longer in any cgroup) does not count
             server_tree = tree(server)
             procs = {h: {int(p) for p in Path(path, "cgroup.procs").read_text().split()} for h, path in slices.items()}
-            outside = {pid for pid in server_tree - procs["rollout-0"] if running(pid)}
+            outside = set(live(sorted(server_tree - procs["rollout-0"])))
             assert server_tree and not outside, (server_tree, procs["rollout-0"])
             assert job.cgroup.quota(slices["rollout-0"]) == CORES_PER_GPU
             assert job.cgroup.quota(slices["train-0"]) == CORES_PER_GPU

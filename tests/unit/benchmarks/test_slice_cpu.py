@@ -24,7 +24,6 @@ def proc(holder: str, pid: int, cpu_s: float, ray: bool = False) -> object:
 
 def test_phase_intervals_follow_the_rows() -> None:
     assert sc.phase_intervals(ROWS) == [("rollout", 100.0, 104.0), ("train", 104.0, 109.0)]
-    assert sc.phase_intervals(ROWS, skip_first=False)[:2] == [("rollout", 90.0, 96.0), ("train", 96.0, 99.0)]
 
 
 @pytest.mark.parametrize(("snapshots", "expect"), [
