@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from libra import device as libra_device
+from libra.rollout.idle_wait import IDLE_WAIT_ENV
 from libra.rollout.spec import ServerStartError
 
 WORKER_EXTENSION = "libra.rollout.worker_extension.LibraWorkerExtension"
@@ -89,7 +90,8 @@ def device_env(
     (one OpenMP binding per TP rank), so instances on different logical GPUs do not share a core."""
     if device == "cuda":
         return {}
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if tp_size == 1 else {}
+    # TP 1 runs the model in the engine-core process; TP > 1 workers wait idle between steps (`idle_wait`)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if tp_size == 1 else {IDLE_WAIT_ENV: "1"}
     if enforce_eager:
         # --enforce-eager leaves vLLM's sampler helpers compiled: the first request that asks for logprobs (every
         # request of Libra's) builds the logprob-rank kernel with inductor, a C++ compile inside the server's

@@ -28,7 +28,11 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from libra.rollout import idle_wait
 from libra.rollout.weights_checksum import TensorDigest, combine_digests
+
+if idle_wait.requested():  # vLLM imports this module in each worker before the worker's queues exist
+    idle_wait.install()
 
 STATE_ATTR = "_libra_weight_state"
 HASH_WORKERS = min(8, os.cpu_count() or 1)

@@ -131,7 +131,7 @@ def test_cpu_token_budget_holds_the_longest_prompt() -> None:
     [
         (["0"], 1, 2, "cpu", False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0"}),
         (["5"], 1, 2, "cpu", False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "1"}),
-        (["2", "3"], 2, 8, "cpu", False, {"VLLM_CPU_OMP_THREADS_BIND": "2|3"}),
+        (["2", "3"], 2, 8, "cpu", False, {"VLLM_CPU_OMP_THREADS_BIND": "2|3", "LIBRA_VLLM_WORKERS_WAIT_IDLE": "1"}),
         ([], 1, 2, "cpu", False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
         (["0"], 1, 2, "cpu", True, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0",
                                     "TORCH_COMPILE_DISABLE": "1"}),
