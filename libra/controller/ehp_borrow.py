@@ -54,7 +54,6 @@ from planner.ehp import Residency, RolloutInstanceGpus, plan_borrow
 log = logging.getLogger(__name__)
 
 SETTLE_S = 10.0  # how long a step waits for a transient refusal to clear before training without borrowing
-SETTLE_POLL_S = 0.2
 
 
 def lendable_instances(members: Sequence[Member]) -> list[RolloutInstanceGpus]:
@@ -178,13 +177,16 @@ class EhpBorrower:
         """The borrow of this step boundary. What an action in flight holds up (a publish ACK, a serving-set
         flip, an instance given back a moment ago) clears within seconds while the synchronous job's rollout
         pool idles, so a transient refusal is decided again for up to `settle_s` before the step gives up its
-        borrowed replicas."""
+        borrowed replicas; each retry waits for the tracker's next change (an action done, a member moved or
+        observed), not for a clock."""
         deadline = time.monotonic() + self.settle_s
         while True:
+            seen = self.tracker.version
             decision, transient = self._decide_now(session, rollout_in_flight)
-            if decision.lend or not transient or time.monotonic() >= deadline:
+            remaining = deadline - time.monotonic()
+            if decision.lend or not transient or remaining <= 0:
                 return decision
-            time.sleep(SETTLE_POLL_S)
+            self.tracker.wait_changed(seen, remaining)
 
     def _decide_now(self, session: Any, rollout_in_flight: int) -> tuple[BorrowDecision, bool]:
         """This moment's decision, and whether its refusal is transient: an action in flight, or a live rollout

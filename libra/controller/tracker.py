@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,29 @@ class MemberTracker:
         self._errors: list[str] = []
         self._adopted = 0
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._version = 0  # counts changes, for `wait_changed`
+
+    @contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Hold the lock for a change; waiters of `wait_changed` wake when it is made."""
+        with self._changed:
+            try:
+                yield
+            finally:
+                self._version += 1
+                self._changed.notify_all()
+
+    @property
+    def version(self) -> int:
+        """A number that grows with every change (pass it to `wait_changed`)."""
+        with self._lock:
+            return self._version
+
+    def wait_changed(self, since: int, timeout_s: float) -> bool:
+        """Block until something changed after `version` was `since`, or `timeout_s` passed; True on a change."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._version != since, timeout=max(0.0, timeout_s))
 
     # ---- snapshot for the reconciler ------------------------------------------------------------------
     def snapshot(self, now: float, take_errors: bool = True) -> ObservedState:
@@ -112,7 +136,7 @@ class MemberTracker:
     # ---- changes (executor) ---------------------------------------------------------------------------
     def add_member(self, member_id: str, pool: str, now: float, reason: str, spec: RolloutSpec | None = None,
                    generation: int = 0) -> None:
-        with self._lock:
+        with self._changing():
             if member_id in self._members:
                 return
             member = Member.new(member_id, pool, now, reason)
@@ -126,7 +150,7 @@ class MemberTracker:
 
     def record_acks(self, versions: dict[str, int]) -> None:
         """The weight version each member ACKed (member id -> publish version)."""
-        with self._lock:
+        with self._changing():
             for member_id, version in versions.items():
                 if member_id in self._members:
                     self._members[member_id].weight_version = version
@@ -134,7 +158,7 @@ class MemberTracker:
     def set_serving(self, member_ids: Iterable[str], pool: str = ROLLOUT) -> None:
         """Exactly `member_ids` of `pool` receive traffic (after the pool flipped routing)."""
         wanted = set(member_ids)
-        with self._lock:
+        with self._changing():
             for member in self._members.values():
                 if member.pool == pool:
                     member.serving = member.id in wanted
@@ -142,7 +166,7 @@ class MemberTracker:
     def move(self, member_id: str, target: MemberState, now: float, reason: str) -> list[Transition]:
         """Move a member along the table (through intermediate states when an observation skipped them).
         An illegal move is logged and ignored: observed reality never crashes the tracker."""
-        with self._lock:
+        with self._changing():
             member = self._members.get(member_id)
             if member is None:
                 return []
@@ -187,12 +211,12 @@ class MemberTracker:
                          wait_s=round(wait, 1))
 
     def set_busy(self, member_id: str, busy: bool) -> None:
-        with self._lock:
+        with self._changing():
             if member_id in self._members:
                 self._members[member_id].busy = busy
 
     def bind(self, member_id: str, key: str, info: dict[str, Any] | None = None) -> None:
-        with self._lock:
+        with self._changing():
             member = self._members[member_id]
             member.key = key
             if info:
@@ -200,7 +224,7 @@ class MemberTracker:
 
     def bind_view(self, member_id: str, view: MemberView) -> None:
         """Bind a member to what the pool reports after starting it, including the weights it loaded."""
-        with self._lock:
+        with self._changing():
             self.bind(member_id, view.key, view.info)
             member = self._members[member_id]
             _apply_view(member, view)
@@ -211,7 +235,7 @@ class MemberTracker:
 
     def set_pool(self, pool: str, *, created: bool | None = None, busy: bool | None = None,
                  error: str | None = None, size: int | None = None) -> None:
-        with self._lock:
+        with self._changing():
             p = self._pools[pool]
             if created is not None:
                 p.created = created
@@ -225,7 +249,7 @@ class MemberTracker:
     def action_result(self, pool: str, now: float, error: str = "", backoff_s: float = 5.0,
                       max_backoff_s: float = 120.0) -> None:
         """Count consecutive failed actions on a pool; each failure doubles the wait before the next try."""
-        with self._lock:
+        with self._changing():
             p = self._pools[pool]
             if not error:
                 p.failures, p.retry_at = 0, 0.0
@@ -236,14 +260,14 @@ class MemberTracker:
             self._errors.append(error)
 
     def record_error(self, message: str) -> None:
-        with self._lock:
+        with self._changing():
             self._errors.append(message)
 
     # ---- observation (passive step) -------------------------------------------------------------------
     def observe(self, pool: str, views: Iterable[MemberView], now: float) -> None:
         """Fold one pool report into the members: bind, adopt, advance, and fail the vanished."""
         views = list(views)
-        with self._lock:
+        with self._changing():
             by_key = {m.key: m for m in self._members.values() if m.pool == pool and m.key}
             unbound = sorted(
                 (m for m in self._members.values() if m.pool == pool and not m.key and not m.busy and m.live),
