@@ -316,10 +316,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", nargs="+", default=[], metavar="RUN",
                         help="run only these runs again (static-T-R, planner-initial, elastic) and replace them in "
                              "the result at --out, keeping its other runs and its EHP part; --reason says why")
-    parser.add_argument("--reason", default="", help="why the --rerun runs were run again (written to the result)")
+    parser.add_argument("--repeat", nargs="+", default=[], metavar="RUN",
+                        help="run these runs once more and add them to the result at --out beside the earlier ones "
+                             "(as RUN-repeat-K), keeping every other run and its EHP part; --reason says why")
+    parser.add_argument("--reason", default="", help="why the --rerun or --repeat runs were run (written to the "
+                                                     "result)")
     args = parser.parse_args(argv)
-    if args.rerun and (args.only_ehp or not args.reason or not Path(args.out).exists()):
-        parser.error("--rerun needs an existing --out result, a --reason, and no --only-ehp")
+    if args.rerun and args.repeat:
+        parser.error("--rerun and --repeat exclude each other")
+    again = args.rerun or args.repeat
+    if again and (args.only_ehp or not args.reason or not Path(args.out).exists()):
+        parser.error("--rerun and --repeat need an existing --out result, a --reason, and no --only-ehp")
     if args.only_ehp and args.skip_ehp:
         parser.error("--only-ehp and --skip-ehp exclude each other")
     if args.ehp_steps < 0 or args.ehp_steps == 1:
@@ -349,24 +356,29 @@ def main(argv: list[str] | None = None) -> int:
             ("static", f"static-{s.train_gpus}-{s.rollout_gpus}", fig.static_overrides(s)) for s in chosen]
         plans += [("planner_initial", "planner-initial", fig.planner_overrides(False, shape.gpus)),
                   ("elastic", "elastic", fig.planner_overrides(True, shape.gpus))]
-        if args.rerun:
-            unknown = sorted(set(args.rerun) - {name for _, name, _ in plans})
+        if again:
+            unknown = sorted(set(again) - {name for _, name, _ in plans})
             if unknown:
-                raise SystemExit(f"--rerun {' '.join(unknown)}: not a run of this form; runs: "
-                                 f"{', '.join(name for _, name, _ in plans)}")
-            plans = [plan for plan in plans if plan[1] in args.rerun]
+                raise SystemExit(f"--{'rerun' if args.rerun else 'repeat'} {' '.join(unknown)}: not a run of this "
+                                 f"form; runs: {', '.join(name for _, name, _ in plans)}")
+            plans = [plan for plan in plans if plan[1] in again]
+        if args.repeat:
+            earlier_names = {Path(r.get("run_dir", "")).name for r in json.loads(Path(args.out).read_text())["runs"]}
+            plans = [(policy, repeat_name(name, earlier_names), extra) for policy, name, extra in plans]
         for policy, _, extra in plans:
             reason = validate(config, [*base, *extra])
             if reason:
                 raise SystemExit(f"the {policy} run does not validate: {reason}")
         runs = [run_policy(policy, config, work / name, [*base, *extra], shape) for policy, name, extra in plans]
-        ehp = {} if args.skip_ehp or args.rerun else ehp_runs(work, shape, runtime.address, args.cpu_per_gpu)
+        ehp = {} if args.skip_ehp or again else ehp_runs(work, shape, runtime.address, args.cpu_per_gpu)
     finally:
         runtime.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    earlier: dict[str, Any] = json.loads(Path(args.out).read_text()) if args.rerun else {}
+    earlier: dict[str, Any] = json.loads(Path(args.out).read_text()) if again else {}
     if args.rerun:
         runs = replaced_runs(earlier, runs, args.reason)
+    elif args.repeat:
+        runs = repeated_runs(earlier, runs, args.reason)
     complete = [r for r in runs if r.get("steps") == shape.steps and r.get("exit_code") == 0]
     result: dict[str, Any] = {
         "metered": True,
@@ -385,18 +397,20 @@ def main(argv: list[str] | None = None) -> int:
         result.update(fig.gain(complete))
     except ValueError as exc:
         result.update(static_best_samples_per_s=None, elastic_samples_per_s=None, gain=None, gain_error=str(exc))
-    result["ehp"] = earlier.get("ehp", {}) if args.rerun else ehp
+    result["ehp"] = earlier.get("ehp", {}) if again else ehp
     result["machine_load"] = [{"run": r.get("run_dir", ""), "before": r.get("load_before"),
                                "after": r.get("load_after")} for r in runs]
     result["not_covered"] = not_covered(args.quick, shape, allowed, chosen, result)
     result["benchmark_wall_s"] = round(time.monotonic() - started, 1)
-    if args.rerun:
+    if again:
         result["benchmark_wall_s"] = earlier.get("benchmark_wall_s")
-        result["reruns"] = [*earlier.get("reruns", []), {"runs": list(args.rerun), "reason": args.reason,
+        kind = {"repeated": list(args.repeat)} if args.repeat else {}
+        result["reruns"] = [*earlier.get("reruns", []), {"runs": list(again), **kind, "reason": args.reason,
                                                          "wall_s": round(time.monotonic() - started, 1)}]
         result["not_covered"].append(
             "Some runs were run again after the others, in a separate launch of the benchmark on the same machine "
-            "(`reruns` says which and why); benchmark_wall_s is the first, whole run's.")
+            "(`reruns` says which and why; a repeated run is added beside the first, as RUN-repeat-K); "
+            "benchmark_wall_s is the first, whole run's.")
     result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -408,6 +422,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if len(complete) == len(runs) else 1
+
+
+def repeat_name(name: str, taken: set[str]) -> str:
+    """`name-repeat-K` for the first K >= 1 not in `taken`."""
+    k = 1
+    while f"{name}-repeat-{k}" in taken:
+        k += 1
+    return f"{name}-repeat-{k}"
+
+
+def repeated_runs(earlier: dict[str, Any], fresh: list[dict[str, Any]], reason: str) -> list[dict[str, Any]]:
+    """Every run of an earlier result, then the `fresh` repeats (named RUN-repeat-K), each marked with why."""
+    return [*earlier.get("runs", []), *({**run, "repeat": {"reason": reason}} for run in fresh)]
 
 
 def replaced_runs(earlier: dict[str, Any], fresh: list[dict[str, Any]], reason: str) -> list[dict[str, Any]]:
