@@ -339,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="libra-gain-")).resolve()
     from libra.cluster.ray_runtime import RayRuntime
 
+    earlier: dict[str, Any] = json.loads(Path(args.out).read_text()) if again else {}
     started = time.monotonic()
     ray_tmp = tempfile.mkdtemp(prefix="libra-gain-ray-")  # short: Ray's socket paths must fit AF_UNIX
     runtime = RayRuntime.start_nodes(num_nodes=shape.nodes, gpus_per_node=shape.gpus_per_node, tmp_dir=ray_tmp,
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                                  f"form; runs: {', '.join(name for _, name, _ in plans)}")
             plans = [plan for plan in plans if plan[1] in again]
         if args.repeat:
-            earlier_names = {Path(r.get("run_dir", "")).name for r in json.loads(Path(args.out).read_text())["runs"]}
+            earlier_names = {Path(r.get("run_dir", "")).name for r in earlier.get("runs", [])}
             plans = [(policy, repeat_name(name, earlier_names), extra) for policy, name, extra in plans]
         for policy, _, extra in plans:
             reason = validate(config, [*base, *extra])
@@ -374,7 +375,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         runtime.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    earlier: dict[str, Any] = json.loads(Path(args.out).read_text()) if again else {}
     if args.rerun:
         runs = replaced_runs(earlier, runs, args.reason)
     elif args.repeat:

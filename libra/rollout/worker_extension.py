@@ -21,6 +21,7 @@ What the reported checksum proves (definition in `weights_checksum.py`):
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import deque
@@ -31,8 +32,10 @@ from typing import Any
 from libra.rollout import idle_wait
 from libra.rollout.weights_checksum import TensorDigest, combine_digests
 
-if idle_wait.requested():  # vLLM imports this module in each worker before the worker's queues exist
-    idle_wait.install()
+if idle_wait.requested() and not idle_wait.install():  # imported in each worker before its queues exist
+    logging.getLogger(__name__).warning(
+        "this vLLM has no shared-memory queue condition to patch: TP workers spin between steps as shipped"
+    )
 
 STATE_ATTR = "_libra_weight_state"
 HASH_WORKERS = min(8, os.cpu_count() or 1)

@@ -5,8 +5,8 @@ socket as vLLM's does, and a writer's notification still wakes it."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,10 +26,10 @@ def condition_class(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 @pytest.fixture
-def pair(condition_class: Any) -> Iterator[tuple[Any, Any]]:
+def pair(condition_class: Any, tmp_path: Path) -> Iterator[tuple[Any, Any]]:
     """A writer and a reader of one notification socket."""
     context = zmq.Context()
-    address = f"ipc:///tmp/libra-idle-wait-{uuid.uuid4().hex}"
+    address = f"ipc://{tmp_path / 'notify'}"
     writer = condition_class(is_reader=False, context=context, notify_address=address)
     reader = condition_class(is_reader=True, context=context, notify_address=address)
     try:
