@@ -146,7 +146,7 @@ def window(server: ServerProcess, mode: str, seconds: float) -> dict[str, Any]:
         if pid in before:
             cores[name] = cores.get(name, 0.0) + (used - before[pid][1]) / elapsed
     cores = {name: round(value, 3) for name, value in sorted(cores.items())}
-    cores["total"] = round(sum(v for k, v in cores.items()), 3)
+    cores["total"] = round(sum(cores.values()), 3)
     return {
         "window_s": round(elapsed, 2),
         "requests": requests,

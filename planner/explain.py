@@ -5,7 +5,7 @@ them. Pure: stdlib and the memory model.
 
 from __future__ import annotations
 
-from planner.memory import MemoryEstimate, kv_bytes_per_token, rollout_static_terms
+from planner.memory import MemoryEstimate, kv_bytes_per_sequence, rollout_static_terms
 from planner.workload import PlannerInputs
 
 GB = 1e9
@@ -27,7 +27,7 @@ def memory_message(kind: str, est: MemoryEstimate) -> str:
 def rollout_memory_message(inputs: PlannerInputs, rollout_tp: int) -> str:
     """Why one rollout instance of TP `rollout_tp` holds no sequence of max_model_len tokens."""
     static = sum(t.bytes for t in rollout_static_terms(inputs, rollout_tp))
-    per_seq = kv_bytes_per_token(inputs.model, rollout_tp, inputs.rollout.kv_dtype_bytes) * inputs.workload.max_model_len
+    per_seq = kv_bytes_per_sequence(inputs, rollout_tp)
     if inputs.rollout.kv_cache_bytes > 0:
         return (f"rollout TP {rollout_tp}: rollout_kv_cache_bytes {inputs.rollout.kv_cache_bytes} holds no "
                 f"sequence of max_model_len {inputs.workload.max_model_len} ({gb(per_seq)} each)")

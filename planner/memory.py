@@ -392,9 +392,14 @@ def rollout_capacity_bytes(inputs: PlannerInputs) -> int:
     return int(inputs.cluster.gpu.memory_bytes * inputs.rollout.gpu_memory_utilization)
 
 
+def kv_bytes_per_sequence(inputs: PlannerInputs, rollout_tp: int) -> float:
+    """The KV cache of one full-context (`max_model_len`) sequence on one rollout GPU."""
+    return kv_bytes_per_token(inputs.model, rollout_tp, inputs.rollout.kv_dtype_bytes) * inputs.workload.max_model_len
+
+
 def kv_capacity_sequences(inputs: PlannerInputs, rollout_tp: int) -> int:
     """How many full-context sequences the KV cache of one instance holds."""
-    per_seq = kv_bytes_per_token(inputs.model, rollout_tp, inputs.rollout.kv_dtype_bytes) * inputs.workload.max_model_len
+    per_seq = kv_bytes_per_sequence(inputs, rollout_tp)
     if inputs.rollout.kv_cache_bytes > 0:
         return int(inputs.rollout.kv_cache_bytes // per_seq)
     free = rollout_capacity_bytes(inputs) - sum(t.bytes for t in rollout_static_terms(inputs, rollout_tp))

@@ -25,7 +25,7 @@ import yaml
 
 from libra.config import load_dict
 from libra.planning import planner_inputs
-from planner.memory import kv_bytes_per_token
+from planner.memory import kv_bytes_per_sequence
 
 from .conftest import (
     REPO,
@@ -50,15 +50,13 @@ MIN_GAIN = 0.05
 # one instance runs every sequence at once, a decode step's cost barely depends on how many, and a second
 # instance was predicted to gain 4 to 5 %, at the edge of any threshold.
 CACHED_SEQUENCES = 8
-MAX_MODEL_LEN = 128
 
 
 def kv_cache_bytes(data: dict[str, Any]) -> int:
-    """The rollout KV cache of `CACHED_SEQUENCES` full-context sequences of the job's model, as the planner counts
-    a sequence's KV bytes."""
-    inputs = planner_inputs(load_dict(data))
-    per_token = kv_bytes_per_token(inputs.model, 1, inputs.rollout.kv_dtype_bytes)
-    return int(CACHED_SEQUENCES * MAX_MODEL_LEN * per_token)
+    """The rollout KV cache of `CACHED_SEQUENCES` full-context sequences of the job's model and rollout TP, as
+    the planner counts a sequence's KV bytes."""
+    cfg = load_dict(data)
+    return int(CACHED_SEQUENCES * kv_bytes_per_sequence(planner_inputs(cfg), cfg.rollout_tp_size))
 
 
 def replan_config(root: Path) -> dict[str, Any]:
@@ -68,7 +66,7 @@ def replan_config(root: Path) -> dict[str, Any]:
         cluster={**data["cluster"], "gpus_per_node": 4},
         train_gpus=2,
         rollout_gpus=1,  # one GPU spare: a rollout instance short
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=128,
         max_new_tokens=32,
         total_steps=2000,  # never reached: the test stops the job once it has seen what it checks
         task={"name": "drift", "params": {"num_values": 5, "length": 3, "start_tokens": 32, "end_tokens": 32,
