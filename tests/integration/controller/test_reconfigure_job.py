@@ -43,6 +43,7 @@ from libra.controller.events import EventLog
 from libra.controller.producer import RolloutProducer, SamplingSettings
 from libra.controller.reconfigure import ReconfigureTarget, plan_reconfigure
 from libra.controller.state import ROLLOUT
+from libra.rollout import forked_engine_main
 
 from .conftest import (
     REPO,
@@ -74,6 +75,9 @@ def ray4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield address
 
 
+SERVER_MODULES = ([forked_engine_main.__name__], [forked_engine_main.SERVER_MODULE])
+
+
 def vllm_servers(root: Path) -> list[int]:
     """Live vLLM server processes whose command line names a path under `root` (the job's model)."""
     found = []
@@ -81,7 +85,7 @@ def vllm_servers(root: Path) -> list[int]:
         try:
             cmdline = proc.info["cmdline"] or []
             # the server itself, not its guard (whose command line ends with the server's)
-            if (cmdline[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+            if (cmdline[1:2] == ["-m"] and cmdline[2:3] in SERVER_MODULES
                     and any(str(root) in part for part in cmdline) and proc.status() != psutil.STATUS_ZOMBIE):
                 found.append(proc.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):

@@ -113,12 +113,27 @@ def test_server_command_per_device(device: str, tp: int, expect: dict[str, str |
     cmd = server_command(launch(tp_size=tp), device, python="py")
     # CPU servers never cut a prompt (a seeded CPU sampler cannot be rewound); CUDA keeps vLLM's default
     assert ("--no-enable-chunked-prefill" in cmd) is (device == "cpu")
-    assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[:2] == ["py", "-m"]
     assert flag(cmd, "--worker-extension-cls") == "libra.rollout.worker_extension.LibraWorkerExtension"
     assert flag(cmd, "--port") == "8100" and flag(cmd, "--tensor-parallel-size") == str(tp)
     assert "--enforce-eager" in cmd
     for name, value in expect.items():
         assert flag(cmd, name) == value, name
+
+
+@pytest.mark.parametrize(
+    ("device", "tp", "fork", "module"),
+    [
+        ("cpu", 1, True, "libra.rollout.forked_engine_main"),
+        ("cpu", 1, False, "vllm.entrypoints.openai.api_server"),
+        ("cpu", 2, True, "vllm.entrypoints.openai.api_server"),
+        ("cuda", 1, True, "vllm.entrypoints.openai.api_server"),
+    ],
+    ids=["cpu-tp1-forks-its-engine-core", "cpu-tp1-as-shipped", "cpu-tp2-spawns-its-workers", "cuda"],
+)
+def test_server_module(device: str, tp: int, fork: bool, module: str) -> None:
+    cmd = server_command(launch(tp_size=tp, fork_engine_core=fork), device, python="py")
+    assert cmd[:3] == ["py", "-m", module]
 
 
 def test_cpu_token_budget_holds_the_longest_prompt() -> None:
