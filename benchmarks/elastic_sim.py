@@ -53,7 +53,7 @@ from libra.planning import planner_inputs  # noqa: E402
 from planner.plan import Candidate  # noqa: E402
 from planner.sim.calibration import MeasuredRun, calibration_errors, measured_runs  # noqa: E402
 from planner.sim.engine import Engine, SimOptions  # noqa: E402
-from planner.sim.fit import Replayer, alternate_splits, holdout, leave_one_split_out  # noqa: E402
+from planner.sim.fit import Replayer, alternate_splits, holdout, leave_one_split_out, slice_cap_sweep  # noqa: E402
 from planner.sim.lengths import LengthModel  # noqa: E402
 from planner.sim.policies import ElasticPolicy, StaticPolicy, planner_allocation, run_policy  # noqa: E402
 from planner.sim.report import intervals  # noqa: E402
@@ -208,6 +208,38 @@ def spread_within_split(runs: list[MeasuredRun]) -> dict[str, float]:
     return {split: round(max(r) / min(r) - 1.0, 4) for split, r in rates.items() if len(r) > 1}
 
 
+SLICE_CAPS: tuple[float | None, ...] = (None, 1.4, 1.2, 1.1, 1.0, 0.9, 0.8)  # cores; None = no cap
+
+
+def slice_cores_measured(document: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cores the metered slices used together in each phase of the runs that sampled them (`slice_cpu`)."""
+    rows = []
+    for run in document.get("runs", []):
+        for phase, sample in (run.get("slice_cpu") or {}).items():
+            cores = sum(v for pools in sample.get("cores", {}).values() for v in pools.values())
+            rows.append({"run": f"{run['policy']} {run['split']}", "phase": phase, "cores": round(cores, 4)})
+    return rows
+
+
+def slice_cap(replayer: Replayer, runs: list[MeasuredRun], fitted_splits: list[tuple[int, int]],
+              document: dict[str, Any]) -> dict[str, Any]:
+    """The calibration again with a cap on what the host gives the busy slices together (`planner.sim.fit.
+    SliceCap`), for each cap of SLICE_CAPS: a diagnostic beside the headline (which is uncapped)."""
+    rows = slice_cap_sweep(replayer, runs, fitted_splits, float(document["cpu_per_gpu"]), SLICE_CAPS)
+    return {
+        "cpu_per_gpu": document["cpu_per_gpu"],
+        "caps": rows,
+        "chosen_by_fitted_runs": min(rows, key=lambda r: r["fitted_runs_residual"])["cap_cores"],
+        "best_on_every_run": min(rows, key=lambda r: r["all_runs_residual"])["cap_cores"],
+        "slice_cores_measured": slice_cores_measured(document),
+        "note": "cap_cores: the cores the busy pool's slices run together at most (None: each slice at its quota); "
+                "held-out errors as the headline's design; fitted_runs_residual is what a calibration may choose a "
+                "cap by (the smallest wins, a tie the larger cap), all_runs_residual includes the "
+                "predicted runs and so cannot choose one; slice_cores_measured: the CPU the slices used together, "
+                "sampled in the runs that recorded slice_cpu",
+    }
+
+
 def calibration(gain_path: str, gain_config: str) -> dict[str, Any]:
     """Fit the simulator's measured-cost constants to some measured runs of the measured-gain result and
     predict the others (`planner.sim.fit`): the held-out errors, what was fitted and predicted, the constants,
@@ -269,6 +301,7 @@ def calibration(gain_path: str, gain_config: str) -> dict[str, Any]:
         "leave_one_split_out": {**leave_one_split_out(replayer, replayable),
                                 "note": "each split's runs predicted by constants fitted on every other split: "
                                         "the splits at both ends are extrapolated"},
+        "slice_cap": slice_cap(replayer, replayable, fitted_splits, document),
         "spread_within_split": spread_within_split(replayable),
         "uncalibrated": {k: uncalibrated[k] for k in ("rel_error_step_s", "rel_error_throughput")}
                         | {"note": "every run replayed with the planner's cost model (no fitted constants)"},

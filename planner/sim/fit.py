@@ -11,6 +11,13 @@ constants mean exactly what the simulator does with them. Each block of constant
 totals of its phase by least squares on relative residuals (each run weighs the same whatever its length),
 the constants kept >= 0 (`nonnegative_least_squares`).
 
+On metered logical GPUs (each a CPU slice of `cpu_per_gpu` cores) the host may give a phase's busy slices less
+than their quotas together: the controller, Ray and the other processes outside the slices share the same
+cores. `SliceCap` says so: the busy pool's slices run `cores` cores together at most, so each of its n slices
+runs at `min(1, cores / (n x cpu_per_gpu))` of its quota, and the replay stretches that pool's constants by the
+inverse (the rollout pool's in the rollout phase, the training pool's in the training phase; the totals stay
+linear in the constants). Without a cap (the default) every slice runs at its quota.
+
 `holdout` fits on the runs of some splits and predicts the runs of every other split; `alternate_splits`
 is the design the benchmark reports (every other split by training GPUs, so the predicted splits lie between
 fitted ones); `leave_one_split_out` predicts each split from the runs of all the others (the splits at the
@@ -21,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -75,13 +82,39 @@ def costs_of(values: Sequence[float]) -> MeasuredCosts:
 
 
 @dataclass(frozen=True)
+class SliceCap:
+    """What the host gives the busy slices of metered logical GPUs together: `cores` cores at most, each slice
+    `cpu_per_gpu` cores by quota."""
+
+    cpu_per_gpu: float
+    cores: float
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_per_gpu", "cores"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"slice cap: {name}: {value!r}: expected cores > 0")
+
+    def stretch(self, gpus: int) -> float:
+        """How much longer a pool of `gpus` slices takes than at its quotas (1 while they fit in the cap)."""
+        return max(1.0, gpus * self.cpu_per_gpu / self.cores)
+
+    def costs_for(self, costs: MeasuredCosts, train_gpus: int, rollout_gpus: int) -> MeasuredCosts:
+        rollout, train = self.stretch(rollout_gpus), self.stretch(train_gpus)
+        return MeasuredCosts(costs.decode_fixed_s * rollout, costs.decode_per_seq_s * rollout,
+                             costs.train_step_s * train, costs.train_token_s * train, costs.sync_s)
+
+
+@dataclass(frozen=True)
 class Replayer:
     """Replays measured runs on one job (its lengths drawn for at least the runs' steps) with a training
-    layout and a rollout instance TP for every split."""
+    layout and a rollout instance TP for every split, and optionally what the host gives metered slices
+    (`slice_cap`)."""
 
     job: SimJob
     layout: TrainLayout = field(default_factory=TrainLayout)
     rollout_tp: int = 1
+    slice_cap: SliceCap | None = None
 
     def __post_init__(self) -> None:
         if self.job.inputs.workload.max_head_offpolicyness != 0:
@@ -97,6 +130,8 @@ class Replayer:
         if run.steps > self.job.batches.steps:
             raise ValueError(f"{run.name}: steps: {run.steps}: the job drew lengths for {self.job.batches.steps} "
                              "steps only")
+        if self.slice_cap is not None:
+            costs = self.slice_cap.costs_for(costs, run.train_gpus, run.rollout_gpus)
         job = SimJob(self.job.inputs, self.job.batches,
                      PhaseCosts(self.job.inputs, self.job.costs.reload_strategy, measured=costs))
         split = Candidate(run.train_gpus, run.rollout_gpus, self.layout, self.rollout_tp)
@@ -229,3 +264,34 @@ def leave_one_split_out(replayer: Replayer, runs: Sequence[MeasuredRun]) -> dict
     predicted.sort(key=lambda p: order[p[0].name])
     return {**_report(predicted), "folds": folds,
             "ranking": split_ranking([(run, step, rate) for run, step, rate, _ in predicted])}
+
+
+def fit_residual(replayer: Replayer, runs: Sequence[MeasuredRun]) -> float:
+    """What the fit leaves on `runs` themselves: the sum of squared relative residuals of their phase totals
+    (rollout, training, rest of the wall) under the constants fitted to them."""
+    costs = fit_costs(replayer, runs)
+    residuals = []
+    for run, _, _, totals in predict(replayer, runs, costs):
+        measured = measured_totals(run)
+        residuals += [totals.phase(name) / measured.phase(name) - 1.0 for name, _ in BLOCKS]
+    return float(np.sum(np.square(residuals)))
+
+
+def slice_cap_sweep(replayer: Replayer, runs: Sequence[MeasuredRun], fitted_splits: Iterable[tuple[int, int]],
+                    cpu_per_gpu: float, caps: Iterable[float | None]) -> list[dict[str, Any]]:
+    """For each cap on what the host gives the busy slices (None = none): the held-out errors of `holdout`, what
+    the fit leaves on the fitted splits' runs (the only residual a calibration may choose a cap by) and on every
+    run, and the constants."""
+    chosen = list(fitted_splits)
+    fitted = [run for run in runs if run.split in set(chosen)]
+    rows = []
+    for cores in caps:
+        capped = replace(replayer, slice_cap=None if cores is None else SliceCap(cpu_per_gpu, cores))
+        result = holdout(capped, runs, chosen)
+        rows.append({"cap_cores": cores,
+                     **{k: result[k] for k in ("rel_error_step_s", "rel_error_throughput", "max_rel_error_step_s",
+                                               "max_rel_error_throughput")},
+                     "fitted_runs_residual": round(fit_residual(capped, fitted), 4),
+                     "all_runs_residual": round(fit_residual(capped, runs), 4),
+                     "constants": result["constants"]})
+    return rows

@@ -30,3 +30,17 @@ def test_a_result_without_overrides_is_not_calibrated_on(tmp_path: Path) -> None
     out = elastic_sim.calibration(str(result), "configs/drift.yaml")
     assert out["rel_error_step_s"] is None and out["rel_error_throughput"] is None
     assert "does not record the overrides" in out["reason"] and "elastic_gain.py" in out["reason"]
+
+
+def test_the_slices_cores_are_summed_per_sampled_phase() -> None:
+    document = {"runs": [
+        {"policy": "static", "split": "train 1 | rollout 7", "slice_cpu": {
+            "rollout": {"sampled_s": 10.0, "cores": {"rollout_slices": {"server": 1.1}, "train_slices": {"training_worker": 0.05}}},
+            "train": {"sampled_s": 20.0, "cores": {"rollout_slices": {"server": 0.2}, "train_slices": {"training_worker": 0.18}}}}},
+        {"policy": "static", "split": "train 4 | rollout 4", "slice_cpu": None},
+        {"policy": "static", "split": "train 2 | rollout 6"},
+    ]}
+    assert elastic_sim.slice_cores_measured(document) == [
+        {"run": "static train 1 | rollout 7", "phase": "rollout", "cores": 1.15},
+        {"run": "static train 1 | rollout 7", "phase": "train", "cores": 0.38},
+    ]

@@ -14,7 +14,7 @@ from planner.plan import Candidate
 from planner.sim.calibration import MeasuredRun
 from planner.sim.costs import MeasuredCosts, PhaseCosts
 from planner.sim.engine import Engine, SimJob
-from planner.sim.fit import Replayer
+from planner.sim.fit import Replayer, SliceCap
 from planner.sim.lengths import BatchStats, LengthModel
 from planner.sim.scenario import build_job
 from planner.workload import CostParams, PlannerInputs
@@ -116,9 +116,11 @@ def synthetic_run(result_wall_s: float, rollout_s: float, train_s: float, sample
 
 
 def runs_made_by_the_simulator(job: SimJob, costs: MeasuredCosts,
-                               splits: tuple[tuple[int, int], ...] = SYNTHETIC_SPLITS) -> list[MeasuredRun]:
-    """'Measured' runs of every split of `splits`: the simulator's own replays with `costs`."""
-    replayer = Replayer(job)
+                               splits: tuple[tuple[int, int], ...] = SYNTHETIC_SPLITS,
+                               slice_cap: SliceCap | None = None) -> list[MeasuredRun]:
+    """'Measured' runs of every split of `splits`: the simulator's own replays with `costs` (on metered slices
+    that the host caps at `slice_cap`, when given)."""
+    replayer = Replayer(job, slice_cap=slice_cap)
     out = []
     for train, rollout in splits:
         probe = MeasuredRun("static", train, rollout, 1.0, 1.0, job.batches.steps)

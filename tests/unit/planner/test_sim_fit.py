@@ -18,11 +18,13 @@ from planner.sim.engine import SimJob
 from planner.sim.fit import (
     CONSTANTS,
     Replayer,
+    SliceCap,
     alternate_splits,
     fit_costs,
     holdout,
     leave_one_split_out,
     nonnegative_least_squares,
+    slice_cap_sweep,
 )
 
 CPU_LIKE = MeasuredCosts(decode_fixed_s=0.03, decode_per_seq_s=8e-4, train_step_s=0.2, train_token_s=2e-4,
@@ -182,3 +184,49 @@ def test_holdout_needs_a_held_out_split(job: SimJob) -> None:
 def test_measured_costs_refuse_bad_constants(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         replace(CPU_LIKE, **{field: value})
+
+
+@pytest.mark.parametrize(
+    ("gpus", "cpu_per_gpu", "cores", "stretch"),
+    [(4, 0.2, 1.0, 1.0), (5, 0.2, 1.0, 1.0), (7, 0.2, 1.0, 1.4), (8, 0.25, 1.0, 2.0), (1, 2.0, 1.0, 2.0)],
+    ids=["fits", "exactly-at-the-cap", "seven-slices-over-one-core", "eight-quarter-slices", "one-slice-over-it"],
+)
+def test_a_pool_over_the_cap_is_slower_by_what_it_exceeds(gpus: int, cpu_per_gpu: float, cores: float,
+                                                           stretch: float) -> None:
+    assert SliceCap(cpu_per_gpu, cores).stretch(gpus) == pytest.approx(stretch)
+
+
+@pytest.mark.parametrize(("cpu_per_gpu", "cores"), [(0.0, 1.0), (0.2, -1.0), (0.2, float("nan"))],
+                         ids=["no-quota", "negative-cap", "nan-cap"])
+def test_a_cap_without_cores_is_refused(cpu_per_gpu: float, cores: float) -> None:
+    with pytest.raises(ValueError, match="slice cap: .*expected cores > 0"):
+        SliceCap(cpu_per_gpu, cores)
+
+
+def test_a_capped_replay_stretches_only_the_busy_pools_phase(job: SimJob) -> None:
+    free, capped = Replayer(job), Replayer(job, slice_cap=SliceCap(0.2, 1.0))
+    for train, rollout, rollout_stretch, train_stretch in ((1, 7, 1.4, 1.0), (6, 2, 1.0, 1.2), (4, 4, 1.0, 1.0)):
+        run = MeasuredRun("static", train, rollout, 1.0, 1.0, job.batches.steps)
+        before, after = free.totals(run, CPU_LIKE), capped.totals(run, CPU_LIKE)
+        assert after.rollout_phase_s == pytest.approx(before.rollout_phase_s * rollout_stretch, rel=1e-9)
+        assert after.train_phase_s == pytest.approx(before.train_phase_s * train_stretch, rel=1e-9)
+        assert after.other_s == pytest.approx(before.other_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("cores", [1.0, 0.8], ids=["one-core", "0.8-cores"])
+def test_the_fit_recovers_constants_from_runs_on_capped_slices(job: SimJob, cores: float) -> None:
+    cap = SliceCap(0.2, cores)
+    fitted = fit_costs(Replayer(job, slice_cap=cap), runs_made_by_the_simulator(job, CPU_LIKE, slice_cap=cap))
+    for name in CONSTANTS:
+        assert getattr(fitted, name) == pytest.approx(getattr(CPU_LIKE, name), rel=1e-6, abs=1e-12), name
+
+
+def test_the_sweep_chooses_the_cap_the_runs_were_made_with_from_the_fitted_runs_alone(job: SimJob) -> None:
+    runs = runs_made_by_the_simulator(job, CPU_LIKE, slice_cap=SliceCap(0.2, 1.0))
+    rows = slice_cap_sweep(Replayer(job), runs, alternate_splits(runs), 0.2, (None, 1.2, 1.0, 0.8))
+    assert [row["cap_cores"] for row in rows] == [None, 1.2, 1.0, 0.8]
+    chosen = min(rows, key=lambda row: row["fitted_runs_residual"])
+    assert chosen["cap_cores"] == 1.0
+    assert chosen["fitted_runs_residual"] == pytest.approx(0.0, abs=1e-12)
+    assert chosen["rel_error_step_s"] == pytest.approx(0.0, abs=1e-4)
+    assert rows[0]["fitted_runs_residual"] > 1e-6 and rows[0]["rel_error_step_s"] > 0.005  # uncapped misses
