@@ -25,8 +25,9 @@ machine's cores or stop falling, as the policy runs' processes end. `--only-ehp`
 besides the issue's keys: `machine_load` (load average before and after each run: on a shared, loaded machine the
 figures are not a gain measurement),
 `slices_left` (metering slices found after each run; must be empty), `slice_cpu` (per run: the cores the
-servers, borrowed replicas and training workers used inside their slices in each phase,
-benchmarks/slice_cpu.py) and `not_covered`.
+servers, borrowed replicas and training workers used inside their slices in each phase, and, in runs made since
+the sampler reads the machine's busy time, `host_cores` and `outside_slices_cores`: the whole machine and what
+ran outside the slices, benchmarks/slice_cpu.py) and `not_covered`.
 """
 
 from __future__ import annotations
@@ -540,7 +541,9 @@ def not_covered(quick: bool, shape: Shape, allowed: list[fig.Split], chosen: lis
         notes.append("slice_cpu (cores each kind of process used in the rollout and training slices, per phase, steps "
                      "after the first) comes from samples every 0.5 s of the slices' processes; a process that "
                      "started and ended between two samples is missed, and the sampler itself runs outside the "
-                     "slices, beside the controller.")
+                     "slices, beside the controller. Where a phase has host_cores (the machine's busy cores) and "
+                     "outside_slices_cores (host_cores less the slices' processes: the controller, Ray, this "
+                     "benchmark and anything else on the machine), they come from the same samples.")
     notes.append("wall_s is the step loop (first step start to last step end); start-up (Ray join, vLLM-CPU "
                  "servers, Megatron init, and in the elastic run the borrowed training replicas started and parked "
                  "before the first step) is in launch_s and not in samples_per_s; samples_per_s_whole_launch "

@@ -9,6 +9,12 @@ first (from the run's metrics rows), the cores each kind of process used, per ki
   `borrowed_worker` (a training replica on the lent GPU, working or parked: a Ray worker);
 - in a training slice: `training_worker` (the worker and anything it started).
 
+Beside the slices, each sample reads the machine's busy CPU seconds (every core's user, nice, system, irq and
+softirq time, from psutil), so each phase also gets `host_cores` (the cores the whole machine used) and
+`outside_slices_cores` (host_cores less what the slices' processes used: the controller, Ray, the benchmark
+and anything else that runs outside the slices; a slice process that started between two samples counts
+there for that interval).
+
 A process's CPU between two samples counts for the phase the middle of the interval falls in; processes that
 start and end between two samples are missed, and the sampler's own reads run outside every slice.
 """
@@ -44,6 +50,13 @@ class ProcessSample:
 class Snapshot:
     at: float  # time.time()
     processes: list[ProcessSample] = field(default_factory=list)
+    host_busy_s: float | None = None  # the machine's busy CPU seconds since boot, all cores (None: not read)
+
+
+def host_busy_s() -> float:
+    """The machine's busy CPU seconds since boot, summed over its cores (idle, iowait and steal left out)."""
+    times = psutil.cpu_times()
+    return float(sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq")))
 
 
 def process_kind(sample: ProcessSample) -> str:
@@ -74,16 +87,26 @@ def cpu_by_phase(snapshots: Sequence[Snapshot], intervals: Sequence[tuple[str, f
     """Per phase: the seconds sampled in it and the cores each kind of process used in each kind of slice."""
     cpu: dict[tuple[str, str, str], float] = defaultdict(float)
     wall: dict[str, float] = defaultdict(float)
+    host: dict[str, float] = defaultdict(float)
+    host_wall: dict[str, float] = defaultdict(float)
+    host_slices: dict[str, float] = defaultdict(float)
     for before, after in zip(snapshots, snapshots[1:], strict=False):
         middle = (before.at + after.at) / 2.0
         phase = next((name for name, start, end in intervals if start <= middle < end), None)
         if phase is None:
             continue
         wall[phase] += after.at - before.at
+        busy = None if before.host_busy_s is None or after.host_busy_s is None else after.host_busy_s - before.host_busy_s
+        if busy is not None:
+            host[phase] += busy
+            host_wall[phase] += after.at - before.at
         earlier = {(p.slice_holder, p.pid): p.cpu_s for p in before.processes}
         for p in after.processes:
             if (p.slice_holder, p.pid) in earlier:
-                cpu[(phase, slice_kind(p.slice_holder), process_kind(p))] += p.cpu_s - earlier[(p.slice_holder, p.pid)]
+                used = p.cpu_s - earlier[(p.slice_holder, p.pid)]
+                cpu[(phase, slice_kind(p.slice_holder), process_kind(p))] += used
+                if busy is not None:
+                    host_slices[phase] += used
     result: dict[str, Any] = {}
     for phase in PHASES:
         seconds = wall.get(phase, 0.0)
@@ -92,6 +115,9 @@ def cpu_by_phase(snapshots: Sequence[Snapshot], intervals: Sequence[tuple[str, f
             if ph == phase and seconds > 0:
                 kinds[where][kind] = round(used / seconds, 4)
         result[phase] = {"sampled_s": round(seconds, 2), "cores": dict(kinds)}
+        if host_wall.get(phase, 0.0) > 0:
+            result[phase]["host_cores"] = round(host[phase] / host_wall[phase], 4)
+            result[phase]["outside_slices_cores"] = round((host[phase] - host_slices[phase]) / host_wall[phase], 4)
     return result
 
 
@@ -145,5 +171,5 @@ class SliceCpuSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.snapshots.append(Snapshot(time.time(), read_slices(self.cgroup)))
+            self.snapshots.append(Snapshot(time.time(), read_slices(self.cgroup), host_busy_s()))
             self._stop.wait(self.interval_s)

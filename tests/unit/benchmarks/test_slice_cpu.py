@@ -59,6 +59,27 @@ def test_cpu_by_phase(snapshots: list[object], expect: dict[str, object]) -> Non
     assert sc.cpu_by_phase(snapshots, sc.phase_intervals(ROWS)) == expect
 
 
+@pytest.mark.parametrize(("host", "expect"), [
+    pytest.param((50.0, 53.0), {"host_cores": 1.5, "outside_slices_cores": 1.34}, id="host-read"),
+    pytest.param((None, 53.0), {}, id="host-not-read-at-the-first-sample"),
+])
+def test_the_host_and_what_runs_outside_the_slices(host: tuple[float | None, float | None],
+                                                    expect: dict[str, float]) -> None:
+    snapshots = [sc.Snapshot(100.0, [proc("rollout-1", 7, 1.0), proc("train-0", 3, 2.0)], host[0]),
+                 sc.Snapshot(102.0, [proc("rollout-1", 7, 1.3), proc("train-0", 3, 2.02)], host[1])]
+    rollout = sc.cpu_by_phase(snapshots, sc.phase_intervals(ROWS))["rollout"]
+    assert rollout["cores"] == {"rollout_slices": {"server": 0.15}, "train_slices": {"training_worker": 0.01}}
+    assert {k: v for k, v in rollout.items() if k not in ("sampled_s", "cores")} == pytest.approx(expect)
+
+
+def test_the_hosts_busy_seconds_grow_with_work() -> None:
+    before = sc.host_busy_s()
+    end = time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    assert sc.host_busy_s() - before >= 0.15
+
+
 def test_read_slices_finds_the_processes_of_slices_only(tmp_path: Path) -> None:
     from libra.metering.cgroup import CpuCgroup
 
