@@ -208,7 +208,7 @@ def spread_within_split(runs: list[MeasuredRun]) -> dict[str, float]:
     return {split: round(max(r) / min(r) - 1.0, 4) for split, r in rates.items() if len(r) > 1}
 
 
-SLICE_CAPS: tuple[float | None, ...] = (None, 1.4, 1.2, 1.1, 1.0, 0.9, 0.8)  # cores; None = no cap
+SLICE_CAPS: tuple[float | None, ...] = (None, 1.2, 1.1, 1.0, 0.9, 0.8)  # cores; None = no cap
 
 
 def slice_cores_measured(document: dict[str, Any]) -> list[dict[str, Any]]:

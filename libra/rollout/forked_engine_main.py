@@ -9,9 +9,9 @@ import is about 40% of a server's start (`benchmarks/server_start.py`). A forked
 Why a fork is safe where this entry point is used (`server.server_module` decides):
 - TP 1 with the `uni` executor: the engine core runs the model itself and starts no further process, so no
   worker is forked from a process that already runs a model;
-- the API server runs no tensor operation before the engine core starts (it builds configs, loads the
-  tokenizer, which is Rust, and imports), so the child inherits no OpenMP thread pool: the engine core binds
-  its OpenMP threads itself, as a spawned one does;
+- the API server imports, builds configs and loads the tokenizer before the engine core starts, and runs no
+  model: the engine core loads the model and binds its OpenMP threads itself, as a spawned one does (every
+  TP-1 server of the test suite and of the benchmarks starts this way);
 - this is vLLM's own default start method wherever its platform allows it (CUDA servers fork unless CUDA is
   initialized), so the API server's path to the engine core supports it.
 TP > 1 CPU servers and GPU servers run `vllm.entrypoints.openai.api_server` unchanged.

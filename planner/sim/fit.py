@@ -11,12 +11,12 @@ constants mean exactly what the simulator does with them. Each block of constant
 totals of its phase by least squares on relative residuals (each run weighs the same whatever its length),
 the constants kept >= 0 (`nonnegative_least_squares`).
 
-On metered logical GPUs (each a CPU slice of `cpu_per_gpu` cores) the host may give a phase's busy slices less
-than their quotas together: the controller, Ray and the other processes outside the slices share the same
-cores. `SliceCap` says so: the busy pool's slices run `cores` cores together at most, so each of its n slices
-runs at `min(1, cores / (n x cpu_per_gpu))` of its quota, and the replay stretches that pool's constants by the
-inverse (the rollout pool's in the rollout phase, the training pool's in the training phase; the totals stay
-linear in the constants). Without a cap (the default) every slice runs at its quota.
+On metered logical GPUs (each a CPU slice of `cpu_per_gpu` cores) a replay may cap what a phase's busy slices
+get together (`SliceCap`, a diagnostic of the calibration: a host that cannot give every slice its quota): the
+busy pool's slices run `cores` cores together at most, so each of its n slices runs at
+`min(1, cores / (n x cpu_per_gpu))` of its quota, and the replay stretches that pool's constants by the inverse
+(the rollout pool's in the rollout phase, the training pool's in the training phase; the totals stay linear in
+the constants). Without a cap (the default) every slice runs at its quota.
 
 `holdout` fits on the runs of some splits and predicts the runs of every other split; `alternate_splits`
 is the design the benchmark reports (every other split by training GPUs, so the predicted splits lie between
@@ -101,8 +101,9 @@ class SliceCap:
 
     def costs_for(self, costs: MeasuredCosts, train_gpus: int, rollout_gpus: int) -> MeasuredCosts:
         rollout, train = self.stretch(rollout_gpus), self.stretch(train_gpus)
-        return MeasuredCosts(costs.decode_fixed_s * rollout, costs.decode_per_seq_s * rollout,
-                             costs.train_step_s * train, costs.train_token_s * train, costs.sync_s)
+        return replace(costs, decode_fixed_s=costs.decode_fixed_s * rollout,
+                       decode_per_seq_s=costs.decode_per_seq_s * rollout, train_step_s=costs.train_step_s * train,
+                       train_token_s=costs.train_token_s * train)
 
 
 @dataclass(frozen=True)
