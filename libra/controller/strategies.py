@@ -196,7 +196,9 @@ def restart_all_strategy(observed: ObservedState, desired: DesiredState, failing
 def _switch_plan(p: RolloutPicture, name: str, hold_flip: bool, no_room: Callable[[int], list[Action]]) -> list[Action]:
     """blue_green / prewarm / cluster_swap: the next step of a switch from the serving set to a new one."""
     blue = [m for m in p.live if m.serving]
-    target_ready = [m for m in p.current if m.serving and m.state == S.READY]
+    # a serving member reloading its weights in place (LOADING) still serves: counting it out would make the
+    # switch start a green set for a pool that already is the target, then drain that green set as surplus
+    target_ready = [m for m in p.current if m.serving and m.state in (S.READY, S.LOADING)]
     # done flipping: exactly the target serves; drain everything else
     if len(blue) == p.target and len(target_ready) == p.target:
         return [p.stop(m, f"{name}: drain after the switch") for m in p.live if not m.serving and not m.busy]

@@ -123,6 +123,11 @@ CASES = [
     pytest.param(THREE, want(1, "blue_green"), [("serve", "rollout-0")], id="blue-green-shrink-by-flip"),
     pytest.param(TWO, want(2, "blue_green", tp=2), [("start", "rollout-2", 2), ("start", "rollout-3", 2)],
                  id="blue-green-tp-1-to-2"),
+    # a serving member reloading weights in place (the RL loop's publish) is still the serving set
+    pytest.param((member(0, S.LOADING, serving=True), member(1, S.STOPPED, serving=False)), want(1, "blue_green"),
+                 [], id="blue-green-shrunk-set-reloading-is-done"),
+    pytest.param((member(0), member(1, S.LOADING, serving=True)), want(1, "blue_green"), [("serve", "rollout-0")],
+                 id="blue-green-shrink-by-flip-while-one-reloads"),
     # ---- prewarm: like blue_green, the flip waits for the trigger
     pytest.param(TWO + (member(2, serving=False), member(3, serving=False), member(4, serving=False)),
                  want(3, "prewarm", switch_now=False), [], id="prewarm-holds-until-trigger"),
@@ -140,6 +145,8 @@ CASES = [
     pytest.param(TWO, want(3, "cluster_swap", swap=True),
                  [("start", "rollout-2", 1), ("start", "rollout-3", 1), ("start", "rollout-4", 1)],
                  id="cluster-swap-with-spare-is-blue-green"),
+    pytest.param((member(0, S.LOADING, serving=True), member(1, S.STOPPED, serving=False)),
+                 want(1, "cluster_swap", swap=True), [], id="cluster-swap-shrunk-set-reloading-is-done"),
     # ---- every strategy: a failed member is replaced
     pytest.param((member(0), member(1, S.FAILED)), want(2), [("stop", "rollout-1", False), ("start", "rollout-2", 1)],
                  id="diff-replaces-failed"),
