@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import platform
 import statistics
@@ -27,8 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +34,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server_bench import tiny_model, write_result  # noqa: E402
+from server_bench import bystander, tiny_model, write_result  # noqa: E402
 
 from libra.rollout.server import ServerLaunch, ServerProcess, pick_free_port  # noqa: E402
 from libra.rollout.server_guard import group_members  # noqa: E402
@@ -51,27 +49,6 @@ NOT_COVERED = [
     "the loaded condition has one bystander; a running job's host may be busier (several servers starting "
     "together, training), which lengthens both arms",
 ]
-
-
-def _spin(stop: Any) -> None:
-    n = 0
-    while not stop.is_set():
-        n += 1
-
-
-@contextmanager
-def bystander() -> Iterator[None]:
-    """A CPU-bound process beside the server while it starts."""
-    stop = multiprocessing.Event()
-    process = multiprocessing.Process(target=_spin, args=(stop,), daemon=True)
-    process.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
 
 
 def greedy_answer(port: int) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import platform
 import sys
@@ -39,7 +38,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server_bench import tiny_model, write_result  # noqa: E402
+from server_bench import bystander, tiny_model, write_result  # noqa: E402
 
 from libra.rollout import server as server_module  # noqa: E402
 from libra.rollout.idle_wait import IDLE_WAIT_ENV  # noqa: E402
@@ -71,13 +70,6 @@ def vllm_as_shipped() -> Iterator[None]:
         yield
     finally:
         server_module.device_env = original
-
-
-def bystander(stop_at: float, counter: Any) -> None:
-    n = 0
-    while time.time() < stop_at:
-        n += 1
-    counter.value = n
 
 
 def kind(process: psutil.Process) -> str:
@@ -116,23 +108,19 @@ def request(port: int) -> None:
 
 
 def window(server: ServerProcess, mode: str, seconds: float) -> dict[str, Any]:
-    counter = multiprocessing.Value("q", 0)
     before = cpu_by_kind(server.pid)
     start = time.time()
-    side = multiprocessing.Process(target=bystander, args=(start + seconds, counter))
-    side.start()
-    side_process = psutil.Process(side.pid)
     requests = 0
-    while time.time() - start < seconds:
-        if mode == "idle":
-            time.sleep(0.2)
-            continue
-        request(server.launch.port)
-        requests += 1
-        if mode == "paced":
-            time.sleep(PACE_S)
-    side_times = side_process.cpu_times()
-    side.join()
+    with bystander() as side_process:
+        while time.time() - start < seconds:
+            if mode == "idle":
+                time.sleep(0.2)
+                continue
+            request(server.launch.port)
+            requests += 1
+            if mode == "paced":
+                time.sleep(PACE_S)
+        side_times = side_process.cpu_times()
     elapsed = time.time() - start
     after = cpu_by_kind(server.pid)
     cores: dict[str, float] = {}

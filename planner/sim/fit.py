@@ -221,17 +221,19 @@ def rounded(costs: MeasuredCosts) -> dict[str, float]:
     return {name: float(f"{value:.4g}") for name, value in costs.as_dict().items()}
 
 
-def holdout(replayer: Replayer, runs: Sequence[MeasuredRun], fitted_splits: Iterable[tuple[int, int]]) -> dict[str, Any]:
-    """Fit on every run of `fitted_splits` and predict every run of the other splits: the held-out errors, the
-    fitted and predicted runs, the constants, and the ranking of the static runs' splits by the fitted
-    constants (in-sample for the fitted splits)."""
+def holdout(replayer: Replayer, runs: Sequence[MeasuredRun], fitted_splits: Iterable[tuple[int, int]],
+            costs: MeasuredCosts | None = None) -> dict[str, Any]:
+    """Fit on every run of `fitted_splits` (or take `costs` already fitted to them) and predict every run of the
+    other splits: the held-out errors, the fitted and predicted runs, the constants, and the ranking of the
+    static runs' splits by the fitted constants (in-sample for the fitted splits)."""
     chosen = set(fitted_splits)
     fitted = [run for run in runs if run.split in chosen]
     held_out = [run for run in runs if run.split not in chosen]
     if not held_out:
         raise ValueError(f"holdout: every run is of a fitted split ({', '.join(f'{t}+{r}' for t, r in sorted(chosen))})"
                          ": nothing is held out")
-    costs = fit_costs(replayer, fitted)
+    if costs is None:
+        costs = fit_costs(replayer, fitted)
     every = predict(replayer, runs, costs)
     predicted = [p for p in every if p[0].split not in chosen]
     return {**_report(predicted), "fitted_runs": [r.name for r in fitted], "predicted_runs": [r.name for r in held_out],
@@ -267,10 +269,11 @@ def leave_one_split_out(replayer: Replayer, runs: Sequence[MeasuredRun]) -> dict
             "ranking": split_ranking([(run, step, rate) for run, step, rate, _ in predicted])}
 
 
-def fit_residual(replayer: Replayer, runs: Sequence[MeasuredRun]) -> float:
+def fit_residual(replayer: Replayer, runs: Sequence[MeasuredRun], costs: MeasuredCosts | None = None) -> float:
     """What the fit leaves on `runs` themselves: the sum of squared relative residuals of their phase totals
-    (rollout, training, rest of the wall) under the constants fitted to them."""
-    costs = fit_costs(replayer, runs)
+    (rollout, training, rest of the wall) under the constants fitted to them (`costs`, when already fitted)."""
+    if costs is None:
+        costs = fit_costs(replayer, runs)
     residuals = []
     for run, _, _, totals in predict(replayer, runs, costs):
         measured = measured_totals(run)
@@ -288,11 +291,12 @@ def slice_cap_sweep(replayer: Replayer, runs: Sequence[MeasuredRun], fitted_spli
     rows = []
     for cores in caps:
         capped = replace(replayer, slice_cap=None if cores is None else SliceCap(cpu_per_gpu, cores))
-        result = holdout(capped, runs, chosen)
+        costs = fit_costs(capped, fitted)
+        result = holdout(capped, runs, chosen, costs)
         rows.append({"cap_cores": cores,
                      **{k: result[k] for k in ("rel_error_step_s", "rel_error_throughput", "max_rel_error_step_s",
                                                "max_rel_error_throughput")},
-                     "fitted_runs_residual": round(fit_residual(capped, fitted), 4),
+                     "fitted_runs_residual": round(fit_residual(capped, fitted, costs), 4),
                      "all_runs_residual": round(fit_residual(capped, runs), 4),
                      "constants": result["constants"]})
     return rows

@@ -75,7 +75,7 @@ def ray4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield address
 
 
-SERVER_MODULES = ([forked_engine_main.__name__], [forked_engine_main.SERVER_MODULE])
+SERVER_MODULES = {forked_engine_main.__name__, forked_engine_main.SERVER_MODULE}
 
 
 def vllm_servers(root: Path) -> list[int]:
@@ -85,7 +85,7 @@ def vllm_servers(root: Path) -> list[int]:
         try:
             cmdline = proc.info["cmdline"] or []
             # the server itself, not its guard (whose command line ends with the server's)
-            if (cmdline[1:2] == ["-m"] and cmdline[2:3] in SERVER_MODULES
+            if (len(cmdline) > 2 and cmdline[1] == "-m" and cmdline[2] in SERVER_MODULES
                     and any(str(root) in part for part in cmdline) and proc.status() != psutil.STATUS_ZOMBIE):
                 found.append(proc.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
