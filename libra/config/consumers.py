@@ -76,6 +76,7 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     "rollout_health_check_interval_s": (f"{ROLLOUT}.health.interval_s",),
     "rollout_health_check_timeout_s": (f"{ROLLOUT}.health.timeout_s",),
     "rollout_health_check_failures": (f"{ROLLOUT}.health.failures_to_fail",),
+    "restart_backoff_s": (CONTROLLER,),
     "rollout_temperature": (RL_LOOP,),
     "rollout_top_p": (RL_LOOP,),
     "expected_response_tokens": ("PlannerInputs.workload.expected_response_tokens",),

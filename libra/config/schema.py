@@ -139,6 +139,11 @@ class Config(DataClassJsonMixin):
     rollout_health_check_failures: int = opt(
         3, "/health checks in a row without an answer that make a rollout instance failed (it is replaced, its "
         "requests re-sent). A hung server is failed within failures x (interval + timeout) seconds.", ge=1)
+    restart_backoff_s: float = opt(
+        5.0, "Seconds a pool (rollout or training) waits before starting a new member after one failed within "
+        "120 s of becoming ready (e.g. a server that crashes on its first requests); the wait doubles with each "
+        "such failure in a row, up to 300 s, and a member that served longer resets it. 0 = replace at once.",
+        ge=0)
     rollout_temperature: float = opt(1.0, "Sampling temperature of rollouts.", ge=0)
     rollout_top_p: float = opt(1.0, "Nucleus sampling top_p of rollouts.", gt=0, le=1)
     expected_response_tokens: int = opt(

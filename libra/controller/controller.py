@@ -247,7 +247,8 @@ class Controller:
     def _start_pools(self) -> None:
         cfg, run = self.cfg, self.run
         assert self.reporter is not None and self.desired is not None
-        self.tracker = MemberTracker(self.events, started_for=started_generations(run.events_jsonl, ROLLOUT))
+        self.tracker = MemberTracker(self.events, started_for=started_generations(run.events_jsonl, ROLLOUT),
+                                     early_failure_backoff_s=cfg.restart_backoff_s)
         # the pools' processes trace into the controller's directory (ranks 1000+ and 2000+)
         trace = self._tracer.settings() if self._tracer is not None else None
         self.rollout_edge = RolloutPoolEdge(cfg, run, self.runtime, trace=trace)

@@ -24,7 +24,7 @@ from libra.controller.state import ROLLOUT, TRAIN, ObservedState, PoolObservatio
 S = MemberState
 
 EARLY_FAILURE_S = 120.0  # a member failing this soon after becoming READY counts towards the start back-off
-EARLY_FAILURE_BACKOFF_S = 5.0
+EARLY_FAILURE_BACKOFF_S = 5.0  # the default first wait (`restart_backoff_s`)
 EARLY_FAILURE_MAX_BACKOFF_S = 300.0
 EARLY_FAILURE_FORGET_S = 1800.0  # an early failure this long after the previous one starts a new count
 
@@ -58,10 +58,13 @@ class _Pool:
 
 
 class MemberTracker:
-    def __init__(self, events: EventLog, started_for: dict[str, int] | None = None) -> None:
+    def __init__(self, events: EventLog, started_for: dict[str, int] | None = None,
+                 early_failure_backoff_s: float = EARLY_FAILURE_BACKOFF_S) -> None:
         """`started_for`: the generation each instance left by an earlier controller was started for, by
-        instance key (see `events.started_generations`); an adopted member takes it over."""
+        instance key (see `events.started_generations`); an adopted member takes it over.
+        `early_failure_backoff_s`: the first wait of the start back-off (`_count_failure_after_ready`)."""
         self.events = events
+        self._early_failure_backoff_s = early_failure_backoff_s
         self._started_for = dict(started_for or {})
         self._members: dict[str, Member] = {}
         self._pools = {ROLLOUT: _Pool(), TRAIN: _Pool()}
@@ -203,7 +206,7 @@ class MemberTracker:
             return
         p.early_failures += 1
         p.last_early_failure = now
-        wait = min(EARLY_FAILURE_MAX_BACKOFF_S, EARLY_FAILURE_BACKOFF_S * 2 ** (p.early_failures - 1))
+        wait = min(EARLY_FAILURE_MAX_BACKOFF_S, self._early_failure_backoff_s * 2 ** (p.early_failures - 1))
         p.start_after = max(p.start_after, now + wait)
         self.events.emit("start_backoff", f"{member.id} failed {served_s:.0f}s after becoming ready "
                          f"({p.early_failures} such failure(s) in a row); no new {member.pool} member starts for "

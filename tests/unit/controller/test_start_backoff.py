@@ -53,6 +53,17 @@ def test_early_failures_back_off_starts(served_s: list[float], expected_waits: l
     assert len(backoffs) == sum(w is not None for w in expected_waits)
 
 
+@pytest.mark.parametrize(("first_wait_s", "expected_waits"), [(1.0, [1.0, 2.0, 4.0]), (0.0, [0.0, 0.0, 0.0])],
+                         ids=["one-second", "off"])
+def test_the_first_wait_is_configurable(first_wait_s: float, expected_waits: list[float]) -> None:
+    tracker = MemberTracker(EventLog(None), early_failure_backoff_s=first_wait_s)
+    now = 1000.0
+    for index, wait in enumerate(expected_waits):
+        run_member(tracker, f"rollout-{index}", now, now + 1)
+        assert tracker.snapshot(now + 1).rollout.start_after == pytest.approx(now + 1 + wait)
+        now += 2
+
+
 def test_a_failure_while_starting_is_not_an_early_failure() -> None:
     tracker = MemberTracker(EventLog(None))
     tracker.add_member("rollout-0", ROLLOUT, 100.0, "wanted")
