@@ -27,7 +27,9 @@ figures are not a gain measurement),
 `slices_left` (metering slices found after each run; must be empty), `slice_cpu` (per run: the cores the
 servers, borrowed replicas and training workers used inside their slices in each phase, and, in runs made since
 the sampler reads the machine's busy time, `host_cores` and `outside_slices_cores`: the whole machine and what
-ran outside the slices, benchmarks/slice_cpu.py) and `not_covered`.
+ran outside the slices, benchmarks/slice_cpu.py), `speed_probe` (per run, before and after it: how fast a core
+of the machine ran a fixed Python loop and how much of a core the loop got, benchmarks/speed_probe.py; runs of
+one split have differed by 40 % on this machine with the same CPU in their slices) and `not_covered`.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import elastic_gain_figures as fig  # noqa: E402
 import slice_cpu  # noqa: E402
+import speed_probe  # noqa: E402
 
 from libra.metering.cgroup import CpuCgroup  # noqa: E402
 from libra.metering.spec import PERIOD_US  # noqa: E402
@@ -229,6 +232,7 @@ def launch(config: Path, run_dir: Path, overrides: list[str], steps: int, timeou
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log_path = run_dir.parent / f"{run_dir.name}.launch.log"
     load_before = load_average()
+    probe_before = speed_probe.probe()
     started = time.monotonic()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -243,8 +247,10 @@ def launch(config: Path, run_dir: Path, overrides: list[str], steps: int, timeou
             if sampler is not None:
                 sampler.stop()
             stop_group(proc, run_dir)
-    out: dict[str, Any] = {"exit_code": code, "launch_s": round(time.monotonic() - started, 1),
-                           "load_before": load_before, "load_after": load_average(), "slices_left": slices_left()}
+    launch_s = round(time.monotonic() - started, 1)
+    out: dict[str, Any] = {"exit_code": code, "launch_s": launch_s, "load_before": load_before,
+                           "load_after": load_average(), "slices_left": slices_left(),
+                           "speed_probe": {"before": probe_before, "after": speed_probe.probe()}}
     if code != 0:
         tail = log_path.read_text(errors="replace")[-1500:]
         out["error"] = f"exit {code} (None: killed after {timeout_s:.0f} s); log tail: {tail}"

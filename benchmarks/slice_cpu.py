@@ -13,7 +13,8 @@ Beside the slices, each sample reads the machine's busy CPU seconds (every core'
 softirq time, from psutil), so each phase also gets `host_cores` (the cores the whole machine used) and
 `outside_slices_cores` (host_cores less what the slices' processes used: the controller, Ray, the benchmark
 and anything else that runs outside the slices; a slice process that started between two samples counts
-there for that interval).
+there for that interval) and `host_steal_cores` (the cores' time the hypervisor gave to other machines while
+this one wanted to run: a shared host's contention, 0 on bare metal).
 
 A process's CPU between two samples counts for the phase the middle of the interval falls in; processes that
 start and end between two samples are missed, and the sampler's own reads run outside every slice.
@@ -51,12 +52,19 @@ class Snapshot:
     at: float  # time.time()
     processes: list[ProcessSample] = field(default_factory=list)
     host_busy_s: float | None = None  # the machine's busy CPU seconds since boot, all cores (None: not read)
+    host_steal_s: float | None = None  # the machine's stolen CPU seconds since boot, all cores (None: not read)
 
 
 def host_busy_s() -> float:
     """The machine's busy CPU seconds since boot, summed over its cores (idle, iowait and steal left out)."""
     times = psutil.cpu_times()
     return float(sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq")))
+
+
+def host_steal_s() -> float:
+    """CPU seconds since boot, summed over the cores, that the hypervisor ran other machines on while this
+    one had work (0 where the kernel does not report it)."""
+    return float(getattr(psutil.cpu_times(), "steal", 0.0))
 
 
 def process_kind(sample: ProcessSample) -> str:
@@ -90,6 +98,8 @@ def cpu_by_phase(snapshots: Sequence[Snapshot], intervals: Sequence[tuple[str, f
     host: dict[str, float] = defaultdict(float)
     host_wall: dict[str, float] = defaultdict(float)
     host_slices: dict[str, float] = defaultdict(float)
+    steal: dict[str, float] = defaultdict(float)
+    steal_wall: dict[str, float] = defaultdict(float)
     for before, after in zip(snapshots, snapshots[1:], strict=False):
         middle = (before.at + after.at) / 2.0
         phase = next((name for name, start, end in intervals if start <= middle < end), None)
@@ -100,6 +110,9 @@ def cpu_by_phase(snapshots: Sequence[Snapshot], intervals: Sequence[tuple[str, f
         if busy is not None:
             host[phase] += busy
             host_wall[phase] += after.at - before.at
+        if before.host_steal_s is not None and after.host_steal_s is not None:
+            steal[phase] += after.host_steal_s - before.host_steal_s
+            steal_wall[phase] += after.at - before.at
         earlier = {(p.slice_holder, p.pid): p.cpu_s for p in before.processes}
         for p in after.processes:
             if (p.slice_holder, p.pid) in earlier:
@@ -118,6 +131,8 @@ def cpu_by_phase(snapshots: Sequence[Snapshot], intervals: Sequence[tuple[str, f
         if host_wall.get(phase, 0.0) > 0:
             result[phase]["host_cores"] = round(host[phase] / host_wall[phase], 4)
             result[phase]["outside_slices_cores"] = round((host[phase] - host_slices[phase]) / host_wall[phase], 4)
+        if steal_wall.get(phase, 0.0) > 0:
+            result[phase]["host_steal_cores"] = round(steal[phase] / steal_wall[phase], 4)
     return result
 
 
@@ -171,5 +186,5 @@ class SliceCpuSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.snapshots.append(Snapshot(time.time(), read_slices(self.cgroup), host_busy_s()))
+            self.snapshots.append(Snapshot(time.time(), read_slices(self.cgroup), host_busy_s(), host_steal_s()))
             self._stop.wait(self.interval_s)

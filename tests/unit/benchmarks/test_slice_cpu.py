@@ -59,14 +59,18 @@ def test_cpu_by_phase(snapshots: list[object], expect: dict[str, object]) -> Non
     assert sc.cpu_by_phase(snapshots, sc.phase_intervals(ROWS)) == expect
 
 
-@pytest.mark.parametrize(("host", "expect"), [
-    pytest.param((50.0, 53.0), {"host_cores": 1.5, "outside_slices_cores": 1.34}, id="host-read"),
-    pytest.param((None, 53.0), {}, id="host-not-read-at-the-first-sample"),
+@pytest.mark.parametrize(("host", "steal", "expect"), [
+    pytest.param((50.0, 53.0), (None, None), {"host_cores": 1.5, "outside_slices_cores": 1.34}, id="host-read"),
+    pytest.param((None, 53.0), (None, None), {}, id="host-not-read-at-the-first-sample"),
+    pytest.param((50.0, 53.0), (4.0, 4.5), {"host_cores": 1.5, "outside_slices_cores": 1.34,
+                                            "host_steal_cores": 0.25}, id="steal-read"),
+    pytest.param((None, None), (4.0, 4.0), {"host_steal_cores": 0.0}, id="no-steal"),
 ])
 def test_the_host_and_what_runs_outside_the_slices(host: tuple[float | None, float | None],
+                                                    steal: tuple[float | None, float | None],
                                                     expect: dict[str, float]) -> None:
-    snapshots = [sc.Snapshot(100.0, [proc("rollout-1", 7, 1.0), proc("train-0", 3, 2.0)], host[0]),
-                 sc.Snapshot(102.0, [proc("rollout-1", 7, 1.3), proc("train-0", 3, 2.02)], host[1])]
+    snapshots = [sc.Snapshot(100.0, [proc("rollout-1", 7, 1.0), proc("train-0", 3, 2.0)], host[0], steal[0]),
+                 sc.Snapshot(102.0, [proc("rollout-1", 7, 1.3), proc("train-0", 3, 2.02)], host[1], steal[1])]
     rollout = sc.cpu_by_phase(snapshots, sc.phase_intervals(ROWS))["rollout"]
     assert rollout["cores"] == {"rollout_slices": {"server": 0.15}, "train_slices": {"training_worker": 0.01}}
     assert {k: v for k, v in rollout.items() if k not in ("sampled_s", "cores")} == pytest.approx(expect)
