@@ -55,16 +55,13 @@ class Snapshot:
     host_steal_s: float | None = None  # the machine's stolen CPU seconds since boot, all cores (None: not read)
 
 
-def host_busy_s() -> float:
-    """The machine's busy CPU seconds since boot, summed over its cores (idle, iowait and steal left out)."""
+def host_cpu_s() -> tuple[float, float]:
+    """The machine's busy CPU seconds since boot (user, nice, system, irq and softirq; idle, iowait and steal
+    left out) and its stolen ones (the hypervisor ran other machines while this one had work; 0 where the kernel
+    does not report it), each summed over the cores, from one read."""
     times = psutil.cpu_times()
-    return float(sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq")))
-
-
-def host_steal_s() -> float:
-    """CPU seconds since boot, summed over the cores, that the hypervisor ran other machines on while this
-    one had work (0 where the kernel does not report it)."""
-    return float(getattr(psutil.cpu_times(), "steal", 0.0))
+    busy = sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq"))
+    return float(busy), float(getattr(times, "steal", 0.0))
 
 
 def process_kind(sample: ProcessSample) -> str:
@@ -186,5 +183,5 @@ class SliceCpuSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.snapshots.append(Snapshot(time.time(), read_slices(self.cgroup), host_busy_s(), host_steal_s()))
+            self.snapshots.append(Snapshot(time.time(), read_slices(self.cgroup), *host_cpu_s()))
             self._stop.wait(self.interval_s)

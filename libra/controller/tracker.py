@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from libra.config import Config
 from libra.controller.events import EventLog
 from libra.controller.members import InvalidTransition, Member, MemberState, Transition, next_member_ids
 from libra.controller.state import ROLLOUT, TRAIN, ObservedState, PoolObservation, RolloutSpec
@@ -24,7 +25,7 @@ from libra.controller.state import ROLLOUT, TRAIN, ObservedState, PoolObservatio
 S = MemberState
 
 EARLY_FAILURE_S = 120.0  # a member failing this soon after becoming READY counts towards the start back-off
-EARLY_FAILURE_BACKOFF_S = 5.0  # the default first wait (`restart_backoff_s`)
+EARLY_FAILURE_BACKOFF_S: float = Config.restart_backoff_s
 EARLY_FAILURE_MAX_BACKOFF_S = 300.0
 EARLY_FAILURE_FORGET_S = 1800.0  # an early failure this long after the previous one starts a new count
 

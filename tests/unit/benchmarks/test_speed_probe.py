@@ -6,11 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+from benchmark_modules import load_benchmark_module
 
-import speed_probe  # noqa: E402
+speed_probe = load_benchmark_module("speed_probe")
 
 SPIN = "import os, time\nos.sched_setaffinity(0, {0})\nend = time.time() + 2.0\nwhile time.time() < end:\n    pass\n"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -28,8 +29,15 @@ def test_which_errors_are_tried_again(exc: Exception, retried: bool) -> None:
 
 
 def _leftover(tmp: Path) -> subprocess.Popen[bytes]:
-    """A child process that names the start's temp dir on its command line, as Ray's gcs_server does."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", f"--temp-dir={tmp}/session"])
+    """A child process that names the start's temp dir on its command line, as Ray's gcs_server does. Returned
+    once its command line can be read: Popen returns as the child execs, and until the kernel has set up the
+    new program's arguments /proc shows an empty command line (seen on a loaded machine), which no start
+    leaves behind (Ray's processes run for seconds before a start times out)."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", f"--temp-dir={tmp}/session"])
+    deadline = time.monotonic() + 10
+    while not psutil.Process(process.pid).cmdline() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return process
 
 
 def test_a_timed_out_start_is_retried_after_its_processes_are_stopped(tmp_path: Path) -> None:
