@@ -547,7 +547,12 @@ def not_covered(quick: bool, shape: Shape, allowed: list[fig.Split], chosen: lis
         notes.append("slice_cpu (cores each kind of process used in the rollout and training slices, per phase, steps "
                      "after the first) comes from samples every 0.5 s of the slices' processes; a process that "
                      "started and ended between two samples is missed, and the sampler itself runs outside the "
-                     "slices, beside the controller. Where a phase has host_cores (the machine's busy cores) and "
+                     "slices, beside the controller. A process counts for a slice in an interval only if it was in that "
+                     "slice at both of its samples: parked borrowed ranks leave their lent slices after each step "
+                     "and join them again at the next attach, so the part of a step's work done in the interval of "
+                     "the join falls into outside_slices_cores; borrowed_rank_cores (the slowest borrowed rank's "
+                     "CPU seconds over its wall seconds while it computed) shows the share of a core it ran at. "
+                     "Where a phase has host_cores (the machine's busy cores) and "
                      "outside_slices_cores (host_cores less the slices' processes: the controller, Ray, this "
                      "benchmark and anything else on the machine), they come from the same samples.")
     notes.append("wall_s is the step loop (first step start to last step end); start-up (Ray join, vLLM-CPU "

@@ -156,7 +156,26 @@ def run_figures(policy: str, rows: list[dict[str, Any]], events: list[dict[str, 
         "train_phase_s": round(sum(float(r.get("time_train_s") or 0.0) for r in steps), 3),
         "rollout_phase_s": round(sum(float(r.get("time_rollout_s") or 0.0) for r in steps), 3),
         "per_step": step_series(steps),
+        "borrowed_rank_cores": borrowed_rank_cores(steps),
     }
+
+
+BORROWED_PARTS = ("recompute", "forward_backward")
+
+
+def borrowed_rank_cores(steps: list[dict[str, Any]]) -> float | None:
+    """The share of a core the slowest borrowed rank ran at while it computed (its CPU seconds over its wall
+    seconds in recomputation and forward/backward, summed over the borrowing steps); on metered logical GPUs it
+    stays at or below the slice's cores per GPU, whatever slice the rank sat in between steps. None when no step
+    borrowed."""
+    cpu = wall = 0.0
+    for row in steps:
+        for part in BORROWED_PARTS:
+            seconds, cpu_s = row.get(f"train_ehp_borrowed_{part}_s"), row.get(f"train_ehp_borrowed_{part}_cpu_s")
+            if isinstance(seconds, int | float) and isinstance(cpu_s, int | float):
+                wall += float(seconds)
+                cpu += float(cpu_s)
+    return round(cpu / wall, 4) if wall > 0 else None
 
 
 def gain(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -104,11 +104,19 @@ class CpuSlices:
     def join(self, piece: Slice, pid: int, children: bool = True) -> list[int]:
         """Move `pid` and (with `children`) every descendant into the slice; returns the pids moved. A parent
         moves before its children are listed, so a child forked meanwhile is born inside."""
+        return self._move_tree(pid, piece.path, children)
+
+    def leave(self, pid: int, children: bool = True) -> list[int]:
+        """Move `pid` and (with `children`) every descendant out of any slice, to the home group (unmetered,
+        where the controller and Ray run); returns the pids moved."""
+        return self._move_tree(pid, self.cgroup.home, children)
+
+    def _move_tree(self, pid: int, path: str, children: bool) -> list[int]:
         moved: list[int] = []
         pending = [pid]
         while pending:
             current = pending.pop()
-            if not self.cgroup.move(current, piece.path):
+            if not self.cgroup.move(current, path):
                 continue
             moved.append(current)
             if children:

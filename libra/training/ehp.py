@@ -14,6 +14,12 @@ step uses that copy when the pool's weights have not changed since (`TrainingPoo
 copies them itself otherwise. `release(reason)` stops a parked group; `attach` does so itself when the GPUs
 differ, the core pool was resized, re-laid-out or restarted, or a parked worker no longer answers.
 
+On metered logical GPUs a borrowed rank computes in the CPU slice of the GPU it borrows, beside the lending
+server, while attached. Parked, it holds memory and no compute (as an idle process on a GPU does), so after its
+parameter copy it leaves that slice for the host's share of the CPU, and the ping that checks it at the next
+`attach` moves it back first (no extra round trip): its idle threads (Ray's, gloo's) otherwise take the lending
+servers' CPU in the rollout phase.
+
 Design. Megatron's parallel state is fixed per torch.distributed world, so borrowed replicas do not join the
 core pool's world: they are extra `TrainingWorker`s (same model, TP / PP / CP as the core pool, no
 distributed optimizer, no trace) on the lent GPUs (`libra.cluster.ehp_workers`), forming worlds of their own:
@@ -107,6 +113,7 @@ class BorrowedWorld:
     group: BorrowedWorkerGroup
     spec: TrainingPoolSpec
     keys: list[tuple[int, int, int]] = field(default_factory=list)  # per rank: (TP, PP, DP x CP) rank
+    holders: list[str] = field(default_factory=list)  # per rank: the lending instance ("" = a GPU of its own)
 
     @property
     def dp(self) -> int:
@@ -131,6 +138,7 @@ class EhpSession:
         # the (core worker group, weights version) they copy: the next step uses them while that still holds
         self._prefetched: list[list[Any]] | None = None
         self._prefetched_for: tuple[Any, int] | None = None
+        self._left_slices: list[tuple[BorrowedWorld, list[Any]]] = []  # the parked ranks' calls leaving their lent GPUs' CPU slices
         self._lock = threading.RLock()
         self.last_attach_reused = False  # the last attach re-attached a parked group (started nothing)
         self.last_stop_reason = ""  # why the last parked group was stopped
@@ -196,15 +204,38 @@ class EhpSession:
         if (not pool.running or pool.group is not self._core_group or pool.layout != self._layout
                 or pool.spec.num_gpus != self._core_gpus):
             return "the training pool was resized, re-laid-out or restarted since the replicas were parked"
-        try:  # every world asked at once: one round trip, not one per world
-            pings = [ehp_workers.call_refs(w.group, "ehp", "shard_key") for w in self.worlds]
+        left, self._left_slices = self._left_slices, []
+        metering = pool.spec.metering
+        try:  # every world asked at once: one round trip, not one per world (ranks that left a slice rejoin it)
+            pings = [ehp_workers.call_each(w.group, "ehp", [("shard_key_in_lent_slice", metering, holder)
+                                                            for holder in w.holders])
+                     if left else ehp_workers.call_refs(w.group, "ehp", "shard_key") for w in self.worlds]
             for world, refs in zip(self.worlds, pings, strict=True):
                 keys = [tuple(k) for k in ehp_workers.gather(world.group, "shard_key", refs, PING_TIMEOUT_S)]
                 if keys != world.keys:
                     return f"{world.group.name} answers as another layout ({keys} != {world.keys})"
         except Exception as exc:
             return f"a parked borrowed worker failed ({type(exc).__name__}: {exc})"
+        self._report_failed_leaves(left)
         return ""
+
+    def _leave_lent_slices(self) -> None:
+        """Metered logical GPUs: each parked rank on a lent GPU leaves the lending instance's CPU slice after its
+        parameter copy (a rank runs its calls in order); not waited for here."""
+        metering = self.pool.spec.metering
+        self._left_slices = [] if not metering.enabled else [
+            (w, ehp_workers.call_each(w.group, "ehp", [("leave_lent_slice", metering, h) for h in w.holders]))
+            for w in self.worlds if any(w.holders)]
+
+    def _report_failed_leaves(self, left: list[tuple[BorrowedWorld, list[Any]]]) -> None:
+        """Leaving a slice is done by the time the rank answers a later call; a failed one only meant the parked
+        rank stayed in the slice, so it is logged, not raised."""
+        for world, refs in left:
+            try:
+                ehp_workers.gather(world.group, "leave_lent_slice", refs, PING_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("%s: a parked rank of %s could not leave its lent GPU's CPU slice (%s)", self.name,
+                            world.group.name, exc)
 
     def park(self) -> None:
         """After a step: keep the attached workers alive for the next `attach` of the same GPUs (the lending
@@ -215,6 +246,7 @@ class EhpSession:
             if self.attached:
                 self._parked = True
                 self._prefetch_params()
+                self._leave_lent_slices()
                 log.info("%s: %d borrowed replica(s) parked on GPUs %s", self.name, self.replicas,
                          [g.gpu_id for g in self.gpus])
 
@@ -278,7 +310,7 @@ class EhpSession:
                 spec = borrowed_spec(pool.spec, len(world_gpus))
                 check_spec(spec, pool.arch, cuda_available())
                 group = BorrowedWorkerGroup(pool.runtime, TrainingWorker, (spec,), world_gpus, f"{self.name}{i}")
-                world = BorrowedWorld(group, spec)
+                world = BorrowedWorld(group, spec, holders=[g.holder for g in world_gpus])
                 self.worlds.append(world)
                 group.start()
                 addr = group.rendezvous_host()
@@ -307,6 +339,7 @@ class EhpSession:
             self._parked = False
             self._core_group = None
             self._prefetched = self._prefetched_for = None
+            self._left_slices = []
             for world in worlds:
                 try:
                     if clean and world.group.actors and world.keys:

@@ -274,7 +274,7 @@ def join_lent_slice(worker: TrainingWorker, metering: CpuMetering, holder: str) 
     """Metered logical GPUs: run this borrowed rank, and what it starts, in the CPU slice of the GPU it
     borrows, so it computes on that GPU's share of the CPU (beside the lending server), whether stepping or
     parked. `holder` is the lending rollout instance ("" = a GPU reserved afresh: the rank gets a slice of
-    its own). Returns the slice's name ("" with metering off)."""
+    its own; a re-attached rank joins the same one). Returns the slice's name ("" with metering off)."""
     import os
 
     if not metering.enabled:
@@ -282,13 +282,39 @@ def join_lent_slice(worker: TrainingWorker, metering: CpuMetering, holder: str) 
     if not holder:
         from libra.metering.holder import GpuHolderSlice
 
-        own = GpuHolderSlice(metering, f"borrowed-{worker.rank}-{os.getpid()}")
-        worker._ehp_cpu = own  # type: ignore[attr-defined]  # the slice lasts as long as this rank
+        own = getattr(worker, "_ehp_cpu", None)
+        if own is None:
+            own = GpuHolderSlice(metering, f"borrowed-{worker.rank}-{os.getpid()}")
+            worker._ehp_cpu = own  # type: ignore[attr-defined]  # the slice lasts as long as this rank
         piece = own.hold(os.getpid())
         return str(piece.name) if piece is not None else ""
     from libra.metering.cgroup import find_cpu_cgroup
 
     return join_holder_slice(find_cpu_cgroup(metering.cgroup_root), metering.job, holder, os.getpid())
+
+
+def leave_lent_slice(worker: TrainingWorker, metering: CpuMetering, holder: str) -> str:
+    """Metered logical GPUs: a parked borrowed rank (and what it started) leaves the CPU slice of the rollout
+    instance `holder` lending its GPU for the host's share of the CPU, until `shard_key_in_lent_slice` at the
+    next attach. A rank on a GPU of its own ("" holder) keeps its slice. Returns the group it went to ("" when
+    it stayed)."""
+    import os
+
+    if not metering.enabled or not holder:
+        return ""
+    from libra.metering.cgroup import find_cpu_cgroup
+    from libra.metering.slices import CpuSlices
+
+    cgroup = find_cpu_cgroup(metering.cgroup_root)
+    CpuSlices(cgroup, metering.job).leave(os.getpid())
+    return cgroup.home
+
+
+def shard_key_in_lent_slice(worker: TrainingWorker, metering: CpuMetering, holder: str) -> tuple[int, int, int]:
+    """The ping of a parked rank before it is re-attached: back into its lent GPU's CPU slice
+    (`join_lent_slice`), then its `shard_key`."""
+    join_lent_slice(worker, metering, holder)
+    return shard_key(worker)
 
 
 def join_holder_slice(cgroup: CpuCgroup, job: str, holder: str, pid: int) -> str:
@@ -308,6 +334,8 @@ def join_holder_slice(cgroup: CpuCgroup, job: str, holder: str, pid: int) -> str
 
 OPS: dict[str, Callable[..., Any]] = {
     "join_lent_slice": join_lent_slice,
+    "leave_lent_slice": leave_lent_slice,
+    "shard_key_in_lent_slice": shard_key_in_lent_slice,
     "export_params": export_params,
     "core_forward_backward": core_forward_backward,
     "core_finish": core_finish,

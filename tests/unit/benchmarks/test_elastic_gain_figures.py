@@ -130,6 +130,21 @@ def test_run_figures_refuse_what_they_cannot_read(policy: str, rows: list[dict[s
         fig.run_figures(policy, rows, [])
 
 
+def borrowing(fb_s: float, fb_cpu_s: float, recompute_s: float, recompute_cpu_s: float) -> dict[str, float]:
+    return {"train_ehp_borrowed_forward_backward_s": fb_s, "train_ehp_borrowed_forward_backward_cpu_s": fb_cpu_s,
+            "train_ehp_borrowed_recompute_s": recompute_s, "train_ehp_borrowed_recompute_cpu_s": recompute_cpu_s}
+
+
+@pytest.mark.parametrize(("steps", "cores"), [
+    pytest.param([borrowing(1.0, 0.2, 0.5, 0.1)], 0.2, id="one-step"),
+    pytest.param([borrowing(1.0, 0.1, 0.0, 0.0), borrowing(0.5, 0.2, 0.5, 0.2)], 0.25, id="summed-over-steps"),
+    pytest.param([{}, borrowing(2.0, 0.3, 0.0, 0.0)], 0.15, id="a-step-without-borrowing-adds-nothing"),
+    pytest.param([{}, {}], None, id="no-borrowing"),
+])
+def test_borrowed_rank_cores(steps: list[dict[str, Any]], cores: float | None) -> None:
+    assert fig.borrowed_rank_cores(steps) == cores
+
+
 def run(policy: str, samples_per_s: float, steps: int = 8, split: str = "s") -> dict[str, Any]:
     return {"policy": policy, "samples_per_s": samples_per_s, "steps": steps, "split": split}
 

@@ -378,3 +378,105 @@ def test_borrowed_timings_take_the_slowest_rank() -> None:
                                            "ehp_borrowed_recompute_cpu_s": 0.0,
                                            "ehp_borrowed_forward_backward_cpu_s": 0.0}
     assert borrowed_timings([]) == {}
+
+
+def test_a_parked_rank_leaves_the_lenders_slice_for_home_and_joins_it_again(tmp_path: Any) -> None:
+    from libra.metering.cgroup import CpuCgroup
+    from libra.metering.slices import CpuSlices, SliceName, start_ticks
+    from libra.training.ehp_steps import join_holder_slice
+
+    me = os.getpid()
+    cgroup = CpuCgroup(str(tmp_path), 1, str(tmp_path), fs=_ProcsFs(str(tmp_path)))  # type: ignore[arg-type]
+    os.makedirs(cgroup.base)
+    lender = SliceName("job", "rollout-1", me, start_ticks(me))
+    os.makedirs(cgroup.path(str(lender)))
+    slice_procs = Path(cgroup.path(str(lender))) / "cgroup.procs"
+    slice_procs.write_text("")
+    rank = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "cgroup.procs").write_text(str(rank.pid))
+        join_holder_slice(cgroup, "job", "rollout-1", rank.pid)
+        assert slice_procs.read_text().split() == [str(rank.pid)]
+        assert CpuSlices(cgroup, "job").leave(rank.pid) == [rank.pid]  # parked: the host's share of the CPU
+        assert slice_procs.read_text().split() == []
+        assert (tmp_path / "cgroup.procs").read_text().split() == [str(rank.pid)]
+        join_holder_slice(cgroup, "job", "rollout-1", rank.pid)  # attached to the next step
+        assert slice_procs.read_text().split() == [str(rank.pid)]
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+class _RecordingMethod:
+    """An actor method whose slice calls are written to a shared log; a call's "reference" is its answer."""
+
+    def __init__(self, rank: str, log: list[str], refuse: set[str]) -> None:
+        self.rank, self.log, self.refuse = rank, log, refuse
+
+    def remote(self, op: str, *args: object) -> object:
+        if op == "shard_key":
+            return [0, 0, 0]
+        self.log.append(f"{self.rank} {op} {args[-1] if args else ''}".strip())
+        if op in self.refuse:
+            return RuntimeError(f"{self.rank} {op} refused")
+        return [0, 0, 0] if op == "shard_key_in_lent_slice" else op
+
+
+class _RecordingGroup(_Group):
+    def __init__(self, name: str, holders: list[str], log: list[str], refuse: set[str]) -> None:
+        super().__init__(name, [(0, 0, 0)] * len(holders), log)
+        self.actors = [type("A", (), {"ehp": _RecordingMethod(f"{name}.{r}", log, refuse)})()
+                       for r in range(len(holders))]
+
+    def _gather(self, method: str, refs: list[object], timeout: float | None) -> list[object]:
+        for ref in refs:
+            if isinstance(ref, Exception):
+                raise ref
+        return refs
+
+
+LEAVES = ["w0.0 leave_lent_slice rollout-0", "w0.1 leave_lent_slice rollout-1"]
+REJOINS = ["w0.0 shard_key_in_lent_slice rollout-0", "w0.1 shard_key_in_lent_slice rollout-1"]
+
+
+@pytest.mark.parametrize(("metered", "refuse", "expect_calls", "reused"), [
+    pytest.param(True, set(), LEAVES + REJOINS, True, id="metered-leaves-at-park-and-rejoins-in-the-ping"),
+    pytest.param(False, set(), [], True, id="unmetered-stays-put"),
+    pytest.param(True, {"leave_lent_slice"}, LEAVES + REJOINS, True,
+                 id="a-rank-that-could-not-leave-is-still-reattached"),
+    pytest.param(True, {"shard_key_in_lent_slice"}, LEAVES + REJOINS, False,
+                 id="a-rank-that-cannot-rejoin-stops-the-parked-group"),
+])
+def test_parked_ranks_leave_their_lent_slices_and_rejoin_them_at_attach(
+        monkeypatch: pytest.MonkeyPatch, metered: bool, refuse: set[str], expect_calls: list[str],
+        reused: bool) -> None:
+    from libra.cluster import ehp_workers
+    from libra.training.ehp import BorrowedWorld
+
+    monkeypatch.setattr(ehp_workers, "wait_done", lambda refs, timeout: True)
+    metering = CpuMetering(cores_per_gpu=0.5, job="j", cgroup_root="") if metered else BASE.metering
+    spec = replace(BASE, metering=metering)
+    pool = _RunningPool(spec, TrainLayout(), group=object())
+    session = EhpSession(pool, EhpSettings(decouple_communication_domains=True))  # type: ignore[arg-type]
+    gpus = [LentGpu("2", "rollout-0-pg", holder="rollout-0"), LentGpu("3", "rollout-1-pg", holder="rollout-1")]
+    calls: list[str] = []
+    starts: list[str] = []
+
+    def start(wanted: Sequence[LentGpu]) -> None:  # what `_start` leaves behind, without Ray: one world of 2 ranks
+        starts.append("start")
+        holders = [g.holder for g in wanted]
+        session.worlds = [BorrowedWorld(_RecordingGroup("w0", holders, calls, refuse), spec,  # type: ignore[arg-type]
+                                        [(0, 0, 0), (0, 0, 0)], holders)]
+        session.gpus = list(wanted)
+        session._layout, session._core_gpus, session._core_group = pool.layout, pool.spec.num_gpus, pool.group
+
+    session._start = start  # type: ignore[method-assign]
+    session._send_params = lambda worlds: (["export"], [["load"] for _ in worlds])  # type: ignore[method-assign]
+    assert session.attach(gpus) is False
+    session.park()
+    assert session.parked
+    assert session.attach(gpus) is reused and session.attached
+    assert [c for c in calls if "lent_slice" in c] == expect_calls
+    assert starts == (["start"] if reused else ["start", "start"])
+    if not reused:
+        assert "shard_key_in_lent_slice refused" in session.last_stop_reason
