@@ -138,7 +138,8 @@ class EhpSession:
         # the (core worker group, weights version) they copy: the next step uses them while that still holds
         self._prefetched: list[list[Any]] | None = None
         self._prefetched_for: tuple[Any, int] | None = None
-        self._left_slices: list[tuple[BorrowedWorld, list[Any]]] = []  # the parked ranks' calls leaving their lent GPUs' CPU slices
+        # per world: the parked ranks' calls leaving their lent GPUs' CPU slices (metered logical GPUs)
+        self._left_slices: list[tuple[BorrowedWorld, list[Any]]] = []
         self._lock = threading.RLock()
         self.last_attach_reused = False  # the last attach re-attached a parked group (started nothing)
         self.last_stop_reason = ""  # why the last parked group was stopped
