@@ -266,7 +266,8 @@ class RolloutPool:
         their GPUs can hold borrowed training ranks; refused whole (LendingError) when one may not lend."""
         ids = list(instance_ids)
         return self._run(self._call_async(
-            lambda p: lending.lend(p.router, ids, sleep, self.spec.request_timeout_s)))
+            lambda p: lending.lend(p.router, ids, sleep, self.spec.request_timeout_s,
+                                   step_aside=self.spec.metering.enabled)))
 
     def return_instances(self, instance_ids: Sequence[str]) -> list[lending.ReturnReport]:
         """Wake the lent instances, reload the current weights where they hold older ones, and serve them."""
