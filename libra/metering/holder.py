@@ -68,20 +68,6 @@ class GpuHolderSlice:
                  self.slice.name, cores, gpus)
         return self.slice
 
-    def step_out(self, pid: int) -> list[int]:
-        """Move `pid` and its descendants out of this holder's slice, to the home group, while they hold the GPUs
-        and compute nothing (a rollout server whose GPUs are lent to a training step); the slice stays, for the
-        ranks that borrow the GPUs. Returns the pids moved (none when metering is off or no slice is open)."""
-        if self.slice is None or self._slices is None:
-            return []
-        return self._slices.leave(pid)
-
-    def step_in(self, pid: int) -> list[int]:
-        """Move `pid` and its descendants back into this holder's slice (after `step_out`); the pids moved."""
-        if self.slice is None or self._slices is None:
-            return []
-        return self._slices.join(self.slice, pid)
-
     def release(self) -> None:
         """Remove the slice (what still runs in it goes back to the controller's home group)."""
         if self.slice is None or self._slices is None:

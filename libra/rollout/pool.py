@@ -266,8 +266,7 @@ class RolloutPool:
         their GPUs can hold borrowed training ranks; refused whole (LendingError) when one may not lend."""
         ids = list(instance_ids)
         return self._run(self._call_async(
-            lambda p: lending.lend(p.router, ids, sleep, self.spec.request_timeout_s,
-                                   step_aside=self.spec.metering.enabled)))
+            lambda p: lending.lend(p.router, ids, sleep, self.spec.request_timeout_s)))
 
     def return_instances(self, instance_ids: Sequence[str]) -> list[lending.ReturnReport]:
         """Wake the lent instances, reload the current weights where they hold older ones, and serve them."""

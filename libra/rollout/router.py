@@ -58,7 +58,6 @@ class InstanceSlot:
     requests: set[asyncio.Task[Any]] = field(default_factory=set)  # its HTTP requests in flight
     stopped_reason: str = ""  # set when its requests are aborted by a stop without drain
     lent: bool = False  # its GPUs are lent to the training step (`lending.py`): it may not serve
-    stepped_aside: bool = False  # lent, its server runs outside its CPU slice (metered logical GPUs)
     asleep: bool = False  # its server sleeps (KV cache released) while lent
 
     @property

@@ -226,23 +226,6 @@ def test_holder_hook(tmp_path: Path, sleepers: list, monkeypatch: pytest.MonkeyP
     holder.release()
 
 
-def test_a_lent_holder_steps_out_of_its_slice_and_back(tmp_path: Path, sleepers: list,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    cgroup, _ = mount(tmp_path, 1)
-    monkeypatch.setattr("libra.metering.holder.find_cpu_cgroup", lambda root: cgroup)
-    pid = spawn(sleepers)
-    off = GpuHolderSlice(CpuMetering(cores_per_gpu=0.0, job="j", cgroup_root=""), "rollout-0")
-    assert off.step_out(pid) == [] and off.step_in(pid) == []  # metering off: nothing moves
-    holder = GpuHolderSlice(CpuMetering(cores_per_gpu=0.25, job="j", cgroup_root=""), "rollout-0")
-    assert holder.step_out(pid) == []  # no slice open yet
-    piece = holder.hold(pid, 1)
-    assert piece is not None and procs_of(piece.path) == {pid}
-    assert holder.step_out(pid) == [pid]
-    assert procs_of(piece.path) == set() and pid in procs_of(cgroup.home) and len(cgroup.names()) == 1
-    assert holder.step_in(pid) == [pid] and procs_of(piece.path) == {pid}
-    holder.release()
-
-
 def test_holder_without_controller_refuses_to_run_unmetered(tmp_path: Path) -> None:
     holder = GpuHolderSlice(CpuMetering(cores_per_gpu=0.25, job="j", cgroup_root=str(tmp_path)), "train-0")
     with pytest.raises(MeteringError, match="not a cgroup directory.*metered_cpu_per_gpu: 0"):

@@ -42,22 +42,6 @@ class FakePublisher:
             self.router.slots[iid].weight_version = expect.version
 
 
-@dataclass
-class FakeHandle:
-    """A host actor's handle: `set_lent` moves `moved` processes (0: metering off at the host)."""
-
-    log: list[str]
-    moved: int = 2
-    fail_back: bool = False
-
-    async def acall(self, method: str, *args: Any) -> Any:
-        assert method == "set_lent"
-        self.log.append(f"set_lent {args[0]}")
-        if self.fail_back and not args[0]:
-            raise RuntimeError("the host actor died")
-        return self.moved
-
-
 def router_with(*states: str, version: int = 4) -> Router:
     router = Router(8, 30.0, 30.0)
     for i, state in enumerate(states):
@@ -130,28 +114,3 @@ def test_a_lent_instance_is_not_lent_twice() -> None:
     asyncio.run(lending.lend(router, ["rollout-0"], sleep=False, drain_timeout_s=5))
     with pytest.raises(lending.LendingError, match="'rollout-0': is already lent"):
         asyncio.run(lending.lend(router, ["rollout-0"], sleep=False, drain_timeout_s=5))
-
-
-@pytest.mark.parametrize(("step_aside", "moved", "fail_back", "calls"), [
-    pytest.param(True, 2, False, ["set_lent True", "set_lent False", "reload"], id="metered-steps-aside-and-back-first"),
-    pytest.param(False, 2, False, ["reload"], id="unmetered-stays-put"),
-    pytest.param(True, 0, False, ["set_lent True", "reload"], id="nothing-moved-nothing-to-move-back"),
-    pytest.param(True, 2, True, ["set_lent True", "set_lent False", "reload"], id="a-failed-move-back-still-serves"),
-])
-def test_a_lent_server_steps_out_of_its_cpu_slice(step_aside: bool, moved: int, fail_back: bool,
-                                                  calls: list[str]) -> None:
-    router = router_with(READY, READY, version=3)
-    log: list[str] = []
-    router.slots["rollout-0"].handle = FakeHandle(log, moved, fail_back)
-
-    class Publisher(FakePublisher):
-        async def publish(self, expect: Any, hf_dir: str, instance_ids: list[str]) -> None:
-            log.append("reload")
-            await super().publish(expect, hf_dir, instance_ids)
-
-    asyncio.run(lending.lend(router, ["rollout-0"], sleep=False, drain_timeout_s=5, step_aside=step_aside))
-    assert router.slots["rollout-0"].stepped_aside is (step_aside and moved > 0)
-    back = asyncio.run(lending.give_back(router, Publisher(router=router), CurrentWeights(4, "/w/4", "c4"),  # type: ignore[arg-type]
-                                         ["rollout-0"]))
-    assert log == calls  # back in its slice before it reloads or serves
-    assert back[0].serving and not router.slots["rollout-0"].stepped_aside
