@@ -211,12 +211,18 @@ def spread_within_split(runs: list[MeasuredRun]) -> dict[str, float]:
 SLICE_CAPS: tuple[float | None, ...] = (None, 1.2, 1.1, 1.0, 0.9, 0.8)  # cores; None = no cap
 
 
+# the kinds of slice in `slice_cpu` (benchmarks/slice_cpu.py); its `left_slices` and `moving` are processes
+# outside the slices, and the CPU they used is not the slices'
+SLICE_KINDS = ("rollout_slices", "train_slices")
+
+
 def slice_cores_measured(document: dict[str, Any]) -> list[dict[str, Any]]:
     """The cores the metered slices used together in each phase of the runs that sampled them (`slice_cpu`)."""
     rows = []
     for run in document.get("runs", []):
         for phase, sample in (run.get("slice_cpu") or {}).items():
-            cores = sum(v for pools in sample.get("cores", {}).values() for v in pools.values())
+            cores = sum(v for where, pools in sample.get("cores", {}).items() if where in SLICE_KINDS
+                        for v in pools.values())
             rows.append({"run": f"{run['policy']} {run['split']}", "phase": phase, "cores": round(cores, 4)})
     return rows
 

@@ -7,13 +7,17 @@ first (from the run's metrics rows), the cores each kind of process used, per ki
 
 - in a rollout slice: `server` (the vLLM server's processes: guard, API server, engine core) and
   `borrowed_worker` (a training replica on the lent GPU, working or parked: a Ray worker);
-- in a training slice: `training_worker` (the worker and anything it started).
+- in a training slice: `training_worker` (the worker and anything it started);
+- `left_slices`: a process seen in a slice before and outside every slice at both ends of an interval (a parked
+  borrowed rank, which leaves its lent GPU's slice between steps), by the kind of the slice it was last in;
+- `moving`: a process in a slice at one end of an interval and not at the other (or in another slice), whose
+  CPU cannot be split between the two (a borrowed rank joining its slice at an attach).
 
 Beside the slices, each sample reads the machine's busy CPU seconds (every core's user, nice, system, irq and
 softirq time, from psutil), so each phase also gets `host_cores` (the cores the whole machine used) and
-`outside_slices_cores` (host_cores less what the slices' processes used: the controller, Ray, the benchmark
-and anything else that runs outside the slices; a slice process that started between two samples counts
-there for that interval) and `host_steal_cores` (the cores' time the hypervisor gave to other machines while
+`outside_slices_cores` (host_cores less what the slices' processes used while in them: the controller, Ray,
+the benchmark and anything else that runs outside the slices, `left_slices` and `moving` included; a slice
+process that started between two samples counts there for that interval) and `host_steal_cores` (the cores' time the hypervisor gave to other machines while
 this one wanted to run: a shared host's contention, 0 on bare metal).
 
 A process's CPU between two samples counts for the phase the middle of the interval falls in; processes that
@@ -45,6 +49,7 @@ class ProcessSample:
     pid: int
     cpu_s: float  # user + system seconds since the process started
     ray_worker: bool  # a Ray worker process (its command line starts with "ray::")
+    inside: bool = True  # False: seen in `slice_holder` earlier, now outside every slice
 
 
 @dataclass
@@ -110,13 +115,18 @@ def cpu_by_phase(snapshots: Sequence[Snapshot], intervals: Sequence[tuple[str, f
         if before.host_steal_s is not None and after.host_steal_s is not None:
             steal[phase] += after.host_steal_s - before.host_steal_s
             steal_wall[phase] += after.at - before.at
-        earlier = {(p.slice_holder, p.pid): p.cpu_s for p in before.processes}
+        earlier = {p.pid: p for p in before.processes}
         for p in after.processes:
-            if (p.slice_holder, p.pid) in earlier:
-                used = p.cpu_s - earlier[(p.slice_holder, p.pid)]
-                cpu[(phase, slice_kind(p.slice_holder), process_kind(p))] += used
-                if busy is not None:
-                    host_slices[phase] += used
+            first = earlier.get(p.pid)
+            if first is None:
+                continue
+            used = p.cpu_s - first.cpu_s
+            stayed = first.inside and p.inside and first.slice_holder == p.slice_holder
+            where = slice_kind(p.slice_holder) if stayed else "left_slices" if not (first.inside or p.inside) \
+                else "moving"
+            cpu[(phase, where, process_kind(p))] += used
+            if stayed and busy is not None:
+                host_slices[phase] += used
     result: dict[str, Any] = {}
     for phase in PHASES:
         seconds = wall.get(phase, 0.0)
@@ -151,6 +161,24 @@ def read_slices(cgroup: CpuCgroup) -> list[ProcessSample]:
     return found
 
 
+def follow_left(found: Sequence[ProcessSample], seen: dict[int, str]) -> list[ProcessSample]:
+    """The processes of `seen` (pid -> the slice it was last in, updated here from `found`) that are in no slice
+    now, sampled with `inside=False`; processes that have exited are forgotten."""
+    for p in found:
+        seen[p.pid] = p.slice_holder
+    inside = {p.pid for p in found}
+    left = []
+    for pid, holder in list(seen.items()):
+        if pid in inside:
+            continue
+        sample = _process(holder, pid)
+        if sample is None:
+            del seen[pid]
+        else:
+            left.append(ProcessSample(holder, pid, sample.cpu_s, sample.ray_worker, inside=False))
+    return left
+
+
 def _process(holder: str, pid: int) -> ProcessSample | None:
     try:
         process = psutil.Process(pid)
@@ -169,6 +197,7 @@ class SliceCpuSampler:
         self.cgroup = cgroup
         self.interval_s = interval_s
         self.snapshots: list[Snapshot] = []
+        self._seen: dict[int, str] = {}  # every process seen in a slice: the slice it was last in
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="slice-cpu-sampler", daemon=True)
 
@@ -183,5 +212,7 @@ class SliceCpuSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.snapshots.append(Snapshot(time.time(), read_slices(self.cgroup), *host_cpu_s()))
+            found = read_slices(self.cgroup)
+            left = follow_left(found, self._seen)
+            self.snapshots.append(Snapshot(time.time(), found + left, *host_cpu_s()))
             self._stop.wait(self.interval_s)

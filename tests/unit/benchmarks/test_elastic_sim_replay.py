@@ -36,7 +36,9 @@ def test_the_slices_cores_are_summed_per_sampled_phase() -> None:
     document = {"runs": [
         {"policy": "static", "split": "train 1 | rollout 7", "slice_cpu": {
             "rollout": {"sampled_s": 10.0, "cores": {"rollout_slices": {"server": 1.1}, "train_slices": {"training_worker": 0.05}}},
-            "train": {"sampled_s": 20.0, "cores": {"rollout_slices": {"server": 0.2}, "train_slices": {"training_worker": 0.18}}}}},
+            "train": {"sampled_s": 20.0, "cores": {"rollout_slices": {"server": 0.2}, "train_slices": {"training_worker": 0.18},
+                                                   "left_slices": {"borrowed_worker": 0.1},
+                                                   "moving": {"borrowed_worker": 0.3}}}}},
         {"policy": "static", "split": "train 4 | rollout 4", "slice_cpu": None},
         {"policy": "static", "split": "train 2 | rollout 6"},
     ]}

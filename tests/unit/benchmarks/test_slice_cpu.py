@@ -18,8 +18,8 @@ ROWS = [  # step 1 starts the borrowed workers and is left out
 ]
 
 
-def proc(holder: str, pid: int, cpu_s: float, ray: bool = False) -> object:
-    return sc.ProcessSample(holder, pid, cpu_s, ray)
+def proc(holder: str, pid: int, cpu_s: float, ray: bool = False, inside: bool = True) -> object:
+    return sc.ProcessSample(holder, pid, cpu_s, ray, inside)
 
 
 def test_phase_intervals_follow_the_rows() -> None:
@@ -54,6 +54,26 @@ def test_phase_intervals_follow_the_rows() -> None:
         {"rollout": {"sampled_s": 2.0, "cores": {"rollout_slices": {"server": 0.05}}},
          "train": {"sampled_s": 0.0, "cores": {}}},
         id="a-process-counts-from-its-first-sample"),
+    pytest.param(
+        [sc.Snapshot(100.0, [proc("rollout-1", 7, 1.0), proc("rollout-1", 9, 3.0, ray=True, inside=False)]),
+         sc.Snapshot(102.0, [proc("rollout-1", 7, 1.3), proc("rollout-1", 9, 3.1, ray=True, inside=False)])],
+        {"rollout": {"sampled_s": 2.0, "cores": {"left_slices": {"borrowed_worker": 0.05},
+                                                  "rollout_slices": {"server": 0.15}}},
+         "train": {"sampled_s": 0.0, "cores": {}}},
+        id="a-parked-rank-outside-its-slice"),
+    pytest.param(
+        [sc.Snapshot(104.5, [proc("rollout-2", 9, 1.0, ray=True, inside=False)]),
+         sc.Snapshot(105.5, [proc("rollout-2", 9, 1.15, ray=True)]),
+         sc.Snapshot(106.5, [proc("rollout-2", 9, 1.35, ray=True)])],
+        {"rollout": {"sampled_s": 0.0, "cores": {}},
+         "train": {"sampled_s": 2.0, "cores": {"moving": {"borrowed_worker": 0.075},
+                                                "rollout_slices": {"borrowed_worker": 0.1}}}},
+        id="a-rank-joining-its-slice-counts-as-moving-for-that-interval"),
+    pytest.param(
+        [sc.Snapshot(100.0, [proc("rollout-1", 7, 1.0)]), sc.Snapshot(101.0, [proc("rollout-2", 7, 1.2)])],
+        {"rollout": {"sampled_s": 1.0, "cores": {"moving": {"server": 0.2}}},
+         "train": {"sampled_s": 0.0, "cores": {}}},
+        id="from-one-slice-to-another-is-moving"),
 ])
 def test_cpu_by_phase(snapshots: list[object], expect: dict[str, object]) -> None:
     assert sc.cpu_by_phase(snapshots, sc.phase_intervals(ROWS)) == expect
@@ -98,6 +118,16 @@ def test_read_slices_finds_the_processes_of_slices_only(tmp_path: Path) -> None:
     assert (found.slice_holder, found.pid, found.ray_worker) == ("rollout-3", me, False)
     assert 0.0 < found.cpu_s <= sum(os.times()[:2]) + 0.05
     assert sc.read_slices(CpuCgroup(str(tmp_path / "missing"), 1, str(tmp_path))) == []
+
+
+def test_follow_left_samples_processes_that_left_their_slice() -> None:
+    me = os.getpid()
+    seen = {999999999: "rollout-1"}  # a process that has exited since
+    assert sc.follow_left([sc.ProcessSample("rollout-3", me, 1.0, False)], seen) == []  # this one is inside
+    assert seen == {me: "rollout-3"}  # the exited one is forgotten
+    (left,) = sc.follow_left([], seen)  # it left every slice
+    assert (left.slice_holder, left.pid, left.inside) == ("rollout-3", me, False) and left.cpu_s > 0
+    assert sc.follow_left([sc.ProcessSample("rollout-3", me, 1.0, False)], seen) == []  # back in a slice
 
 
 def test_the_sampler_takes_snapshots_until_stopped(tmp_path: Path) -> None:
