@@ -79,18 +79,19 @@ SERVER_MODULES = {forked_engine_main.__name__, forked_engine_main.SERVER_MODULE}
 
 
 def vllm_servers(root: Path) -> list[int]:
-    """Live vLLM server processes whose command line names a path under `root` (the job's model)."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
+    """Live vLLM server processes whose command line names a path under `root` (the job's model): the servers
+    themselves, not their guards (whose command lines end with the server's) nor their engine cores (forked
+    from the server, they show its command line until they set their own title)."""
+    found: dict[int, int] = {}  # pid -> parent pid
+    for proc in psutil.process_iter(["pid", "ppid", "cmdline"]):
         try:
             cmdline = proc.info["cmdline"] or []
-            # the server itself, not its guard (whose command line ends with the server's)
             if (len(cmdline) > 2 and cmdline[1] == "-m" and cmdline[2] in SERVER_MODULES
                     and any(str(root) in part for part in cmdline) and proc.status() != psutil.STATUS_ZOMBIE):
-                found.append(proc.pid)
+                found[proc.pid] = proc.info["ppid"]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    return found
+    return [pid for pid, parent in found.items() if parent not in found]
 
 
 # ---- 1. drain vs abort under the producer's stream -------------------------------------------------------
