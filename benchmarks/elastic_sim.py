@@ -47,6 +47,9 @@ from typing import Any, Literal  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from slice_cpu import SLICE_KINDS  # noqa: E402
 
 from libra.config import load  # noqa: E402
 from libra.planning import planner_inputs  # noqa: E402
@@ -209,11 +212,6 @@ def spread_within_split(runs: list[MeasuredRun]) -> dict[str, float]:
 
 
 SLICE_CAPS: tuple[float | None, ...] = (None, 1.2, 1.1, 1.0, 0.9, 0.8)  # cores; None = no cap
-
-
-# the kinds of slice in `slice_cpu` (benchmarks/slice_cpu.py); its `left_slices` and `moving` are processes
-# outside the slices, and the CPU they used is not the slices'
-SLICE_KINDS = ("rollout_slices", "train_slices")
 
 
 def slice_cores_measured(document: dict[str, Any]) -> list[dict[str, Any]]:

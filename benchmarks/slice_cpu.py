@@ -76,8 +76,13 @@ def process_kind(sample: ProcessSample) -> str:
     return "training_worker"
 
 
+# the kinds of slice: a rollout instance's GPUs, a training worker's; `left_slices` and `moving` are not slices
+SLICE_KINDS = ("rollout_slices", "train_slices")
+
+
 def slice_kind(holder: str) -> str:
-    return "rollout_slices" if holder.startswith("rollout") else "train_slices"
+    rollout, train = SLICE_KINDS
+    return rollout if holder.startswith("rollout") else train
 
 
 def phase_intervals(rows: Iterable[Mapping[str, Any]]) -> list[tuple[str, float, float]]:

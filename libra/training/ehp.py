@@ -207,10 +207,12 @@ class EhpSession:
             return "the training pool was resized, re-laid-out or restarted since the replicas were parked"
         left, self._left_slices = self._left_slices, []
         metering = pool.spec.metering
+        rejoining = {id(world) for world, _ in left}
         try:  # every world asked at once: one round trip, not one per world (ranks that left a slice rejoin it)
             pings = [ehp_workers.call_each(w.group, "ehp", [("shard_key_in_lent_slice", metering, holder)
                                                             for holder in w.holders])
-                     if left else ehp_workers.call_refs(w.group, "ehp", "shard_key") for w in self.worlds]
+                     if id(w) in rejoining else ehp_workers.call_refs(w.group, "ehp", "shard_key")
+                     for w in self.worlds]
             for world, refs in zip(self.worlds, pings, strict=True):
                 keys = [tuple(k) for k in ehp_workers.gather(world.group, "shard_key", refs, PING_TIMEOUT_S)]
                 if keys != world.keys:

@@ -293,21 +293,18 @@ def join_lent_slice(worker: TrainingWorker, metering: CpuMetering, holder: str) 
     return join_holder_slice(find_cpu_cgroup(metering.cgroup_root), metering.job, holder, os.getpid())
 
 
-def leave_lent_slice(worker: TrainingWorker, metering: CpuMetering, holder: str) -> str:
+def leave_lent_slice(worker: TrainingWorker, metering: CpuMetering, holder: str) -> None:
     """Metered logical GPUs: a parked borrowed rank (and what it started) leaves the CPU slice of the rollout
     instance `holder` lending its GPU for the host's share of the CPU, until `shard_key_in_lent_slice` at the
-    next attach. A rank on a GPU of its own ("" holder) keeps its slice. Returns the group it went to ("" when
-    it stayed)."""
+    next attach. A rank on a GPU of its own ("" holder) keeps its slice."""
     import os
 
     if not metering.enabled or not holder:
-        return ""
+        return
     from libra.metering.cgroup import find_cpu_cgroup
     from libra.metering.slices import CpuSlices
 
-    cgroup = find_cpu_cgroup(metering.cgroup_root)
-    CpuSlices(cgroup, metering.job).leave(os.getpid())
-    return cgroup.home
+    CpuSlices(find_cpu_cgroup(metering.cgroup_root), metering.job).leave(os.getpid())
 
 
 def shard_key_in_lent_slice(worker: TrainingWorker, metering: CpuMetering, holder: str) -> tuple[int, int, int]:

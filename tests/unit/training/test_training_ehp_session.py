@@ -480,3 +480,29 @@ def test_parked_ranks_leave_their_lent_slices_and_rejoin_them_at_attach(
     assert starts == (["start"] if reused else ["start", "start"])
     if not reused:
         assert "shard_key_in_lent_slice refused" in session.last_stop_reason
+
+
+def test_only_worlds_that_left_a_slice_rejoin_in_the_ping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world on GPUs of its own never left a slice, so its ping is the plain `shard_key`."""
+    from libra.cluster import ehp_workers
+    from libra.training.ehp import BorrowedWorld
+
+    monkeypatch.setattr(ehp_workers, "wait_done", lambda refs, timeout: True)
+    spec = replace(BASE, metering=CpuMetering(cores_per_gpu=0.5, job="j", cgroup_root=""))
+    pool = _RunningPool(spec, TrainLayout(), group=object())
+    session = EhpSession(pool, EhpSettings())  # type: ignore[arg-type]
+    gpus = [LentGpu("2", "rollout-0-pg", holder="rollout-0"), LentGpu("3", "spare-pg", holder="")]
+    calls: list[str] = []
+
+    def start(wanted: Sequence[LentGpu]) -> None:  # one world per replica (communication domains not decoupled)
+        session.worlds = [BorrowedWorld(_RecordingGroup(f"w{i}", [g.holder], calls, set()), spec,  # type: ignore[arg-type]
+                                        [(0, 0, 0)], [g.holder]) for i, g in enumerate(wanted)]
+        session.gpus = list(wanted)
+        session._layout, session._core_gpus, session._core_group = pool.layout, pool.spec.num_gpus, pool.group
+
+    session._start = start  # type: ignore[method-assign]
+    session._send_params = lambda worlds: (["export"], [["load"] for _ in worlds])  # type: ignore[method-assign]
+    session.attach(gpus)
+    session.park()
+    assert session.attach(gpus) is True
+    assert calls == ["w0.0 leave_lent_slice rollout-0", "w0.0 shard_key_in_lent_slice rollout-0"]
