@@ -27,6 +27,10 @@ Faults (`--faults` picks some):
   rollout_kill9_mid_reload    the same job: SIGKILL while a weight publish reloads that server (its /is_paused)
   rollout_hung_sigstop        the same job: SIGSTOP of a server's process group while it runs requests
   rollout_hung_mid_reload     the same job: SIGSTOP while a weight publish reloads that server in place
+  single_rollout_kill9_mid_generation  a job with 1 rollout instance: SIGKILL to its server's process group while
+                              its engine runs requests; they are generated again once the replacement serves
+  single_rollout_kill9_mid_reload  the same job: SIGKILL while a publish reloads its only server; the publish
+                              reached no server, the pool's weights still move and the replacement starts on them
   disk_full_mid_checkpoint    the run directory on a small tmpfs, filled while the worker writes a
                               checkpoint after step 2; once the filler is removed a new launch runs to step END
                               (benchmarks/reliability_disk.py)
@@ -34,6 +38,8 @@ Faults (`--faults` picks some):
                               training GPU and 3 rollout instances loses the node of its training rank after step
                               2 (`Cluster.remove_node`); the same launch re-plans onto the 2 GPUs left and runs
                               to step END (checkpoint every step; tests/integration/reliability/test_node_loss.py)
+  node_loss_wait_policy       the same with runtime_node_loss_policy wait: once the job waits for its GPUs, a node
+                              of 2 logical GPUs is added; the job keeps its pools and runs to step END
   disk_full_mid_trace         only the run directory's trace folder on a small tmpfs, filled after step 2;
                               the same launch trains on to step END (trace records dropped with a warning)
   load_queue_and_status       10,000 queued prompts through the job's producer and buffer under
@@ -41,8 +47,9 @@ Faults (`--faults` picks some):
                               a launch of LOAD_END_STEP steps while it trains; RSS sampled
                               (benchmarks/reliability_load.py)
 The four rollout faults are injected one after another into ONE launch (tests/integration/reliability/
-server_fault_rig.py), which runs once whichever of them are picked; each one's figures cover the steps from
-it to the next, and its recovery is until the replacement instance serves.
+server_fault_rig.py), which runs once whichever of them are picked, and the two single-instance ones into
+another; each one's figures cover the steps from it to the next, and its recovery is until the replacement
+instance serves.
 Each fault also records what a clean stop must leave: the first launch's exit code, whether its console
 showed a traceback, and the processes of its tree still alive after it exited.
 
@@ -108,10 +115,12 @@ LOAD_END_STEP = 200  # over a minute of training under the status calls (checkpo
 NOT_COVERED = [
     "loss of a Ray node: measured for a node removed by `Cluster.remove_node` (its raylet tells the cluster at "
     "once); a node that dies silently is declared dead by Ray's health checks later, and a training restart "
-    "meanwhile waits for that (`NodeLossRecovery.restart_training`, a unit case), not measured; the "
-    "`runtime_node_loss_policy: wait` path and a node that comes back are unit cases only",
+    "meanwhile waits for that (`NodeLossRecovery.restart_training`, a unit case), not measured; with "
+    "`runtime_node_loss_policy: wait`, a node that does not come back in time (then the job re-plans) is a unit "
+    "case only",
     "a rollout server that hangs in the middle of a restart reload (it waits out the start-up timeout; the "
-    "in-place reload is the measured rollout_hung_mid_reload); a job with a single rollout instance losing it",
+    "in-place reload is the measured rollout_hung_mid_reload); a single rollout instance that hangs (SIGSTOP): "
+    "its loss is measured for kill -9 only (single_rollout_*)",
     "load at scale: the queue part is one vLLM-CPU instance of a tiny model with 2-token answers "
     "(benchmarks/reliability_load.py), the status part one small job",
 ]
@@ -310,33 +319,38 @@ def controller_kill_mid_reconfiguration(root: Path) -> dict[str, Any]:
         shutil.rmtree(ray_dir, ignore_errors=True)
 
 
-SERVER_FAULTS = {"rollout_kill9_mid_generation": "kill9_mid_generation", "rollout_kill9_mid_reload": "kill9_mid_reload",
-                 "rollout_hung_sigstop": "hung_server", "rollout_hung_mid_reload": "hung_mid_reload"}
+# benchmark name: the rig's fault, per job (the number of its rollout instances)
+SERVER_FAULTS = {2: {"rollout_kill9_mid_generation": "kill9_mid_generation",
+                     "rollout_kill9_mid_reload": "kill9_mid_reload",
+                     "rollout_hung_sigstop": "hung_server", "rollout_hung_mid_reload": "hung_mid_reload"},
+                 1: {"single_rollout_kill9_mid_generation": "kill9_mid_generation",
+                     "single_rollout_kill9_mid_reload": "kill9_mid_reload"}}
 SERVER_END_STEP = 40  # the loop is let go only for the faults (server_fault_rig.py)
-_server_figures: dict[str, dict[str, Any]] = {}
+_server_figures: dict[int, dict[str, dict[str, Any]]] = {}
 
 
-def server_faults(root: Path) -> dict[str, dict[str, Any]]:
-    """The four rollout-server faults in one launch of a job with 2 rollout instances (run once, then
-    remembered): each fault's figures by its benchmark name."""
-    if _server_figures:
-        return _server_figures
+def server_faults(root: Path, instances: int) -> dict[str, dict[str, Any]]:
+    """The rollout-server faults of `SERVER_FAULTS[instances]` in one launch of a job with `instances` rollout
+    instances (run once, then remembered): each fault's figures by its benchmark name."""
+    if instances in _server_figures:
+        return _server_figures[instances]
     ws, launches = make_workspace(root)
     run_dir: Path = ws["run_dir"]
-    ws["config"].write_text(yaml.safe_dump(server_job(yaml.safe_load(ws["config"].read_text()), SERVER_END_STEP),
-                                           sort_keys=False))
+    ws["config"].write_text(yaml.safe_dump(server_job(yaml.safe_load(ws["config"].read_text()), SERVER_END_STEP,
+                                                      instances=instances), sort_keys=False))
     started = time.monotonic()
+    figures_by_name: dict[str, dict[str, Any]] = {}
     try:
         launch = ws["launch"]("--max-steps", str(SERVER_END_STEP))
-        run = ServerFaultRun(run_dir, launch)
+        run = ServerFaultRun(run_dir, launch, instances=instances)
         run.start(SERVER_JOB_STARTUP_S)
-        run.kill_mid_generation()
-        run.kill_mid_reload()
-        run.hang()
-        run.hang_mid_reload()
+        inject = {"kill9_mid_generation": run.kill_mid_generation, "kill9_mid_reload": run.kill_mid_reload,
+                  "hung_server": run.hang, "hung_mid_reload": run.hang_mid_reload}
+        for rig_name in SERVER_FAULTS[instances].values():
+            inject[rig_name]()
         code = run.finish(timeout=900)
         final = metric_rows(run_dir)
-        names = {rig: name for name, rig in SERVER_FAULTS.items()}
+        names = {rig: name for name, rig in SERVER_FAULTS[instances].items()}
         for record, following in zip(run.records, [*run.records[1:], None], strict=True):
             last = following.last_step_before if following else SERVER_END_STEP
             figures = in_run_figures("", final, SAMPLES_PER_STEP, SERVER_END_STEP, record.last_step_before + 1, last,
@@ -350,25 +364,30 @@ def server_faults(root: Path) -> dict[str, dict[str, Any]]:
                 "requests_resent": record.requests_resent, "left_out_of_publish": record.left_out[:300],
                 "attempts": record.attempts, "victim_processes": len(record.victim_pids),
                 "victim_processes_left": len(live(record.victim_pids)), **record.extra,
-                "job": f"2 rollout instances, 1 training GPU, publish every step, {SERVER_END_STEP} steps, "
-                       "the loop held at a step boundary while each replacement started",
+                "job": f"{instances} rollout instance(s), 1 training GPU, publish every step, {SERVER_END_STEP} "
+                       "steps, the loop held at a step boundary while each replacement started",
             }
-            _server_figures[names[record.name]] = figures
+            if record.name == "kill9_mid_reload":  # the publish the kill met (its event is written when it ends)
+                syncs = [e for e in events(run_dir) if e["kind"] == "weight_sync" and e["ts"] > record.fault_at]
+                figures["details"]["acks_validated_by_that_publish"] = syncs[0].get("acks_validated") if syncs else None
+            figures_by_name[names[record.name]] = figures
         total = round(time.monotonic() - started, 1)
-        for figures in _server_figures.values():
+        for figures in figures_by_name.values():
             figures["details"]["run_seconds"] = total
-        return _server_figures
+        _server_figures[instances] = figures_by_name
+        return figures_by_name
     finally:
         stop_everything(run_dir, launches)
 
 
-def node_loss(root: Path) -> dict[str, Any]:
+def node_loss(root: Path, wait_policy: bool = False) -> dict[str, Any]:
     """A job on 2 nodes of 2 logical GPUs (1 training GPU, 3 rollout instances; a head with none) loses the
-    node of its training rank after step 2; the same launch re-plans onto the 2 GPUs left."""
+    node of its training rank after step 2; the same launch re-plans onto the 2 GPUs left, or (`wait_policy`)
+    waits for its GPUs and keeps its pools once a node is added back."""
     from tests.integration.reliability.test_node_loss import loss_cluster, node_loss_run
 
     with loss_cluster() as cluster:
-        run = node_loss_run(cluster, root, END_STEP)
+        run = node_loss_run(cluster, root, END_STEP, wait_policy=wait_policy)
     found = events(run["run_dir"])
     recovered = [e for e in found if e["kind"] == "train_recovered"]
     lost = [e for e in found if e["kind"] == "capacity_lost"]
@@ -382,11 +401,20 @@ def node_loss(root: Path) -> dict[str, Any]:
                           "replan_s": replan[0].get("seconds") if replan else None,
                           "resumed_from_step": resumed,
                           "steps_before_the_loss": [int(r["step"]) for r in run["before"]]}
+    if wait_policy:
+        waited = [e for e in found if e["kind"] == "capacity_wait_over"]
+        figures["details"].update(
+            policy="wait", node_added_after_s=round(run["added_at"] - run["removed_at"], 1),
+            waited_until_back_s=round(float(waited[0]["ts"]) - run["removed_at"], 1) if waited else None,
+            replacement_serving_after_s=round(run["replaced_at"] - run["removed_at"], 1),
+            recovery_covers="the loop held at the step boundary after the training restart until the lost rollout "
+                            "instance's replacement served (the test's operator pause), so its first step after "
+                            "the loss ran on every pool whole again")
     return figures
 
 
-def _server_fault(name: str) -> Callable[[Path], dict[str, Any]]:
-    return lambda root: dict(server_faults(root)[name])
+def _server_fault(name: str, instances: int) -> Callable[[Path], dict[str, Any]]:
+    return lambda root: dict(server_faults(root, instances)[name])
 
 
 FAULTS: dict[str, Callable[[Path], dict[str, Any]]] = {
@@ -398,12 +426,13 @@ FAULTS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "controller_kill_mid_step": lambda root: controller_kill(root, "train_step"),
     "controller_kill_mid_publish": lambda root: controller_kill(root, "export_hf"),
     "controller_kill_mid_reconfiguration": controller_kill_mid_reconfiguration,
-    **{name: _server_fault(name) for name in SERVER_FAULTS},
+    **{name: _server_fault(name, n) for n, faults in SERVER_FAULTS.items() for name in faults},
     "disk_full_mid_checkpoint": lambda root: disk_full_mid_checkpoint(root, END_STEP, SAMPLES_PER_STEP, STARTUP_S,
                                                                       _with_checkpoint_every_step),
     "disk_full_mid_trace": lambda root: disk_full_mid_trace(root, END_STEP, SAMPLES_PER_STEP, STARTUP_S),
     "load_queue_and_status": lambda root: load_queue_and_status(root, LOAD_END_STEP, SAMPLES_PER_STEP, STARTUP_S),
     "node_loss": node_loss,
+    "node_loss_wait_policy": lambda root: node_loss(root, wait_policy=True),
 }
 
 

@@ -20,6 +20,8 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from libra.rollout.spec import HostGoneError
+
 log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0
@@ -44,7 +46,10 @@ class RayHostHandle:
 
     async def acall(self, method: str, *args: Any) -> Any:
         ref = getattr(self.actor, method).remote(*args)
-        return await asyncio.wrap_future(ref.future())
+        try:
+            return await asyncio.wrap_future(ref.future())
+        except ray.exceptions.ActorDiedError as exc:
+            raise HostGoneError(f"the host actor {self.name} is gone ({type(exc).__name__})") from exc
 
     def kill(self) -> None:
         """Kill the actor and release its GPUs (stop the server first: a killed actor does not)."""

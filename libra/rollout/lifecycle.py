@@ -27,7 +27,7 @@ from libra.rollout.host import LocalHostHandle, ServerHost
 from libra.rollout.registry import InstanceRegistry, PoolRecord, RegistryEntry
 from libra.rollout.router import READY, STARTING, InstanceSlot
 from libra.rollout.server import ServerLaunch, pid_alive
-from libra.rollout.spec import InstanceIdError, InstanceSpec, RolloutPoolSpec, ServerStartError
+from libra.rollout.spec import HostGoneError, InstanceIdError, InstanceSpec, RolloutPoolSpec, ServerStartError
 
 log = logging.getLogger(__name__)
 
@@ -326,12 +326,16 @@ class InstanceManager:
         await asyncio.to_thread(handle.kill)
 
     async def stop(self, slot: InstanceSlot) -> float:
-        """Stop the server, then release its host actor and GPUs; returns the server stop time."""
+        """Stop the server, then release its host actor and GPUs; returns the server stop time. A host that is
+        gone (its node died) took the server with it: the stop is done, not failed."""
         elapsed = 0.0
         try:
             if slot.handle is not None:
                 try:
                     elapsed = float(await slot.handle.acall("stop", self.spec.stop_timeout_s))
+                except HostGoneError as exc:
+                    log.warning("%s: %s; its server's guard stops the server", slot.id, exc)
+                    self._kill_orphan(self._entry(slot))
                 finally:
                     await asyncio.to_thread(slot.handle.kill)
         finally:

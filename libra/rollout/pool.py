@@ -354,7 +354,8 @@ class RolloutPool:
         started instance brings it up to date. `method` / `strategy` override the spec's reload_method /
         reload_strategy for this publish. `leave_out_failed`: instances whose server failed (before or during
         the publish) stay FAILED on their old weights, named in the report's `left_out`, instead of failing
-        the publish (it still fails when no instance took the weights)."""
+        the publish; when every server failed, all are left out and `version` still becomes the current one,
+        which their replacements start on."""
         method = method or self.spec.reload_method
         strategy = strategy or self.spec.reload_strategy
         problems = publish_problems(

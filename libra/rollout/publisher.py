@@ -9,7 +9,9 @@ carry the old version; the server-side pause then only waits for other clients' 
 With `leave_out_failed`, an instance whose server has failed (FAILED before the publish, or killed or hung
 during its reload: the reload broke and /health no longer answers; an in-place reload is watched by the health
 rule, so a server that hangs in it is failed within the rule's bound) does not fail the publish: it stays
-FAILED on its old weights for the caller to replace, and the publish validates the other instances.
+FAILED on its old weights for the caller to replace, and the publish validates the other instances. When
+every server failed (a job with one rollout instance losing it), the weights reached none and still become the
+pool's current ones: the replacements start on them.
 """
 
 from __future__ import annotations

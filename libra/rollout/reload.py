@@ -166,10 +166,9 @@ def leave_out_failed_servers(
     expect: AckExpectation, acks: Sequence[ReloadAck]
 ) -> tuple[AckExpectation, list[ReloadAck], dict[str, str]]:
     """The expectation and ACKs without the instances whose server failed, and those instances with why. When
-    every instance failed, nothing is left out: the publish reached no server and fails naming them all."""
+    every instance's server failed, all are left out: the weights reached no server, and the replacements start
+    on them (a job with a single rollout instance rides through losing it)."""
     failed = {a.instance_id: ack_problem(expect, a) for a in acks if a.server_failed}
-    if len(failed) == len(acks):
-        return expect, list(acks), {}
     kept_ids = [iid for iid in expect.instance_ids if iid not in failed]
     kept = AckExpectation(expect.version, expect.checksum, expect.method, expect.strategy, kept_ids)
     return kept, [a for a in acks if a.instance_id not in failed], failed

