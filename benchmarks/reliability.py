@@ -40,6 +40,8 @@ Faults (`--faults` picks some):
                               to step END (checkpoint every step; tests/integration/reliability/test_node_loss.py)
   node_loss_wait_policy       the same with runtime_node_loss_policy wait: once the job waits for its GPUs, a node
                               of 2 logical GPUs is added; the job keeps its pools and runs to step END
+  node_loss_silent            node_loss with the node killed without a word (its processes get SIGKILL): Ray
+                              declares it dead from its health checks, and the job re-plans then
   disk_full_mid_trace         only the run directory's trace folder on a small tmpfs, filled after step 2;
                               the same launch trains on to step END (trace records dropped with a warning)
   load_queue_and_status       10,000 queued prompts through the job's producer and buffer under
@@ -113,11 +115,10 @@ STARTUP_S = 600.0
 SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4 of the job
 LOAD_END_STEP = 200  # over a minute of training under the status calls (checkpoint every 10 steps)
 NOT_COVERED = [
-    "loss of a Ray node: measured for a node removed by `Cluster.remove_node` (its raylet tells the cluster at "
-    "once); a node that dies silently is declared dead by Ray's health checks later, and a training restart "
-    "meanwhile waits for that (`NodeLossRecovery.restart_training`, a unit case), not measured; with "
-    "`runtime_node_loss_policy: wait`, a node that does not come back in time (then the job re-plans) is a unit "
-    "case only",
+    "loss of a Ray node: measured for a node removed by `Cluster.remove_node`, gracefully (node_loss) and killed "
+    "without a word (node_loss_silent), on one machine; a network partition (a node alive but unreachable) is not "
+    "covered; with `runtime_node_loss_policy: wait`, a node that does not come back in time (then the job "
+    "re-plans) is a unit case only",
     "a rollout server that hangs in the middle of a restart reload (it waits out the start-up timeout; the "
     "in-place reload is the measured rollout_hung_mid_reload); a single rollout instance that hangs (SIGSTOP): "
     "its loss is measured for kill -9 only (single_rollout_*)",
@@ -380,14 +381,15 @@ def server_faults(root: Path, instances: int) -> dict[str, dict[str, Any]]:
         stop_everything(run_dir, launches)
 
 
-def node_loss(root: Path, wait_policy: bool = False) -> dict[str, Any]:
+def node_loss(root: Path, wait_policy: bool = False, silent: bool = False) -> dict[str, Any]:
     """A job on 2 nodes of 2 logical GPUs (1 training GPU, 3 rollout instances; a head with none) loses the
     node of its training rank after step 2; the same launch re-plans onto the 2 GPUs left, or (`wait_policy`)
-    waits for its GPUs and keeps its pools once a node is added back."""
+    waits for its GPUs and keeps its pools once a node is added back; `silent`: the node dies without a word
+    (its processes killed at once) and Ray declares it dead from its health checks."""
     from tests.integration.reliability.test_node_loss import loss_cluster, node_loss_run
 
     with loss_cluster() as cluster:
-        run = node_loss_run(cluster, root, END_STEP, wait_policy=wait_policy)
+        run = node_loss_run(cluster, root, END_STEP, wait_policy=wait_policy, silent=silent)
     found = events(run["run_dir"])
     recovered = [e for e in found if e["kind"] == "train_recovered"]
     lost = [e for e in found if e["kind"] == "capacity_lost"]
@@ -401,6 +403,14 @@ def node_loss(root: Path, wait_policy: bool = False) -> dict[str, Any]:
                           "replan_s": replan[0].get("seconds") if replan else None,
                           "resumed_from_step": resumed,
                           "steps_before_the_loss": [int(r["step"]) for r in run["before"]]}
+    if silent:
+        figures["details"].update(
+            removal="killed without a word (remove_node allow_graceful=False)",
+            decided_after_s=round(float(lost[0]["ts"]) - run["removed_at"], 1) if lost else None,
+            action_errors=sum(1 for e in found if e["kind"] == "action_error"),
+            recovery_covers="the loop held at a step boundary from before the kill until the lost node's rollout "
+                            "instance was failed by the health rule (the test's operator pause), then the next "
+                            "training call met the dead rank")
     if wait_policy:
         waited = [e for e in found if e["kind"] == "capacity_wait_over"]
         figures["details"].update(
@@ -433,6 +443,7 @@ FAULTS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "load_queue_and_status": lambda root: load_queue_and_status(root, LOAD_END_STEP, SAMPLES_PER_STEP, STARTUP_S),
     "node_loss": node_loss,
     "node_loss_wait_policy": lambda root: node_loss(root, wait_policy=True),
+    "node_loss_silent": lambda root: node_loss(root, silent=True),
 }
 
 

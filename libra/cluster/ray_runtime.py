@@ -7,11 +7,13 @@ real resources: distinct `ray.get_gpu_ids()` and `CUDA_VISIBLE_DEVICES` per acto
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -23,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0
+PLACEMENT_POLL_S = 1.0  # how often a placement wait checks whether the cluster lost GPUs meanwhile
 # Ray gives a starting node 30 s (not configurable) to register with its GCS; on a loaded machine that can
 # run out. A failed start leaves its processes behind, so they are stopped before the next attempt.
 STARTUP_ATTEMPTS = 3
@@ -101,6 +104,8 @@ class RayRuntime:
     namespace: str
     _placement_groups: list[PlacementGroup] = field(default_factory=list)
     _local_nodes: Any = None  # the `ray.cluster_utils.Cluster` of `start_nodes`, stopped by `shutdown`
+    # while set (`placement_guard`): why a placement wait should give up now ("" = keep waiting)
+    _placement_check: Callable[[], str] | None = None
     _link_dir: str | None = None  # the short link's folder of `socket_safe_dir`, removed by `shutdown`
 
     @classmethod
@@ -227,17 +232,43 @@ class RayRuntime:
     def placement_group(
         self, bundles: Sequence[dict[str, float]], strategy: str = "PACK", name: str = ""
     ) -> PlacementGroup:
-        """Reserve `bundles` (e.g. `[{"GPU": 1, "CPU": 1}] * 4`) and wait until they are placed."""
+        """Reserve `bundles` (e.g. `[{"GPU": 1, "CPU": 1}] * 4`) and wait until they are placed, at most
+        `PLACEMENT_TIMEOUT_S`. The wait ends early when the cluster loses GPUs meanwhile (a node that died without
+        a word is declared dead by Ray's health checks, and a group waiting for it would wait out the timeout):
+        the caller re-plans on what is left instead; so does one whose `placement_guard` check gives a reason."""
         pg = placement_group(list(bundles), strategy=strategy, name=name)
-        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        started, gpus_before, lost = time.monotonic(), self.live_gpus(), ""
+        while True:
+            left = PLACEMENT_TIMEOUT_S - (time.monotonic() - started)
+            ready, _ = ray.wait([pg.ready()], timeout=max(0.0, min(PLACEMENT_POLL_S, left)))
+            if ready or left <= PLACEMENT_POLL_S:
+                break
+            gpus_now = self.live_gpus()
+            check = self._placement_check
+            why = f"the cluster lost GPUs while it waited: {gpus_before} -> {gpus_now} alive" \
+                if gpus_now < gpus_before else check() if check is not None else ""
+            if why:
+                lost = f" ({why})"
+                break
         if not ready:
             remove_placement_group(pg)
             raise TimeoutError(
                 f"placement group '{name}' ({len(bundles)} bundles {bundles[0] if bundles else {}}, {strategy}) "
-                f"was not placed within {PLACEMENT_TIMEOUT_S:.0f}s; cluster resources: {ray.cluster_resources()}"
+                f"was not placed within {time.monotonic() - started:.0f}s{lost}; cluster resources: "
+                f"{ray.cluster_resources()}"
             )
         self._placement_groups.append(pg)
         return pg
+
+    @contextlib.contextmanager
+    def placement_guard(self, check: Callable[[], str]) -> Iterator[None]:
+        """While inside: a placement wait gives up as soon as `check()` gives a reason (say, the cluster no longer
+        has the GPUs the caller planned with: a node that died was declared dead before the wait began)."""
+        self._placement_check = check
+        try:
+            yield
+        finally:
+            self._placement_check = None
 
     def release(self, pg: PlacementGroup) -> None:
         if pg in self._placement_groups:

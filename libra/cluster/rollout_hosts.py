@@ -20,7 +20,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from libra.rollout.spec import HostGoneError
+from libra.rollout.spec import HostGoneError, HostUnreachableError
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ class RayHostHandle:
             return await asyncio.wrap_future(ref.future())
         except ray.exceptions.ActorDiedError as exc:
             raise HostGoneError(f"the host actor {self.name} is gone ({type(exc).__name__})") from exc
+        except ray.exceptions.ActorUnavailableError as exc:
+            raise HostUnreachableError(f"the host actor {self.name} does not answer ({type(exc).__name__})") from exc
 
     def kill(self) -> None:
         """Kill the actor and release its GPUs (stop the server first: a killed actor does not)."""

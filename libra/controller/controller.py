@@ -260,7 +260,8 @@ class Controller:
             fingerprint_for=lambda tp: rollout_fingerprint(cfg, run, tp),
             train_problems=training_target_problems(cfg, run), wake=self.wake_reconciler,
             rollout_failed_within_s=rollout_spec(cfg, run, 1).health.hang_detection_bound_s,
-            training_answers=self._training_answers, stopping=self.stop.event)
+            training_answers=self._training_answers, stopping=self.stop.event,
+            placement_guard=self.runtime.placement_guard)
         self.loop = ControlLoop(self.tracker, self.executor, self.rollout_edge, self.train_edge,
                                 self.desired_state, self.events, self.options.timeouts,
                                 self.options.tick_interval_s, on_observed=self._on_observed)

@@ -19,19 +19,22 @@ With `runtime_node_loss_policy: wait` the RL loop first waits (up to `runtime_no
 the pools hold to be alive again and, when they are, changes nothing (a lost training rank is restarted at its
 size, lost rollout instances are replaced); it re-plans only when they are not. When even `min_train_gpus` +
 `min_rollout_gpus` do not fit, the job waits up to `runtime_node_loss_wait_s` for them, then stops with
-`CapacityLost`, which says what is left and how to resume. A training restart that cannot be placed because Ray has not marked the node dead yet
-waits for it (`NODE_DEATH_SEEN_S`) and re-plans. Events: `capacity_changed` (the cluster's GPUs moved),
+`CapacityLost`, which says what is left and how to resume. A training restart that cannot be placed because Ray
+had not marked the node dead yet gives up its placement wait once the cluster shows fewer GPUs than the job
+holds (the runtime's `placement_guard`), waits for that at most `NODE_DEATH_SEEN_S`, and re-plans. Events: `capacity_changed` (the cluster's GPUs moved),
 `capacity_wait` / `capacity_wait_over`, `capacity_lost` (the decision, with its numbers), `capacity_replan`
 (done, with its seconds).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from libra.config import Config
@@ -64,7 +67,8 @@ class NodeLossRecovery:
                  executor: Executor, events: EventLog, fingerprint_for: Callable[[int], str],
                  train_problems: Callable[[int, TrainLayout], list[str]] | None, wake: Callable[[], None],
                  rollout_failed_within_s: float, training_answers: Callable[[], bool],
-                 stopping: threading.Event | None = None) -> None:
+                 stopping: threading.Event | None = None,
+                 placement_guard: Callable[[Callable[[], str]], AbstractContextManager[None]] | None = None) -> None:
         self.cfg = cfg
         self.live_gpus = live_gpus
         self.store = store
@@ -79,6 +83,8 @@ class NodeLossRecovery:
         self._checked_at = 0.0
         self._lost_seen_at: float | None = None  # when the control loop last saw the cluster lose GPUs
         self.stopping = stopping or threading.Event()  # a stop request ends every wait here at once
+        # a training restart's placement wait gives up when the cluster no longer has the job's GPUs
+        self.placement_guard = placement_guard or (lambda check: contextlib.nullcontext())
 
     # ---- control loop ---------------------------------------------------------------------------------
     def observe_capacity(self, now: float | None = None, force: bool = False) -> None:
@@ -192,8 +198,15 @@ class NodeLossRecovery:
         replanned = self.replan(training_lost=True, reason=reason)
         if replanned is not None:
             return replanned
+        held = gpus_in_use(self.store.get())
+
+        def lost() -> str:  # Ray declared the node dead after the re-plan above read the cluster
+            live = self._live()
+            return f"the cluster has {live} of the {held} GPUs this job holds" if live < held else ""
+
         try:
-            return self.executor.training.restart(reason)
+            with self.placement_guard(lost):
+                return self.executor.training.restart(reason)
         except Exception as exc:
             if not _not_placed(exc):
                 raise

@@ -27,13 +27,21 @@ from libra.rollout.host import LocalHostHandle, ServerHost
 from libra.rollout.registry import InstanceRegistry, PoolRecord, RegistryEntry
 from libra.rollout.router import READY, STARTING, InstanceSlot
 from libra.rollout.server import ServerLaunch, pid_alive
-from libra.rollout.spec import HostGoneError, InstanceIdError, InstanceSpec, RolloutPoolSpec, ServerStartError
+from libra.rollout.spec import (
+    HostGoneError,
+    HostUnreachableError,
+    InstanceIdError,
+    InstanceSpec,
+    RolloutPoolSpec,
+    ServerStartError,
+)
 
 log = logging.getLogger(__name__)
 
 INSTANCE_PREFIX = "rollout-"
 PIN_ATTEMPTS = 5  # tries to copy the current weights for a start while newer publishes prune them
 LEFTOVER_ABANDON_S = 15.0  # the leftover host's own kill of its server (an actor call answered mid-start)
+UNREACHABLE_HOST_RETRY_S = 1.0  # a stop asks a host that does not answer again after this long
 LEFTOVER_RELEASE_S = 30.0  # a killed host actor and its placement group are gone from Ray within seconds
 
 
@@ -327,12 +335,13 @@ class InstanceManager:
 
     async def stop(self, slot: InstanceSlot) -> float:
         """Stop the server, then release its host actor and GPUs; returns the server stop time. A host that is
-        gone (its node died) took the server with it: the stop is done, not failed."""
+        gone (its node died) took the server with it: the stop is done, not failed. A host that does not answer
+        is asked again until it answers or Ray declares it gone, for up to `stop_timeout_s`."""
         elapsed = 0.0
         try:
             if slot.handle is not None:
                 try:
-                    elapsed = float(await slot.handle.acall("stop", self.spec.stop_timeout_s))
+                    elapsed = await self._stop_server(slot.handle)
                 except HostGoneError as exc:
                     log.warning("%s: %s; its server's guard stops the server", slot.id, exc)
                     self._kill_orphan(self._entry(slot))
@@ -342,6 +351,17 @@ class InstanceManager:
             self.tracked.pop(slot.id, None)
             self.save()
         return elapsed
+
+    async def _stop_server(self, handle: Any) -> float:
+        deadline = time.monotonic() + self.spec.stop_timeout_s
+        while True:
+            try:
+                return float(await handle.acall("stop", self.spec.stop_timeout_s))
+            except HostUnreachableError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.info("%s (%s); asking again", handle.name, exc)
+                await asyncio.sleep(UNREACHABLE_HOST_RETRY_S)
 
     # ---- adoption -------------------------------------------------------------------------------------
 

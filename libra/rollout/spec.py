@@ -54,6 +54,11 @@ class HostGoneError(RolloutError):
     stops the server with it."""
 
 
+class HostUnreachableError(RolloutError):
+    """The host actor of an instance's server does not answer now: its node may be dying without a word, which
+    Ray declares (the host then gone) once its health checks fail."""
+
+
 class InstanceIdError(RolloutError, ValueError):
     """An instance id that is malformed, already in use, or unknown to the pool."""
 

@@ -3,6 +3,8 @@ another cluster, and a process joins one): a head with no GPU and two nodes of 2
 
 Commands, one a line on stdin, each answered by one JSON line on stdout: `remove-training-node` (removes the
 worker node that holds the training pool's placement group with `Cluster.remove_node`: {"removed": node id}),
+`kill-training-node` (the same node killed without a word to the cluster, as a node that crashes: its
+processes get SIGKILL, `remove_node(allow_graceful=False)`, and Ray's health checks find it dead later),
 `add-node` (a new worker node of 2 logical GPUs, as the lost one came back: {"added": node id}), `gpus`
 ({"gpus": the GPUs Ray counts alive}). The first line out is {"address": ...}. The cluster stops when stdin
 closes."""
@@ -35,11 +37,11 @@ def training_node(runtime: RayRuntime) -> Any:
 
 
 def answer(command: str, runtime: RayRuntime) -> dict[str, Any]:
-    if command == "remove-training-node":
+    if command in ("remove-training-node", "kill-training-node"):
         node = training_node(runtime)
         if node is None:
             return {"error": f"no worker node holds the training pool: {ray.util.placement_group_table()}"}
-        runtime.local_nodes.remove_node(node)
+        runtime.local_nodes.remove_node(node, allow_graceful=command == "remove-training-node")
         return {"removed": node.node_id}
     if command == "add-node":
         node = runtime.local_nodes.add_node(num_gpus=GPUS_PER_NODE, num_cpus=max(2 * GPUS_PER_NODE, 4),

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
+from libra.cluster.ray_runtime import PLACEMENT_TIMEOUT_S
 from libra.run_dir import RunDir
 
 from ..controller.conftest import (
@@ -72,11 +73,13 @@ def loss_cluster() -> Iterator[LossCluster]:
         yield LossCluster(holder, info["address"])
 
 
-def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_policy: bool = False) -> dict[str, Any]:
+def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_policy: bool = False,
+                  silent: bool = False) -> dict[str, Any]:
     """The job on `cluster`; after step 2 and its checkpoint the node of its training rank is removed; the job's
     exit code, run directory, output, when the node went, the metric rows written by then and the GPUs left.
     `wait_policy`: the job runs `runtime_node_loss_policy: wait`, and once it waits a node is added back (when,
-    as `added_at`). Shared with benchmarks/reliability.py."""
+    as `added_at`). `silent`: the node dies without telling the cluster (its processes killed at once), so Ray
+    declares it dead only when its health checks fail. Shared with benchmarks/reliability.py."""
     ws, launches = make_workspace(root, ray_address=cluster.address)
     config: Path = ws["config"]
     data = yaml.safe_load(config.read_text())
@@ -95,9 +98,19 @@ def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_pol
         # the loss is trained again
         wait_for(lambda: (RunDir.at(run_dir).latest_checkpoint() or (0,))[0] >= 2, STARTUP_S,
                  "the checkpoint of step 2", launch)
+        if silent:
+            # held at a step boundary until the dead node's processes are surely gone (its rollout instance
+            # failed by the health rule): a job left running could end its few steps on a training worker that
+            # has not yet noticed its raylet died
+            operator(run_dir, "pause", "reliability: a node dies without a word")
+            wait_for(lambda: any(e["kind"] == "paused" for e in events(run_dir)), STARTUP_S, "the loop held", launch)
         before = metric_rows(run_dir)
         removed_at = time.time()
-        cluster.ask("remove-training-node")
+        cluster.ask("kill-training-node" if silent else "remove-training-node")
+        if silent:
+            wait_for(lambda: any(e["kind"] == "member_failed" and e["ts"] > removed_at for e in events(run_dir)),
+                     STARTUP_S, "the lost node's rollout instance failed", launch)
+            operator(run_dir, "resume", "reliability: the node is gone")
         added_at = replaced_at = None
         if wait_policy:
             wait_for(lambda: any(e["kind"] == "capacity_wait" for e in events(run_dir)), STARTUP_S,
@@ -155,16 +168,24 @@ def test_nothing_of_the_job_is_left_running(lost_node_job: dict[str, Any]) -> No
     assert processes_using(run_dir) == []
 
 
-def test_the_wait_policy_keeps_its_pools_when_the_node_comes_back(tmp_path: Path) -> None:
-    with loss_cluster() as cluster:
-        run = node_loss_run(cluster, tmp_path, wait_policy=True)
+def assert_finished_whole(run: dict[str, Any], gpus_left: int) -> list[dict[str, Any]]:
+    """The launch of `run` ended well with every step once and complete, on a cluster of `gpus_left` GPUs, and
+    left nothing running; its event log."""
     assert run["code"] == 0, run["output"][-6000:]
-    assert run["gpus_left"] == 4
+    assert run["gpus_left"] == gpus_left
     run_dir: Path = run["run_dir"]
     rows = metric_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), [r["step"] for r in rows]
     assert all(r["samples"] == SAMPLES_PER_STEP for r in rows)
-    log = events(run_dir)
+    assert live(server_pids(run_dir)) == [] and processes_using(run_dir) == []
+    return events(run_dir)
+
+
+def test_the_wait_policy_keeps_its_pools_when_the_node_comes_back(tmp_path: Path) -> None:
+    with loss_cluster() as cluster:
+        run = node_loss_run(cluster, tmp_path, wait_policy=True)
+    log = assert_finished_whole(run, gpus_left=4)
+    run_dir: Path = run["run_dir"]
     waits = [e for e in log if e["kind"] == "capacity_wait"]
     over = [e for e in log if e["kind"] == "capacity_wait_over"]
     assert waits and waits[0]["need_gpus"] == 4 and waits[0]["live_gpus"] == 2, waits
@@ -177,4 +198,21 @@ def test_the_wait_policy_keeps_its_pools_when_the_node_comes_back(tmp_path: Path
     assert recovered and recovered[-1]["steps_repeated"] == 0, recovered
     desired = yaml.safe_load((run_dir / "desired_state.json").read_text())
     assert (desired["train_gpus"], desired["rollout_instances"]) == (1, 3), desired
-    assert live(server_pids(run_dir)) == [] and processes_using(run_dir) == []
+
+
+def test_a_node_that_dies_silently_is_met_the_same_way(tmp_path: Path) -> None:
+    """Ray learns of the death from its health checks: the job re-plans once the cluster shows the loss (a
+    training restart that began before gives up its placement wait then) and reaches its last step with
+    nothing trained twice."""
+    with loss_cluster() as cluster:
+        run = node_loss_run(cluster, tmp_path, silent=True)
+    log = assert_finished_whole(run, gpus_left=2)
+    run_dir: Path = run["run_dir"]
+    lost = [e for e in log if e["kind"] == "capacity_lost"]
+    assert len(lost) == 1 and lost[0]["fits"] and (lost[0]["live_gpus"], lost[0]["was_gpus"]) == (2, 4), lost
+    recovered = [e for e in log if e["kind"] == "train_recovered"]
+    assert recovered and recovered[-1]["steps_repeated"] == 0, recovered
+    # the stop of the lost node's rollout instance waits for Ray to declare its host gone: done, not failed
+    assert not [e["message"] for e in log if e["kind"] == "action_error"]
+    # a training restart placed before Ray declared the node dead gives up when it does, not after the timeout
+    assert f"was not placed within {PLACEMENT_TIMEOUT_S:.0f}s" not in (run_dir / "controller.log").read_text()

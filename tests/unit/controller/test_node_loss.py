@@ -6,6 +6,7 @@ fit stop the job with a clear error."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
@@ -322,6 +323,36 @@ def test_a_restart_that_cannot_be_placed_waits_for_the_loss_to_show(make_job) ->
     assert calls == [1, 1] and outcome["training_restarted"]
     want = job.store.get()
     assert (want.train_gpus, want.rollout_instances, want.cluster_gpus) == (1, 1, 2)
+
+
+def test_the_restart_at_the_same_size_is_guarded_by_the_jobs_gpus(make_job) -> None:
+    """The check a restart's placement wait is guarded by: nothing while the cluster has the job's GPUs, the
+    shortfall once Ray shows the loss (the wait then gives up instead of waiting out its timeout)."""
+    job = make_job(train=1, instances=3)
+    job.training_answers = False
+    said: list[str] = []
+
+    @contextlib.contextmanager
+    def guard(check):  # type: ignore[no-untyped-def]
+        said.append(check())
+        job.lose(gpus=2, rollout_keys=1)  # declared dead while the restart waits to be placed
+        said.append(check())
+        yield
+
+    job.recovery.placement_guard = guard
+    original = job.train.restart
+    calls: list[int] = []
+
+    def restart(gpus=None, layout=None):  # type: ignore[no-untyped-def]
+        calls.append(gpus)
+        if len(calls) == 1:
+            raise TimeoutError(f"placement group 'libra-train-pg' was not placed within 1s ({said[-1]})")
+        return original(gpus, layout)
+
+    job.train.restart = restart  # type: ignore[method-assign]
+    outcome = job.recovery.restart_training("a training worker died")
+    assert said[:2] == ["", "the cluster has 2 of the 4 GPUs this job holds"]
+    assert calls == [1, 1] and outcome["training_restarted"]
 
 
 def test_another_restart_error_is_raised_unchanged(make_job) -> None:

@@ -148,3 +148,46 @@ def test_stopping_an_instance_whose_host_is_gone_is_done_not_failed(
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+@pytest.mark.parametrize(("answers", "outcome"), [
+    (["unreachable", "unreachable", "gone"], "done"),
+    (["unreachable", 2.5], "done"),
+    (["unreachable"] * 50, "unreachable"),
+], ids=["declared-gone-after-two-tries", "answers-on-the-second-try", "never-answers-within-the-stop-timeout"])
+def test_a_stop_asks_an_unreachable_host_again_until_it_answers_or_is_gone(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, answers: list[Any], outcome: str) -> None:
+    """A host on a node that died without a word does not answer (Ray's ActorUnavailableError) until Ray
+    declares the node dead (ActorDiedError); the stop waits for that, up to `stop_timeout_s`."""
+    from dataclasses import replace
+
+    from libra.rollout.router import InstanceSlot
+    from libra.rollout.spec import HostGoneError, HostUnreachableError
+
+    manager = manager_with(monkeypatch, tmp_path)
+    manager.spec = replace(manager.spec, stop_timeout_s=0.3)
+    monkeypatch.setattr(lifecycle, "UNREACHABLE_HOST_RETRY_S", 0.01)
+    replies = iter(answers)
+    calls: list[str] = []
+
+    async def acall(method: str, *args: Any) -> Any:
+        calls.append(method)
+        reply = next(replies)
+        if reply == "unreachable":
+            raise HostUnreachableError("the host actor rollout-1 does not answer (ActorUnavailableError)")
+        if reply == "gone":
+            raise HostGoneError("the host actor rollout-1 is gone (ActorDiedError)")
+        return reply
+
+    handle = SimpleNamespace(acall=acall, kill=lambda: calls.append("kill"), name="rollout-1")
+    slot = InstanceSlot(id="rollout-1", client=None, host="127.0.0.1", port=1, weight_version=0,  # type: ignore[arg-type]
+                        handle=handle)
+    manager.tracked["rollout-1"] = slot
+    if outcome == "done":
+        assert asyncio.run(manager.stop(slot)) == (2.5 if 2.5 in answers else 0.0)
+        assert calls == ["stop"] * len(answers) + ["kill"]
+    else:
+        with pytest.raises(HostUnreachableError):
+            asyncio.run(manager.stop(slot))
+        assert calls[-1] == "kill" and 2 < calls.count("stop") < len(answers)
+    assert "rollout-1" not in manager.tracked
