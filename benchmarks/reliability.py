@@ -394,14 +394,16 @@ def node_loss(root: Path, wait_policy: bool = False, silent: bool = False) -> di
     recovered = [e for e in found if e["kind"] == "train_recovered"]
     lost = [e for e in found if e["kind"] == "capacity_lost"]
     replan = [e for e in found if e["kind"] == "capacity_replan"]
-    resumed = int(recovered[0]["step"]) if recovered else None
+    # no training restart in the same launch (the loss met no training call, say) trains nothing again: the
+    # steps before the loss are not repeated, unlike a relaunch that resumed nothing (fault_figures' None)
+    resumed = int(recovered[0]["step"]) if recovered else max((int(r["step"]) for r in run["before"]), default=0)
     figures = fault_figures("", run["before"], metric_rows(run["run_dir"]), resumed, END_STEP, SAMPLES_PER_STEP,
                             run["removed_at"], run["code"])
     figures["details"] = {"exit_code": run["code"], "checkpoint_interval": 1, "gpus_left": run["gpus_left"],
                           "decision": lost[0].get("message", "") if lost else "",
                           "training_restarted": replan[0].get("training_restarted") if replan else None,
                           "replan_s": replan[0].get("seconds") if replan else None,
-                          "resumed_from_step": resumed,
+                          "resumed_from_step": int(recovered[0]["step"]) if recovered else None,
                           "steps_before_the_loss": [int(r["step"]) for r in run["before"]]}
     if silent:
         figures["details"].update(
