@@ -243,10 +243,7 @@ class RayRuntime:
             ready, _ = ray.wait([pg.ready()], timeout=max(0.0, min(PLACEMENT_POLL_S, left)))
             if ready or left <= PLACEMENT_POLL_S:
                 break
-            gpus_now = self.live_gpus()
-            check = self._placement_check
-            why = f"the cluster lost GPUs while it waited: {gpus_before} -> {gpus_now} alive" \
-                if gpus_now < gpus_before else check() if check is not None else ""
+            why = self._placement_give_up(gpus_before)
             if why:
                 lost = f" ({why})"
                 break
@@ -260,10 +257,19 @@ class RayRuntime:
         self._placement_groups.append(pg)
         return pg
 
+    def _placement_give_up(self, gpus_before: int) -> str:
+        """Why a placement wait that began with `gpus_before` GPUs alive should give up now ("" = go on)."""
+        gpus_now = self.live_gpus()
+        if gpus_now < gpus_before:
+            return f"the cluster lost GPUs while it waited: {gpus_before} -> {gpus_now} alive"
+        check = self._placement_check
+        return check() if check is not None else ""
+
     @contextlib.contextmanager
     def placement_guard(self, check: Callable[[], str]) -> Iterator[None]:
-        """While inside: a placement wait gives up as soon as `check()` gives a reason (say, the cluster no longer
-        has the GPUs the caller planned with: a node that died was declared dead before the wait began)."""
+        """While inside: a placement wait (of any thread) gives up as soon as `check()` gives a reason (say, the
+        cluster no longer has the GPUs the caller planned with: a node that died was declared dead before the
+        wait began)."""
         self._placement_check = check
         try:
             yield

@@ -21,9 +21,9 @@ size, lost rollout instances are replaced); it re-plans only when they are not. 
 `min_rollout_gpus` do not fit, the job waits up to `runtime_node_loss_wait_s` for them, then stops with
 `CapacityLost`, which says what is left and how to resume. A training restart that cannot be placed because Ray
 had not marked the node dead yet gives up its placement wait once the cluster shows fewer GPUs than the job
-holds (the runtime's `placement_guard`), waits for that at most `NODE_DEATH_SEEN_S`, and re-plans. Events: `capacity_changed` (the cluster's GPUs moved),
-`capacity_wait` / `capacity_wait_over`, `capacity_lost` (the decision, with its numbers), `capacity_replan`
-(done, with its seconds).
+holds (the runtime's `placement_guard`), waits for that at most `NODE_DEATH_SEEN_S`, and re-plans. Events:
+`capacity_changed` (the cluster's GPUs moved), `capacity_wait` / `capacity_wait_over`, `capacity_lost` (the
+decision, with its numbers), `capacity_replan` (done, with its seconds).
 """
 
 from __future__ import annotations
