@@ -143,7 +143,8 @@ def test_stopping_an_instance_whose_host_is_gone_is_done_not_failed(
         manager.tracked["rollout-1"] = slot
         assert asyncio.run(manager.stop(slot)) == 0.0
         assert calls == ["stop", "kill"] and "rollout-1" not in manager.tracked
-        assert server.wait(timeout=10) == (-9 if server_left else server.returncode)
+        if server_left:  # killed by the stop (a server already gone has nothing left to kill)
+            assert server.wait(timeout=10) == -9
     finally:
         if server.poll() is None:
             server.kill()
