@@ -31,6 +31,8 @@ Faults (`--faults` picks some):
                               its engine runs requests; they are generated again once the replacement serves
   single_rollout_kill9_mid_reload  the same job: SIGKILL while a publish reloads its only server; the publish
                               reached no server, the pool's weights still move and the replacement starts on them
+  single_rollout_hung_sigstop  the same job: SIGSTOP of its only server's process group while it runs requests;
+                              the health rule fails it and it is replaced
   disk_full_mid_checkpoint    the run directory on a small tmpfs, filled while the worker writes a
                               checkpoint after step 2; once the filler is removed a new launch runs to step END
                               (benchmarks/reliability_disk.py)
@@ -49,7 +51,7 @@ Faults (`--faults` picks some):
                               a launch of LOAD_END_STEP steps while it trains; RSS sampled
                               (benchmarks/reliability_load.py)
 The four rollout faults are injected one after another into ONE launch (tests/integration/reliability/
-server_fault_rig.py), which runs once whichever of them are picked, and the two single-instance ones into
+server_fault_rig.py), which runs once whichever of them are picked, and the three single-instance ones into
 another; each one's figures cover the steps from it to the next, and its recovery is until the replacement
 instance serves.
 Each fault also records what a clean stop must leave: the first launch's exit code, whether its console
@@ -120,8 +122,7 @@ NOT_COVERED = [
     "covered; with `runtime_node_loss_policy: wait`, a node that does not come back in time (then the job "
     "re-plans) is a unit case only",
     "a rollout server that hangs in the middle of a restart reload (it waits out the start-up timeout; the "
-    "in-place reload is the measured rollout_hung_mid_reload); a single rollout instance that hangs (SIGSTOP): "
-    "its loss is measured for kill -9 only (single_rollout_*)",
+    "in-place reload is the measured rollout_hung_mid_reload)",
     "load at scale: the queue part is one vLLM-CPU instance of a tiny model with 2-token answers "
     "(benchmarks/reliability_load.py), the status part one small job",
 ]
@@ -325,7 +326,8 @@ SERVER_FAULTS = {2: {"rollout_kill9_mid_generation": "kill9_mid_generation",
                      "rollout_kill9_mid_reload": "kill9_mid_reload",
                      "rollout_hung_sigstop": "hung_server", "rollout_hung_mid_reload": "hung_mid_reload"},
                  1: {"single_rollout_kill9_mid_generation": "kill9_mid_generation",
-                     "single_rollout_kill9_mid_reload": "kill9_mid_reload"}}
+                     "single_rollout_kill9_mid_reload": "kill9_mid_reload",
+                     "single_rollout_hung_sigstop": "hung_server"}}
 SERVER_END_STEP = 40  # the loop is let go only for the faults (server_fault_rig.py)
 _server_figures: dict[int, dict[str, dict[str, Any]]] = {}
 

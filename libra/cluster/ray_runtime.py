@@ -237,6 +237,15 @@ class RayRuntime:
         a word is declared dead by Ray's health checks, and a group waiting for it would wait out the timeout):
         the caller re-plans on what is left instead; so does one whose `placement_guard` check gives a reason."""
         pg = placement_group(list(bundles), strategy=strategy, name=name)
+        self.wait_placed(pg, f"placement group '{name}' ({len(bundles)} bundles {bundles[0] if bundles else {}}, "
+                             f"{strategy})")
+        self._placement_groups.append(pg)
+        return pg
+
+    def wait_placed(self, pg: PlacementGroup, what: str) -> None:
+        """Wait until `pg` (described as `what` in the error) is placed, at most `PLACEMENT_TIMEOUT_S`, giving up
+        early as `placement_group` says; a group that was not placed is removed and TimeoutError says "`what` was
+        not placed within". Also the wait of a group its caller owns (a rollout host's)."""
         started, gpus_before, lost = time.monotonic(), self.live_gpus(), ""
         while True:
             left = PLACEMENT_TIMEOUT_S - (time.monotonic() - started)
@@ -250,12 +259,9 @@ class RayRuntime:
         if not ready:
             remove_placement_group(pg)
             raise TimeoutError(
-                f"placement group '{name}' ({len(bundles)} bundles {bundles[0] if bundles else {}}, {strategy}) "
-                f"was not placed within {time.monotonic() - started:.0f}s{lost}; cluster resources: "
-                f"{ray.cluster_resources()}"
+                f"{what} was not placed within {time.monotonic() - started:.0f}s{lost}; cluster resources: "
+                f"{ray.cluster_resources()}, free: {ray.available_resources()}"
             )
-        self._placement_groups.append(pg)
-        return pg
 
     def _placement_give_up(self, gpus_before: int) -> str:
         """Why a placement wait that began with `gpus_before` GPUs alive should give up now ("" = go on)."""

@@ -20,11 +20,11 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from libra.cluster.ray_runtime import RayRuntime
 from libra.rollout.spec import HostGoneError, HostUnreachableError
 
 log = logging.getLogger(__name__)
 
-PLACEMENT_TIMEOUT_S = 60.0
 HOST_MAX_CONCURRENCY = 8  # status calls must be answered while a start or restart runs
 
 
@@ -77,19 +77,16 @@ def spawn_host(
     namespace: str,
     tp_size: int,
     detached: bool,
+    runtime: RayRuntime,
 ) -> RayHostHandle:
-    """Reserve `tp_size` GPUs in one bundle and start `host_cls(*args)` there as the named actor `name`."""
+    """Reserve `tp_size` GPUs in one bundle and start `host_cls(*args)` there as the named actor `name`. The
+    bundle's wait is `runtime`'s (`RayRuntime.wait_placed`): it gives up early when the cluster loses GPUs
+    meanwhile, as a training pool's does."""
     lifetime = "detached" if detached else None
     pg = placement_group(
         [{"GPU": tp_size, "CPU": 1}], strategy="STRICT_PACK", name=group_name(name), lifetime=lifetime
     )
-    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
-    if not ready:
-        remove_placement_group(pg)
-        raise TimeoutError(
-            f"rollout instance {name}: {tp_size} GPU(s) in one bundle were not available within "
-            f"{PLACEMENT_TIMEOUT_S:.0f}s; free resources: {ray.available_resources()}"
-        )
+    runtime.wait_placed(pg, f"rollout instance {name}: {tp_size} GPU(s) in one bundle")
     options: dict[str, Any] = {
         "num_gpus": tp_size,
         "num_cpus": 1,

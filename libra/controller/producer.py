@@ -5,7 +5,9 @@ It runs its own asyncio event loop on a background thread, so generation overlap
 asynchronous mode (max_head_offpolicyness > 0) and the controller's main thread stays synchronous.
 A failed generation releases its slot, is counted, puts its prompt back at the head of the stream and
 pauses all admissions for a back-off that doubles with each consecutive failure (reset by a success); it
-never stops the producer.
+never stops the producer. Generations that were already in flight when a failure set the back-off fail of the
+same cause (the only instance died under all of them) and do not double it again: counted one by one, a burst
+of N would wait 2^N times the first back-off after the cause was gone.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class RolloutProducer:
         self.max_error_backoff_s = max_error_backoff_s
         self._consecutive_failures = 0
         self._pause_until = 0.0
+        self._backoff_raised_at = 0.0  # when the back-off last doubled (monotonic)
         self._retry: deque[tuple[int, Any]] = deque()
         self.groups_done = 0
         self.failures = 0
@@ -196,7 +199,7 @@ class RolloutProducer:
 
     async def _one(self, index: int, prompt: Any) -> None:
         s = self.sampling
-        started = time.time()
+        started, started_monotonic = time.time(), time.monotonic()
         self.busy.enter()
         try:
             with get_tracer().span("rollout.generate", prompt=index, n=s.n_samples) as span:
@@ -219,12 +222,14 @@ class RolloutProducer:
         except Exception as exc:
             self.busy.exit()
             self.failures += 1
-            self._consecutive_failures += 1
+            now = time.monotonic()
+            if started_monotonic >= self._backoff_raised_at or not self._consecutive_failures:
+                self._consecutive_failures += 1  # an attempt made after the last doubling failed too
+                self._backoff_raised_at = now
             backoff = min(self.max_error_backoff_s, self.error_backoff_s * 2 ** (self._consecutive_failures - 1))
-            self._pause_until = max(self._pause_until, time.monotonic() + backoff)
+            self._pause_until = max(self._pause_until, now + backoff)
             self._retry.append((index, prompt))
             self.buffer.cancel()
-            now = time.monotonic()
             if now - self._last_error_event > 10.0:  # one event per burst of failures
                 self._last_error_event = now
                 self.events.emit("rollout_error", f"{type(exc).__name__}: {exc}", failures=self.failures,

@@ -204,6 +204,7 @@ class InstanceManager:
             namespace=self.runtime.namespace,
             tp_size=tp_size,
             detached=True,  # the server must outlive a controller crash; shutdown() removes it
+            runtime=self.runtime,
         )
 
     async def _release_leftover_host(self, name: str) -> None:

@@ -50,6 +50,8 @@ def drift_job(run_dir: Path) -> dict[str, Any]:
         "batch_size": 4, "n_samples": 4, "train_micro_batch_size": 4, "recompute_micro_batch_size": 4,
         "max_model_len": 64, "max_new_tokens": 24, "total_steps": STEPS, "max_head_offpolicyness": 0,
         "rollout_kv_cache_bytes": 64 * 2**20, "rollout_enforce_eager": True,
+        # as configs/drift.yaml: a restart per publish would add ~10 s a step here (the component tests cover it)
+        "rollout_weight_reload_method": "inplace",
         "megatron_use_cpu_initialization": True, "megatron_params_dtype": "fp32",
         "optimizer": {"lr": 1.0e-3, "clip_grad": 0},
         "task": {"name": "drift", "params": {"start_tokens": 2, "end_tokens": 24, "ramp_prompts": 12}},

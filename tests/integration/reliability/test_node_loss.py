@@ -7,7 +7,7 @@ checkpoint and reaches its last step with every step in `metrics.jsonl` once and
 the job is left running. With `runtime_node_loss_policy: wait`, the same loss and a node added back while the
 job waits: it keeps its pools (nothing re-planned), restarts the training pool at its size and replaces the lost
 rollout instance on the new node. The cluster is held by `node_loss_holder.py` in a process of its own (this
-process may already be joined to the session's Ray cluster)."""
+process may already be joined to the session's Ray cluster), one for the three jobs."""
 
 from __future__ import annotations
 
@@ -134,9 +134,27 @@ def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_pol
 
 
 @pytest.fixture(scope="module")
-def lost_node_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def shared_cluster() -> Iterator[LossCluster]:
+    """One cluster for the module's three jobs (a start and a stop of it saved per job); `whole` gives each job
+    both worker nodes. The job whose node dies without a word runs last: Ray counts a killed node alive until
+    its health checks fail."""
     with loss_cluster() as cluster:
-        yield node_loss_run(cluster, tmp_path_factory.mktemp("node-loss"))
+        yield cluster
+
+
+def whole(cluster: LossCluster) -> LossCluster:
+    """`cluster` with both worker nodes: a node that the previous job lost is added back."""
+    for _ in range(2):
+        if cluster.ask("gpus")["gpus"] >= 4:
+            break
+        cluster.ask("add-node")
+    assert cluster.ask("gpus")["gpus"] == 4
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def lost_node_job(shared_cluster: LossCluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return node_loss_run(whole(shared_cluster), tmp_path_factory.mktemp("node-loss"))
 
 
 def test_the_job_reaches_its_last_step_on_what_remains(lost_node_job: dict[str, Any]) -> None:
@@ -181,9 +199,9 @@ def assert_finished_whole(run: dict[str, Any], gpus_left: int) -> list[dict[str,
     return events(run_dir)
 
 
-def test_the_wait_policy_keeps_its_pools_when_the_node_comes_back(tmp_path: Path) -> None:
-    with loss_cluster() as cluster:
-        run = node_loss_run(cluster, tmp_path, wait_policy=True)
+def test_the_wait_policy_keeps_its_pools_when_the_node_comes_back(shared_cluster: LossCluster,
+                                                                 tmp_path: Path) -> None:
+    run = node_loss_run(whole(shared_cluster), tmp_path, wait_policy=True)
     log = assert_finished_whole(run, gpus_left=4)
     run_dir: Path = run["run_dir"]
     waits = [e for e in log if e["kind"] == "capacity_wait"]
@@ -200,12 +218,11 @@ def test_the_wait_policy_keeps_its_pools_when_the_node_comes_back(tmp_path: Path
     assert (desired["train_gpus"], desired["rollout_instances"]) == (1, 3), desired
 
 
-def test_a_node_that_dies_silently_is_met_the_same_way(tmp_path: Path) -> None:
+def test_a_node_that_dies_silently_is_met_the_same_way(shared_cluster: LossCluster, tmp_path: Path) -> None:
     """Ray learns of the death from its health checks: the job re-plans once the cluster shows the loss (a
     training restart that began before gives up its placement wait then) and reaches its last step with
     nothing trained twice."""
-    with loss_cluster() as cluster:
-        run = node_loss_run(cluster, tmp_path, silent=True)
+    run = node_loss_run(whole(shared_cluster), tmp_path, silent=True)
     log = assert_finished_whole(run, gpus_left=2)
     run_dir: Path = run["run_dir"]
     lost = [e for e in log if e["kind"] == "capacity_lost"]

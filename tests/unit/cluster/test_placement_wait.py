@@ -1,6 +1,7 @@
 """A placement group's wait ends early when the cluster loses GPUs meanwhile (a node that died silently is
 declared dead while a training restart waits to be placed there), and otherwise after the timeout; either way
-the group is removed and the error says "was not placed", which the node-loss recovery re-plans on."""
+the group is removed and the error says "was not placed", which the node-loss recovery re-plans on. A rollout
+host's bundle waits the same way."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from libra.cluster import ray_runtime
+from libra.cluster import ray_runtime, rollout_hosts
 from libra.cluster.ray_runtime import RayRuntime
 from libra.controller.node_loss import _not_placed
 
@@ -19,15 +20,11 @@ class FakeGroup:
         return "ready-ref"
 
 
-@pytest.mark.parametrize(("live", "placed_after", "guard", "expect"), [
-    ([4, 4, 4, 4], 2, False, "placed"),
-    ([4, 4, 2, 2], None, False, "lost GPUs while it waited: 4 -> 2"),
-    ([4] * 10, None, False, "was not placed within"),
-    ([2] * 10, None, True, "the cluster has 2 of the 4 GPUs this job holds"),
-], ids=["placed-on-the-third-poll", "cluster-lost-gpus-while-waiting", "timeout",
-        "guard-gives-up-on-a-loss-declared-before-the-wait"])
-def test_a_placement_wait_gives_up_when_the_cluster_loses_gpus(
-        monkeypatch: pytest.MonkeyPatch, live: list[int], placed_after: int | None, guard: bool, expect: str) -> None:
+def fake_cluster(monkeypatch: pytest.MonkeyPatch, live: list[int],
+                 placed_after: int | None) -> tuple[list[float], list[Any]]:
+    """Ray as a placement wait sees it: the GPUs alive at each reading are `live`, a group is placed after
+    `placed_after` polls (None = never), the timeout is 5 s on a clock that each poll moves on; the polls'
+    timeouts and the groups removed."""
     clock = [0.0]
     polls: list[float] = []
     removed: list[Any] = []
@@ -39,12 +36,26 @@ def test_a_placement_wait_gives_up_when_the_cluster_loses_gpus(
         return (refs, []) if placed_after is not None and len(polls) > placed_after else ([], refs)
 
     monkeypatch.setattr(ray_runtime, "PLACEMENT_TIMEOUT_S", 5.0)
-    monkeypatch.setattr(ray_runtime, "placement_group", lambda bundles, strategy, name: FakeGroup())
     monkeypatch.setattr(ray_runtime, "remove_placement_group", removed.append)
     monkeypatch.setattr(ray_runtime.ray, "wait", wait)
     monkeypatch.setattr(ray_runtime.ray, "cluster_resources", lambda: {"GPU": 2.0})
+    monkeypatch.setattr(ray_runtime.ray, "available_resources", lambda: {"GPU": 0.0})
     monkeypatch.setattr(ray_runtime, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setattr(RayRuntime, "live_gpus", staticmethod(lambda: next(readings)))
+    return polls, removed
+
+
+@pytest.mark.parametrize(("live", "placed_after", "guard", "expect"), [
+    ([4, 4, 4, 4], 2, False, "placed"),
+    ([4, 4, 2, 2], None, False, "lost GPUs while it waited: 4 -> 2"),
+    ([4] * 10, None, False, "was not placed within"),
+    ([2] * 10, None, True, "the cluster has 2 of the 4 GPUs this job holds"),
+], ids=["placed-on-the-third-poll", "cluster-lost-gpus-while-waiting", "timeout",
+        "guard-gives-up-on-a-loss-declared-before-the-wait"])
+def test_a_placement_wait_gives_up_when_the_cluster_loses_gpus(
+        monkeypatch: pytest.MonkeyPatch, live: list[int], placed_after: int | None, guard: bool, expect: str) -> None:
+    polls, removed = fake_cluster(monkeypatch, live, placed_after)
+    monkeypatch.setattr(ray_runtime, "placement_group", lambda bundles, strategy, name: FakeGroup())
     runtime = RayRuntime(address="fake", owned=False, namespace="ns")
     if guard:  # the caller planned with 4 GPUs; Ray declared 2 of them dead just before the wait began
         checks = iter(["", "the cluster has 2 of the 4 GPUs this job holds"])
@@ -62,3 +73,21 @@ def test_a_placement_wait_gives_up_when_the_cluster_loses_gpus(
     assert sum(polls) <= 5.0 and all(p <= ray_runtime.PLACEMENT_POLL_S for p in polls)
     if "lost" in expect:
         assert len(polls) == 2, "it stopped at the first reading that showed the loss"
+
+
+@pytest.mark.parametrize(("live", "expect", "polls_at_most"), [
+    ([4, 4, 2, 2], "lost GPUs while it waited: 4 -> 2", 2),
+    ([4] * 10, "was not placed within 5s", 5),
+], ids=["a-rollout-host-gives-up-when-the-cluster-loses-gpus", "a-rollout-host-waits-out-the-timeout"])
+def test_a_rollout_hosts_bundle_waits_as_a_training_pools_does(
+        monkeypatch: pytest.MonkeyPatch, live: list[int], expect: str, polls_at_most: int) -> None:
+    """A replacement rollout instance placed on a node that died without a word gives up its wait once Ray
+    declares the node dead, instead of waiting out the timeout; its group is removed, and no host is started."""
+    polls, removed = fake_cluster(monkeypatch, live, placed_after=None)
+    monkeypatch.setattr(rollout_hosts, "placement_group", lambda bundles, strategy, name, lifetime: FakeGroup())
+    monkeypatch.setattr(rollout_hosts.ray, "remote", lambda cls: pytest.fail("a host started without its GPUs"))
+    runtime = RayRuntime(address="fake", owned=False, namespace="ns")
+    with pytest.raises(TimeoutError, match=expect) as raised:
+        rollout_hosts.spawn_host(object, name="rollout-3", namespace="ns", tp_size=1, detached=True, runtime=runtime)
+    assert "rollout instance rollout-3: 1 GPU(s) in one bundle" in str(raised.value)
+    assert len(removed) == 1 and len(polls) <= polls_at_most

@@ -192,3 +192,39 @@ def test_producer_survives_generation_errors(tmp_path: Path) -> None:
         producer.stop()
     assert len(batch) == 2 and producer.failures >= 1 and buf.failed_groups >= 1
     assert any(e["kind"] == "rollout_error" for e in events.recent(20))
+
+
+@pytest.mark.parametrize(("together", "failing", "least_s", "most_s"), [
+    # the only instance dies under 8 generations: one cause, one back-off of 0.1 s (counted one by one it was
+    # 0.1 x 2^7 = 12.8 s, and the retries waited that long after a replacement served)
+    (8, 8, 0.1, 3.0),
+    # four attempts, each made after the previous failure: the back-off doubles, 0.1 + 0.2 + 0.4 + 0.8 s
+    (1, 4, 1.5, 8.0),
+], ids=["a-burst-of-in-flight-failures-backs-off-once", "consecutive-attempts-double-the-back-off"])
+def test_the_back_off_doubles_per_failed_attempt_not_per_request_in_flight(
+        tmp_path: Path, together: int, failing: int, least_s: float, most_s: float) -> None:
+    calls = count()
+    failed_at: list[float] = []
+
+    async def dies_under_the_first_calls(prompt_ids: list[int], **kw: object) -> list[FakeCompletion]:
+        call = next(calls)
+        if call >= failing:
+            return [FakeCompletion([1], [-1.0], "stop", 0)]
+        while together > 1 and call < together - 1 and not failed_at:
+            await asyncio.sleep(0.01)  # in flight until the last of the burst arrives
+        failed_at.append(time.monotonic())
+        raise ConnectionError("the instance died")
+
+    buf = SampleBuffer(batch_size=together, group_size=1, max_offpolicyness=0, max_concurrent_samples=together)
+    producer = RolloutProducer(dies_under_the_first_calls, (P([i]) for i in count()), lambda p, r: 1.0, buf,
+                               SamplingSettings(n_samples=1, max_new_tokens=1), EventLog(tmp_path / "e.jsonl"),
+                               poll_s=0.01, error_backoff_s=0.1, max_error_backoff_s=12.8)
+    producer.start()
+    try:
+        batch, _ = buf.collect(0, timeout_s=most_s + 5, max_retries=0)
+        done_at = time.monotonic()
+    finally:
+        producer.stop()
+    assert len(batch) == together and producer.failures == failing
+    waited = done_at - failed_at[0]
+    assert least_s <= waited <= most_s, f"{waited:.2f}s from the first failure to the batch"

@@ -52,7 +52,7 @@ class FakeRayHosts:
         self.groups.discard(name)
 
     def spawn_host(self, host_cls: type, *args: Any, name: str, namespace: str, tp_size: int,
-                   detached: bool) -> Any:
+                   detached: bool, runtime: Any) -> Any:
         if name in self.actors or name in self.groups:
             raise RuntimeError(f"name {name!r} already exists")
         self.calls.append(f"spawn {name}")
