@@ -47,6 +47,7 @@ from libra.rollout.spec import (
     InstanceIdError,
     RolloutError,
     RolloutPoolSpec,
+    ServerStalledError,
 )
 from libra.rollout.tracing import InstanceTracers
 from libra.rollout.weights_checksum import CHECKSUM_PREFIX
@@ -218,9 +219,10 @@ class WeightPublisher:
             except Exception as exc:
                 # Killed or hung mid-reload, or a reload the server refused? The reload broke already, so one
                 # check decides: a server that does not answer it has failed; one that answers and refused the
-                # weights fails the publish.
-                server_failed = (isinstance(exc, InstanceFailure)
-                                 and not await slot.client.health(rule.timeout_s))
+                # weights fails the publish. A restart whose new server hung while it started (it used no CPU)
+                # has failed too; one that crashed loading the weights fails the publish.
+                server_failed = isinstance(exc, ServerStalledError) or (
+                    isinstance(exc, InstanceFailure) and not await slot.client.health(rule.timeout_s))
                 return ReloadAck(
                     **fields,
                     **unchanged,

@@ -24,10 +24,15 @@ from dataclasses import asdict, dataclass
 from libra import device as libra_device
 from libra.rollout import forked_engine_main
 from libra.rollout.idle_wait import IDLE_WAIT_ENV
-from libra.rollout.spec import ServerStartError
+from libra.rollout.server_guard import group_stat_fields
+from libra.rollout.spec import ServerStalledError, ServerStartError
 
 WORKER_EXTENSION = "libra.rollout.worker_extension.LibraWorkerExtension"
 HEALTH_POLL_S = 0.5
+# A starting server whose processes used no CPU for this long is hung (SIGSTOP, a deadlock): a loading server
+# always uses some (imports, weight reads, warm-up), and until it answers /health no health check can watch it,
+# so without this a hung restart reload held its publish for the whole start-up timeout (600 s by default).
+START_STALL_S = 60.0
 LOG_TAIL_LINES = 40
 
 
@@ -208,6 +213,13 @@ def pid_alive(pid: int, start_ticks: int = 0) -> bool:
     return not start_ticks or process_start_ticks(pid) == start_ticks
 
 
+def group_cpu_ticks(pgid: int) -> int:
+    """CPU clock ticks (user + system) used so far by the processes of process group `pgid` other than its leader
+    (a server's guard, which only watches), read from /proc."""
+    return sum(int(fields[11]) + int(fields[12])  # utime, stime
+               for pid, fields in group_stat_fields(pgid).items() if pid != pgid and len(fields) > 12)
+
+
 def http_healthy(host: str, port: int, timeout_s: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=timeout_s) as resp:
@@ -261,10 +273,12 @@ class ServerProcess:
             return self._popen.poll() is None
         return pid_alive(self.pid, self.start_ticks)
 
-    def wait_healthy(self, timeout_s: float) -> float:
+    def wait_healthy(self, timeout_s: float, stall_s: float = START_STALL_S) -> float:
         """Block until /health answers 200; returns the seconds waited. Raises ServerStartError with the log
-        tail when the process exits or the timeout passes (the process is then stopped)."""
+        tail when the process exits or the timeout passes, and ServerStalledError when its processes used no CPU
+        for `stall_s` (the process is then stopped)."""
         start = time.monotonic()
+        cpu_ticks, progressed_at = group_cpu_ticks(self.pid), start
         while True:
             if http_healthy(self.launch.host, self.launch.port):
                 return time.monotonic() - start
@@ -274,11 +288,22 @@ class ServerProcess:
                     f"vLLM server for {self.launch.model_path} on port {self.launch.port} exited (code {code}) "
                     f"before becoming healthy; log {self.launch.log_path}:\n{log_tail(self.launch.log_path)}"
                 )
-            if time.monotonic() - start > timeout_s:
+            now = time.monotonic()
+            if now - start > timeout_s:
                 self.stop(timeout_s=10.0)
                 raise ServerStartError(
                     f"vLLM server for {self.launch.model_path} on port {self.launch.port} was not healthy within "
                     f"{timeout_s:.0f}s (stopped); log {self.launch.log_path}:\n{log_tail(self.launch.log_path)}"
+                )
+            ticks = group_cpu_ticks(self.pid)
+            if ticks != cpu_ticks:  # fewer counts too: one of its processes ended
+                cpu_ticks, progressed_at = ticks, now
+            elif now - progressed_at > stall_s:
+                self.stop(timeout_s=10.0)
+                raise ServerStalledError(
+                    f"vLLM server for {self.launch.model_path} on port {self.launch.port} used no CPU for "
+                    f"{stall_s:.0f}s while starting: hung (stopped or deadlocked), stopped now; log "
+                    f"{self.launch.log_path}:\n{log_tail(self.launch.log_path)}"
                 )
             time.sleep(HEALTH_POLL_S)
 

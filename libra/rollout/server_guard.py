@@ -23,9 +23,10 @@ import sys
 STOP_GRACE_S = 10.0
 
 
-def group_members(pgid: int) -> list[int]:
-    """Pids of the live (not zombie) processes in process group `pgid` (from /proc)."""
-    members = []
+def group_stat_fields(pgid: int) -> dict[int, list[str]]:
+    """Per process of process group `pgid`: the fields of its /proc/PID/stat after the command name (the state
+    first; `proc(5)` numbers them from 3)."""
+    found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -35,9 +36,14 @@ def group_members(pgid: int) -> list[int]:
         except OSError:
             continue
         fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry))
-    return members
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            found[int(entry)] = fields
+    return found
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes in process group `pgid` (from /proc)."""
+    return [pid for pid, fields in group_stat_fields(pgid).items() if fields[0] != "Z"]
 
 
 PR_SET_PDEATHSIG = 1

@@ -32,6 +32,11 @@ class ServerStartError(RolloutError):
     """A vLLM server did not become healthy; the message carries the tail of its log."""
 
 
+class ServerStalledError(ServerStartError):
+    """A starting vLLM server's processes used no CPU for a while (stopped, or deadlocked): the server is hung,
+    as one that stops answering /health once it runs is; it was stopped."""
+
+
 class NoHealthyInstanceError(RolloutError):
     """No instance can take a request (all unhealthy, reloading for too long, or the pool is empty)."""
 

@@ -1,13 +1,15 @@
 """A weight publish that meets failed servers: with `leave_out_failed`, an instance whose server is gone (FAILED
-already, killed or hung during its reload: the reload broke and /health does not answer) is left out, stays
-FAILED with its requests sent elsewhere, and the publish validates the others and moves the pool's version
-(also when every server failed: their replacements start on it); a live server that refused the reload still
+already, killed or hung during its reload: the reload broke and /health does not answer; or a restart reload
+whose new server hung while it started) is left out, stays FAILED with its requests sent elsewhere, and the
+publish validates the others and moves the pool's version (also when every server failed: their replacements
+start on it); a live server that refused the reload, or a restarted one that exited loading the weights, still
 fails it."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,7 +19,7 @@ from libra.rollout.client import InstanceFailure
 from libra.rollout.publisher import CurrentWeights, WeightPublisher
 from libra.rollout.reload import AckExpectation, WeightSyncError, leave_out_failed_servers
 from libra.rollout.router import FAILED, READY, InstanceSlot, Router
-from libra.rollout.spec import HealthRule, RolloutPoolSpec
+from libra.rollout.spec import HealthRule, RolloutPoolSpec, ServerStalledError, ServerStartError
 from libra.rollout.tracing import InstanceTracers
 
 SUM = "sha256t1:" + "ab" * 32
@@ -26,7 +28,8 @@ SUM = "sha256t1:" + "ab" * 32
 class FakeServer:
     """A server's control endpoints; `mode`: ok | dies (the reload breaks and /health stops answering) |
     refuses (the reload breaks, the server stays up) | hung (nothing answers /health) | hangs-in-reload (the
-    reload never returns and /health stops answering once it began, as a SIGSTOP mid-reload does)."""
+    reload never returns and /health stops answering once it began, as a SIGSTOP mid-reload does) |
+    restart-stalls / restart-crashes (answers until its host restarts it: see `FakeHost`) | gone."""
 
     def __init__(self, instance_id: str, mode: str) -> None:
         self.instance_id = instance_id
@@ -37,7 +40,7 @@ class FakeServer:
     async def health(self, timeout_s: float = 5.0) -> bool:
         if self.mode == "hangs-in-reload":
             return not self.reload_began
-        return self.mode in ("ok", "refuses")
+        return self.mode in ("ok", "refuses", "restart-stalls", "restart-crashes")
 
     async def pause(self, mode: str = "wait", timeout_s: float = 60.0) -> None:
         return None
@@ -58,6 +61,22 @@ class FakeServer:
         return None
 
 
+class FakeHost:
+    """The host of a managed server whose restart reload fails: its new server hangs while it starts
+    (restart-stalls: `ServerStalledError`) or exits loading the weights (restart-crashes: `ServerStartError`);
+    either way the host stopped it, so nothing answers /health afterwards."""
+
+    def __init__(self, server: FakeServer) -> None:
+        self.server = server
+
+    async def acall(self, method: str, *args: Any) -> Any:
+        assert method == "restart", method
+        mode, self.server.mode = self.server.mode, "gone"
+        if mode == "restart-stalls":
+            raise ServerStalledError("vLLM server for /w/1 on port 1 used no CPU for 60s while starting")
+        raise ServerStartError("vLLM server for /w/1 on port 1 exited (code 1) before becoming healthy")
+
+
 def spec() -> RolloutPoolSpec:
     return RolloutPoolSpec(
         model_path="/m", num_instances=2, tp_size=1, max_model_len=64, kv_cache_bytes=0, port_base=0,
@@ -74,13 +93,19 @@ def publish(modes: dict[str, str], leave_out_failed: bool, failed_before: tuple[
 
     async def scenario() -> tuple[Any, dict[str, str], int]:
         router = Router(max_concurrent=4, request_timeout_s=5, wait_for_instance_s=0.1)
+        restart = any(mode.startswith("restart") for mode in modes.values())
         for iid, mode in modes.items():
-            router.slots[iid] = InstanceSlot(id=iid, client=FakeServer(iid, mode), host="h", port=1,  # type: ignore[arg-type]
+            server = FakeServer(iid, mode)
+            router.slots[iid] = InstanceSlot(id=iid, client=server, host="h", port=1,  # type: ignore[arg-type]
                                              weight_version=0, state=FAILED if iid in failed_before else READY)
+            router.slots[iid].handle = FakeHost(server) if restart else None
         current = CurrentWeights(version=0, model_path="/m", checksum=SUM)
-        publisher = WeightPublisher(spec(), router, None, InstanceTracers(None), current)
+        # a restart reload needs a manager of processes, which records the pool's weights after a publish
+        manager: Any = SimpleNamespace(record=SimpleNamespace(), save=lambda: None) if restart else None
+        publisher = WeightPublisher(spec(), router, manager, InstanceTracers(None), current)
+        method = "restart" if restart else "inplace"
         try:
-            outcome: Any = await publisher.publish(AckExpectation(1, SUM, "inplace", "parallel"), "/w/1", None,
+            outcome: Any = await publisher.publish(AckExpectation(1, SUM, method, "parallel"), "/w/1", None,
                                                    leave_out_failed)
         except WeightSyncError as exc:
             outcome = exc
@@ -100,6 +125,7 @@ CASES = {
                                          {"a": FAILED, "b": FAILED}, 1),
     "the-only-server-killed-mid-reload": ({"a": "dies"}, True, (), {"a"}, {"a": FAILED}, 1),
     "the-only-server-failed-before": ({"a": "ok"}, True, ("a",), {"a"}, {"a": FAILED}, 1),
+    "a-restart-that-hung-while-starting-left-out": ({"a": "restart-stalls"}, True, (), {"a"}, {"a": FAILED}, 1),
 }
 ERRORS = {
     # name: (modes, leave_out_failed, failed before, instances the error names)
@@ -107,6 +133,7 @@ ERRORS = {
     "a-live-server-refusing-fails-it": ({"a": "ok", "b": "refuses"}, True, (), {"b"}),
     "without-leave-out-no-server-took-the-weights": ({"a": "dies", "b": "hung"}, False, (), {"a", "b"}),
     "one-dead-one-refusing": ({"a": "dies", "b": "refuses"}, True, (), {"b"}),
+    "a-restart-that-exited-loading-the-weights-fails-it": ({"a": "restart-crashes"}, True, (), {"a"}),
 }
 
 

@@ -1,0 +1,71 @@
+"""A starting server whose processes use no CPU (stopped by SIGSTOP, or blocked for good) is declared hung after
+`stall_s` and stopped (`ServerStalledError`) instead of being waited for until the start-up timeout, which is
+what a hung restart reload held its publish for; one that keeps working without answering /health is waited for
+until that timeout (a plain `ServerStartError`). Real processes in a session of their own, as a server's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from libra.rollout.server import ServerLaunch, ServerProcess, group_cpu_ticks, pick_free_port, pid_alive
+from libra.rollout.spec import ServerStalledError, ServerStartError
+
+BUSY = "while True: pass"
+BLOCKED = "import time; time.sleep(600)"
+TIMEOUT_S = 4.0
+STALL_S = 1.5
+
+
+@pytest.mark.parametrize(("code", "stop_it", "error", "message"), [
+    (BUSY, True, ServerStalledError, "used no CPU for 2s while starting"),
+    (BLOCKED, False, ServerStalledError, "used no CPU for 2s while starting"),
+    (BUSY, False, ServerStartError, f"was not healthy within {TIMEOUT_S:.0f}s"),
+], ids=["stopped-by-sigstop-is-hung", "blocked-for-good-is-hung", "working-is-waited-for-until-the-timeout"])
+def test_a_start_that_uses_no_cpu_is_hung(tmp_path: Path, code: str, stop_it: bool, error: type[Exception],
+                                         message: str) -> None:
+    log = tmp_path / "server.log"
+    log.write_text("starting\n")
+    # the leader only waits, as a server's guard does; the worker is a member of its group
+    popen = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "{code}" & wait'], start_new_session=True)
+    launch = ServerLaunch(model_path="/m", port=pick_free_port("127.0.0.1"), host="127.0.0.1", max_model_len=64,
+                          kv_cache_bytes=0, log_path=str(log))
+    server = ServerProcess(launch, popen.pid, popen)
+    try:
+        time.sleep(0.5)  # the worker has started
+        if stop_it:
+            os.killpg(popen.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(ServerStartError, match=message) as raised:
+            server.wait_healthy(TIMEOUT_S, stall_s=STALL_S)
+        waited = time.monotonic() - started
+        assert type(raised.value) is error
+        if error is ServerStalledError:
+            assert waited < TIMEOUT_S, f"declared hung after {waited:.1f}s, not before the timeout"
+        assert "starting" in str(raised.value), "the error quotes the server's log"
+        assert not pid_alive(popen.pid), "the hung server was stopped"
+    finally:
+        server.kill()
+
+
+def test_the_cpu_of_a_group_counts_its_members_not_its_leader() -> None:
+    popen = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "{BUSY}" & wait'], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        first = group_cpu_ticks(popen.pid)
+        time.sleep(0.5)
+        assert group_cpu_ticks(popen.pid) > first, "a busy member's CPU counts"
+        os.killpg(popen.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        stopped = group_cpu_ticks(popen.pid)
+        time.sleep(0.5)
+        assert group_cpu_ticks(popen.pid) == stopped, "a stopped group uses no CPU"
+    finally:
+        os.killpg(popen.pid, signal.SIGKILL)  # a stopped process dies of it too
+        popen.wait(timeout=10)
