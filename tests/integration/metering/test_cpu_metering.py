@@ -23,7 +23,8 @@ from libra.training.pool import TrainingPool
 
 REPO = Path(__file__).resolve().parents[3]
 UNAVAILABLE = availability()
-pytestmark = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"CPU metering cannot run here: {UNAVAILABLE}")
+pytestmark = [pytest.mark.skipif(bool(UNAVAILABLE), reason=f"CPU metering cannot run here: {UNAVAILABLE}"),
+              pytest.mark.alone]
 BUSY = [sys.executable, "-c", "while True: pass"]
 TOLERANCE = 0.15
 

@@ -332,16 +332,34 @@ def test_forked_children_write_their_own_file(tmp_path: Path) -> None:
     assert not path_of(tracer).with_name(f"phase_trace_rank2000-pid{silent}.jsonl").exists()
 
 
-def test_span_overhead_is_microseconds(tmp_path: Path) -> None:
-    """A loose bound (the benchmark measures the real figure): catches accidental I/O or JSON work on the
-    hot path, which costs tens of microseconds per span."""
-    tracer = open_tracer(tmp_path)
-    n = 20_000
-    start = time.perf_counter_ns()
+def test_a_span_leaves_encoding_and_writing_to_the_writer_thread(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hot path only queues: serializing and writing (tens of microseconds per span) happen on the
+    writer thread. Structural, not timed: the benchmark `trace_overhead.py` measures the cost per span."""
+    callers: dict[str, set[int]] = {"encode": set(), "template": set(), "attrs": set(), "write": set(),
+                                    "dumps": set()}
+
+    def on_call(kind: str, original: Any) -> Any:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            callers[kind].add(threading.get_ident())
+            return original(*args, **kwargs)
+        return recorded
+
+    monkeypatch.setattr(pt.PhaseTracer, "_encode", on_call("encode", pt.PhaseTracer._encode))
+    monkeypatch.setattr(pt.PhaseTracer, "_template", on_call("template", pt.PhaseTracer._template))
+    monkeypatch.setattr(pt.PhaseTracer, "_write", on_call("write", pt.PhaseTracer._write))
+    monkeypatch.setattr(pt, "_encode_attrs", on_call("attrs", pt._encode_attrs))
+    tracer = open_tracer(tmp_path, flush_at=1000, flush_interval_s=0.01)
+    monkeypatch.setattr(pt.json, "dumps", on_call("dumps", json.dumps))
+    n = 5_000
     for i in range(n):
-        with tracer.span("train.forward_backward", step=i):
+        with tracer.span("train.forward_backward", step=i, tokens=i, kind="policy"):
             pass
-    per_span_us = (time.perf_counter_ns() - start) / n / 1000
+        if i % 1000 == 0:
+            time.sleep(0.02)  # lets the writer thread drain while the loop still runs
+    during_the_loop = {kind: set(threads) for kind, threads in callers.items()}
     tracer.close()
-    assert per_span_us < 25, per_span_us
+    caller = threading.get_ident()
+    assert all(caller not in threads for threads in during_the_loop.values()), during_the_loop
+    assert during_the_loop["encode"] and during_the_loop["write"] and during_the_loop["attrs"], during_the_loop
     assert len(path_of(tracer).read_text().splitlines()) == n

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -53,7 +54,14 @@ def test_install_is_idempotent(condition_class: Any) -> None:
 def test_a_reader_never_yields_in_a_loop(pair: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch,
                                          idle_for_s: float, naps: bool, yields: int) -> None:
     calls: list[str] = []
+    slept: list[float] = []
+
+    def recorded_sleep(seconds: float) -> None:
+        slept.append(seconds)
+        time.sleep(seconds)
+
     monkeypatch.setattr(shm_broadcast, "sched_yield", lambda: calls.append("yield"))
+    monkeypatch.setattr(idle_wait, "time", SimpleNamespace(monotonic=time.monotonic, sleep=recorded_sleep))
     _, reader = pair
     reader.last_read = time.monotonic() - idle_for_s
     started = time.monotonic()
@@ -61,9 +69,9 @@ def test_a_reader_never_yields_in_a_loop(pair: tuple[Any, Any], monkeypatch: pyt
     waited = time.monotonic() - started
     assert len(calls) == yields
     if naps:
-        assert idle_wait.NAP_S <= waited < 0.04
+        assert slept == [idle_wait.NAP_S] and waited >= idle_wait.NAP_S
     else:
-        assert waited >= 0.045  # the socket's timeout: nothing was written
+        assert not slept and waited >= 0.045  # the socket's timeout: nothing was written
 
 
 def test_a_writers_notification_wakes_an_idle_reader(pair: tuple[Any, Any]) -> None:
