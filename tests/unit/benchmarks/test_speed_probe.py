@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from benchmark_modules import load_benchmark_module
 
 speed_probe = load_benchmark_module("speed_probe")
@@ -21,6 +22,7 @@ def test_the_probe_runs_for_its_seconds_and_counts_its_loop() -> None:
     assert 0.0 < figures["cpu_share"] <= 1.05
 
 
+@pytest.mark.alone  # a share of a core: the suite's other lane would take part of it
 def test_a_process_on_the_same_core_lowers_the_share_not_the_speed() -> None:
     affinity = os.sched_getaffinity(0)
     try:

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from libra.rollout.server import ServerLaunch, ServerProcess, group_cpu_ticks, pick_free_port, pid_alive
@@ -54,7 +55,7 @@ def test_a_start_that_uses_no_cpu_is_hung(tmp_path: Path, code: str, stop_it: bo
         server.kill()
 
 
-def test_the_cpu_of_a_group_counts_its_members_not_its_leader() -> None:
+def test_the_cpu_of_a_group_counts_its_members() -> None:
     popen = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "{BUSY}" & wait'], start_new_session=True)
     try:
         time.sleep(0.3)
@@ -68,4 +69,20 @@ def test_the_cpu_of_a_group_counts_its_members_not_its_leader() -> None:
         assert group_cpu_ticks(popen.pid) == stopped, "a stopped group uses no CPU"
     finally:
         os.killpg(popen.pid, signal.SIGKILL)  # a stopped process dies of it too
+        popen.wait(timeout=10)
+
+
+def test_the_cpu_of_a_group_leaves_out_its_leader() -> None:
+    """The leader is the server's guard, which only waits; a busy leader beside an idle member is no progress."""
+    popen = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "{BLOCKED}" & while :; do :; done'],
+                             start_new_session=True)
+    try:
+        time.sleep(0.5)  # the member has started (and imported nothing: it only sleeps)
+        first = group_cpu_ticks(popen.pid)
+        leader_first = sum(psutil.Process(popen.pid).cpu_times()[:2])
+        time.sleep(0.5)
+        assert sum(psutil.Process(popen.pid).cpu_times()[:2]) > leader_first, "the leader was busy"
+        assert group_cpu_ticks(popen.pid) == first, "the busy leader's CPU does not count"
+    finally:
+        os.killpg(popen.pid, signal.SIGKILL)
         popen.wait(timeout=10)
