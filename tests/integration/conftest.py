@@ -18,6 +18,13 @@ from libra.models.tiny import build_tiny_model
 LOGICAL_GPUS = 8
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that start a Ray cluster in the pytest process (marker `own_ray`) run first, before any test
+    connects the process to the session's cluster (`ray_runtime`): a process is connected to one cluster at a
+    time. The order is otherwise kept."""
+    items.sort(key=lambda item: item.get_closest_marker("own_ray") is None)
+
+
 @pytest.fixture(scope="session")
 def ray_runtime() -> Iterator[RayRuntime]:
     """A local Ray cluster with 8 logical GPUs in its own temp dir, stopped at the end of the session."""

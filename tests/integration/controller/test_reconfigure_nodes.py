@@ -27,7 +27,7 @@ from libra.controller.state import ROLLOUT
 
 from .reconfigure_rig import RequestStream, Rig, RigShape, build_rig, pool_of, running
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_ray]  # two_nodes starts its cluster in this process
 NODES, GPUS_PER_NODE = 2, 4
 CHANGE_S = 600  # three vLLM-CPU server starts side by side on 2 loaded cores, with margin
 
