@@ -1,8 +1,8 @@
 """The health rule of a rollout instance, applied: the pool's monitor checks each serving-ready instance's
 /health every `HealthRule.interval_s` and fails it after `failures_to_fail` misses in a row (`monitor`); the
-publisher checks an instance the same way before reloading it (`answers_health`), where a hung server would
-hold the reload's drain for reload_timeout_s, and watches it during an in-place reload (`unless_hung`), where
-a server that hangs in the middle would hold the publish for reload_timeout_s. The rule itself
+publisher checks an instance the same way before reloading it (`answers_health`), and watches it while its
+requests drain and during an in-place reload (`unless_hung`): a server hung there (before the check, or just
+after it with requests in flight) would otherwise hold the publish for reload_timeout_s. The rule itself
 (`libra.rollout.spec.HealthRule`) comes from the job's `rollout_health_check_*` options; a hung server is
 failed within `hang_detection_bound_s`; `Misses` counts the checks in a row that went unanswered.
 
@@ -63,7 +63,8 @@ async def until_failed(client: ServerClient, rule: HealthRule) -> str:
 async def unless_hung(work: Awaitable[T], client: ServerClient, rule: HealthRule, what: str) -> T:
     """`work`, watched by the health rule: a server that stops answering /health while it runs (hung,
     stopped) ends it with an `InstanceFailure` within the rule's bound, instead of after `work`'s own timeout.
-    Only for work the server answers /health during (an in-place reload; not a restart)."""
+    Only for work the server answers /health during (the drain before a reload, an in-place reload; not a
+    restart)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(until_failed(client, rule))
     try:

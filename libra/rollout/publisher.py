@@ -205,7 +205,9 @@ class WeightPublisher:
                                  server_failed=True)
             await router.set_state(slot, RELOADING)
             try:
-                if not await router.wait_drained(slot, self.spec.reload_timeout_s):
+                # It may hang after that check, its requests still in flight: the drain is watched too.
+                drain = router.wait_drained(slot, self.spec.reload_timeout_s)
+                if not await unless_hung(drain, slot.client, rule, "the drain of its requests before the reload"):
                     raise RolloutError(f"requests still running after {self.spec.reload_timeout_s:.0f}s")
                 if expect.method == "inplace":
                     reload = self._reload_inplace(slot, expect.version, hf_dir)

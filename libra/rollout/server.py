@@ -22,9 +22,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from libra import device as libra_device
-from libra.rollout import forked_engine_main
+from libra.rollout import forked_engine_main, server_guard
 from libra.rollout.idle_wait import IDLE_WAIT_ENV
-from libra.rollout.server_guard import group_stat_fields
 from libra.rollout.spec import ServerStalledError, ServerStartError
 
 WORKER_EXTENSION = "libra.rollout.worker_extension.LibraWorkerExtension"
@@ -217,7 +216,7 @@ def group_cpu_ticks(pgid: int) -> int:
     """CPU clock ticks (user + system) used so far by the processes of process group `pgid` other than its leader
     (a server's guard, which only watches), read from /proc."""
     return sum(int(fields[11]) + int(fields[12])  # utime, stime
-               for pid, fields in group_stat_fields(pgid).items() if pid != pgid and len(fields) > 12)
+               for pid, fields in server_guard.group_stat_fields(pgid).items() if pid != pgid and len(fields) > 12)
 
 
 def http_healthy(host: str, port: int, timeout_s: float = 2.0) -> bool:
@@ -251,7 +250,7 @@ class ServerProcess:
         os.makedirs(os.path.dirname(launch.log_path) or ".", exist_ok=True)
         with open(launch.log_path, "ab") as log:
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} start {launch.model_path}\n".encode())
-            guard = [sys.executable, "-m", "libra.rollout.server_guard", "--owner-pid", str(owner_pid), "--"]
+            guard = [sys.executable, "-m", server_guard.__name__, "--owner-pid", str(owner_pid), "--"]
             popen = subprocess.Popen(
                 guard + server_command(launch, device),
                 stdin=subprocess.DEVNULL,

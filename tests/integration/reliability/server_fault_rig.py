@@ -54,6 +54,7 @@ import psutil
 from libra.api.client import OperatorClient
 from libra.config.loader import load
 from libra.config.mapping import health_rule
+from libra.rollout import server_guard
 from libra.rollout.server import START_STALL_S
 from libra.rollout.spec import HealthRule
 
@@ -190,7 +191,7 @@ def restarted_group(port: int, old_pgid: int) -> int:
     guard leads it), 0 while there is none."""
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if proc.info["pid"] != old_pgid and cmdline[1:3] == ["-m", "libra.rollout.server_guard"] and \
+        if proc.info["pid"] != old_pgid and cmdline[1:3] == ["-m", server_guard.__name__] and \
                 any(a == "--port" and b == str(port) for a, b in zip(cmdline, cmdline[1:], strict=False)):
             return int(proc.info["pid"])
     return 0

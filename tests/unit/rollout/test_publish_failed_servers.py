@@ -1,9 +1,9 @@
 """A weight publish that meets failed servers: with `leave_out_failed`, an instance whose server is gone (FAILED
-already, killed or hung during its reload: the reload broke and /health does not answer; or a restart reload
-whose new server hung while it started) is left out, stays FAILED with its requests sent elsewhere, and the
-publish validates the others and moves the pool's version (also when every server failed: their replacements
-start on it); a live server that refused the reload, or a restarted one that exited loading the weights, still
-fails it."""
+already, killed or hung during its reload or while its requests drain before it: /health does not answer; or a
+restart reload whose new server hung while it started) is left out, stays FAILED with its requests sent
+elsewhere, and the publish validates the others and moves the pool's version (also when every server failed:
+their replacements start on it); a live server that refused the reload, or a restarted one that exited loading
+the weights, still fails it."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ class FakeServer:
     """A server's control endpoints; `mode`: ok | dies (the reload breaks and /health stops answering) |
     refuses (the reload breaks, the server stays up) | hung (nothing answers /health) | hangs-in-reload (the
     reload never returns and /health stops answering once it began, as a SIGSTOP mid-reload does) |
+    hangs-while-draining (answers the check before the reload, then nothing, a request of its own still in
+    flight: a SIGSTOP just after that check) |
     restart-stalls / restart-crashes (answers until its host restarts it: see `FakeHost`) | gone."""
 
     def __init__(self, instance_id: str, mode: str) -> None:
@@ -36,10 +38,14 @@ class FakeServer:
         self.mode = mode
         self.reloaded = False
         self.reload_began = False
+        self.health_checks = 0
 
     async def health(self, timeout_s: float = 5.0) -> bool:
+        self.health_checks += 1
         if self.mode == "hangs-in-reload":
             return not self.reload_began
+        if self.mode == "hangs-while-draining":
+            return self.health_checks == 1
         return self.mode in ("ok", "refuses", "restart-stalls", "restart-crashes")
 
     async def pause(self, mode: str = "wait", timeout_s: float = 60.0) -> None:
@@ -84,6 +90,7 @@ def spec() -> RolloutPoolSpec:
         reload_strategy="parallel", max_concurrent_requests=4, seed=0, gpu_memory_utilization=0.5,
         metering=CpuMetering(cores_per_gpu=0.0, job="", cgroup_root=""),
         health=HealthRule(interval_s=0.001),  # no pause between a publish's health checks
+        reload_timeout_s=40.0,  # above the 30 s a case may take: a wait the health rule misses fails it soon
     )  # fmt: skip
 
 
@@ -98,6 +105,8 @@ def publish(modes: dict[str, str], leave_out_failed: bool, failed_before: tuple[
             server = FakeServer(iid, mode)
             router.slots[iid] = InstanceSlot(id=iid, client=server, host="h", port=1,  # type: ignore[arg-type]
                                              weight_version=0, state=FAILED if iid in failed_before else READY)
+            if mode == "hangs-while-draining":
+                router.slots[iid].outstanding = 1  # a request its stopped server never answers
             router.slots[iid].handle = FakeHost(server) if restart else None
         current = CurrentWeights(version=0, model_path="/m", checksum=SUM)
         # a restart reload needs a manager of processes, which records the pool's weights after a publish
@@ -121,6 +130,10 @@ CASES = {
     "failed-before-left-out": ({"a": "ok", "b": "ok"}, True, ("b",), {"b"}, {"a": READY, "b": FAILED}, 1),
     "hung-mid-reload-left-out": ({"a": "ok", "b": "hangs-in-reload"}, True, (), {"b"},
                                  {"a": READY, "b": FAILED}, 1),
+    "hung-while-its-requests-drain-left-out": ({"a": "ok", "b": "hangs-while-draining"}, True, (), {"b"},
+                                               {"a": READY, "b": FAILED}, 1),
+    "the-only-server-hung-while-its-requests-drain": ({"a": "hangs-while-draining"}, True, (), {"a"},
+                                                      {"a": FAILED}, 1),
     "every-server-failed-all-left-out": ({"a": "dies", "b": "hung"}, True, (), {"a", "b"},
                                          {"a": FAILED, "b": FAILED}, 1),
     "the-only-server-killed-mid-reload": ({"a": "dies"}, True, (), {"a"}, {"a": FAILED}, 1),

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from libra.rollout.server import ServerLaunch, ServerProcess, group_cpu_ticks, pick_free_port, pid_alive
+from libra.rollout.server_guard import group_stat_fields
 from libra.rollout.spec import ServerStalledError, ServerStartError
 
 BUSY = "while True: pass"
@@ -55,15 +56,34 @@ def test_a_start_that_uses_no_cpu_is_hung(tmp_path: Path, code: str, stop_it: bo
         server.kill()
 
 
+def grows_within(pgid: int, since: int, within_s: float) -> bool:
+    """Whether the group's count rises above `since` within `within_s` (an interpreter's start is slow on a
+    loaded machine, so no fixed wait)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if group_cpu_ticks(pgid) > since:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def group_stopped_within(pgid: int, within_s: float) -> bool:
+    """Whether every process of the group is stopped within `within_s` (SIGSTOP is delivered, not instant)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        states = [fields[0] for fields in group_stat_fields(pgid).values()]
+        if states and all(state == "T" for state in states):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_the_cpu_of_a_group_counts_its_members() -> None:
     popen = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "{BUSY}" & wait'], start_new_session=True)
     try:
-        time.sleep(0.3)
-        first = group_cpu_ticks(popen.pid)
-        time.sleep(0.5)
-        assert group_cpu_ticks(popen.pid) > first, "a busy member's CPU counts"
+        assert grows_within(popen.pid, group_cpu_ticks(popen.pid), 30), "a busy member's CPU counts"
         os.killpg(popen.pid, signal.SIGSTOP)
-        time.sleep(0.2)
+        assert group_stopped_within(popen.pid, 10)
         stopped = group_cpu_ticks(popen.pid)
         time.sleep(0.5)
         assert group_cpu_ticks(popen.pid) == stopped, "a stopped group uses no CPU"
