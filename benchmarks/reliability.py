@@ -47,6 +47,10 @@ Faults (`--faults` picks some):
                               of 2 logical GPUs is added; the job keeps its pools and runs to step END
   node_loss_silent            node_loss with the node killed without a word (its processes get SIGKILL): Ray
                               declares it dead from its health checks, and the job re-plans then
+  node_partition              node_loss with every process of the node stopped (SIGSTOP: alive but unreachable,
+                              as behind a network partition); Ray declares it dead the same way; once the job
+                              restarted its training pool on what remains, the processes are continued (the
+                              partition heals) and must end by themselves
   disk_full_mid_trace         only the run directory's trace folder on a small tmpfs, filled after step 2;
                               the same launch trains on to step END (trace records dropped with a warning)
   load_queue_and_status       10,000 queued prompts through the job's producer and buffer under
@@ -121,8 +125,9 @@ SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4 of the job
 LOAD_END_STEP = 200  # over a minute of training under the status calls (checkpoint every 10 steps)
 NOT_COVERED = [
     "loss of a Ray node: measured for a node removed by `Cluster.remove_node`, gracefully (node_loss) and killed "
-    "without a word (node_loss_silent), on one machine; a network partition (a node alive but unreachable) is not "
-    "covered; with `runtime_node_loss_policy: wait`, a node that does not come back in time (then the job "
+    "without a word (node_loss_silent), on one machine; a network partition is played by stopping every process "
+    "of the node (node_partition), so its servers are unreachable from everywhere, not only from other nodes, and "
+    "a partition that splits the cluster in two (Ray's head on one side) is not covered; with `runtime_node_loss_policy: wait`, a node that does not come back in time (then the job "
     "re-plans) is a unit case only",
     "a rollout server that hangs in the middle of a restart reload: measured while the new server starts "
     "(rollout_hung_mid_restart, its processes stopped, so they use no CPU); a new server that keeps using CPU "
@@ -397,15 +402,16 @@ def server_faults(root: Path, job: str) -> dict[str, dict[str, Any]]:
         stop_everything(run_dir, launches)
 
 
-def node_loss(root: Path, wait_policy: bool = False, silent: bool = False) -> dict[str, Any]:
+def node_loss(root: Path, wait_policy: bool = False, silent: bool = False, frozen: bool = False) -> dict[str, Any]:
     """A job on 2 nodes of 2 logical GPUs (1 training GPU, 3 rollout instances; a head with none) loses the
     node of its training rank after step 2; the same launch re-plans onto the 2 GPUs left, or (`wait_policy`)
     waits for its GPUs and keeps its pools once a node is added back; `silent`: the node dies without a word
-    (its processes killed at once) and Ray declares it dead from its health checks."""
+    (its processes killed at once) and Ray declares it dead from its health checks; `frozen`: its processes
+    stopped instead, and continued once the job recovered."""
     from tests.integration.reliability.test_node_loss import loss_cluster, node_loss_run
 
     with loss_cluster() as cluster:
-        run = node_loss_run(cluster, root, END_STEP, wait_policy=wait_policy, silent=silent)
+        run = node_loss_run(cluster, root, END_STEP, wait_policy=wait_policy, silent=silent, frozen=frozen)
     found = events(run["run_dir"])
     recovered = [e for e in found if e["kind"] == "train_recovered"]
     lost = [e for e in found if e["kind"] == "capacity_lost"]
@@ -421,14 +427,19 @@ def node_loss(root: Path, wait_policy: bool = False, silent: bool = False) -> di
                           "replan_s": replan[0].get("seconds") if replan else None,
                           "resumed_from_step": int(recovered[0]["step"]) if recovered else None,
                           "steps_before_the_loss": [int(r["step"]) for r in run["before"]]}
-    if silent:
+    if silent or frozen:
         figures["details"].update(
-            removal="killed without a word (remove_node allow_graceful=False)",
+            removal="every process stopped (SIGSTOP), continued after the recovery" if frozen
+            else "killed without a word (remove_node allow_graceful=False)",
             decided_after_s=round(float(lost[0]["ts"]) - run["removed_at"], 1) if lost else None,
             action_errors=sum(1 for e in found if e["kind"] == "action_error"),
-            recovery_covers="the loop held at a step boundary from before the kill until the lost node's rollout "
+            recovery_covers="the loop held at a step boundary from before the fault until the lost node's rollout "
                             "instance was failed by the health rule (the test's operator pause), then the next "
                             "training call met the dead rank")
+    if frozen:
+        thawed = run["thawed"] or {}
+        figures["details"].update(thawed_processes_ended_within_s=thawed.get("ended_within_s"),
+                                  thawed_processes_left=thawed.get("left"))
     if wait_policy:
         waited = [e for e in found if e["kind"] == "capacity_wait_over"]
         figures["details"].update(
@@ -462,6 +473,7 @@ FAULTS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "node_loss": node_loss,
     "node_loss_wait_policy": lambda root: node_loss(root, wait_policy=True),
     "node_loss_silent": lambda root: node_loss(root, silent=True),
+    "node_partition": lambda root: node_loss(root, frozen=True),
 }
 
 

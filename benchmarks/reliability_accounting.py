@@ -89,9 +89,12 @@ def in_run_figures(
 
 def target_met(fault: Mapping[str, Any]) -> bool:
     """The issue's target: survived with nothing lost, duplicated or repeated (and, for a load fault, memory
-    flat: `details.memory_flat`)."""
+    flat: `details.memory_flat`; for a node that came back, none of its processes left running:
+    `details.thawed_processes_left`)."""
+    details = fault.get("details", {})
     return bool(fault["survived"]) and fault["samples_lost"] == 0 and fault["samples_duplicated"] == 0 \
-        and fault["steps_repeated"] == 0 and fault.get("details", {}).get("memory_flat", True) is not False
+        and fault["steps_repeated"] == 0 and details.get("memory_flat", True) is not False \
+        and not details.get("thawed_processes_left")
 
 
 def render_table(result: Mapping[str, Any]) -> str:

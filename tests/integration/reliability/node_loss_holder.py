@@ -5,24 +5,34 @@ Commands, one a line on stdin, each answered by one JSON line on stdout: `remove
 worker node that holds the training pool's placement group with `Cluster.remove_node`: {"removed": node id}),
 `kill-training-node` (the same node killed without a word to the cluster, as a node that crashes: its
 processes get SIGKILL, `remove_node(allow_graceful=False)`, and Ray's health checks find it dead later),
-`add-node` (a new worker node of 2 logical GPUs, as the lost one came back: {"added": node id}), `gpus`
+`freeze-training-node` (every process of that node stopped by SIGSTOP, its Ray processes and all they started,
+Libra's servers included: a node alive but unreachable, as behind a network partition or a machine that hangs;
+Ray's health checks find it dead later: {"frozen": node id, "processes": how many}), `thaw` (the frozen node's
+processes continued, as the partition heals; waits up to THAW_WAIT_S for them to end by themselves, then removes
+what is left with the node: {"thawed": node id, "ended_within_s": seconds until the last ended or None,
+"left": [command names of those still running]}), `add-node` (a new worker node of 2 logical GPUs, as the lost one came back: {"added": node id}), `gpus`
 ({"gpus": the GPUs Ray counts alive}). The first line out is {"address": ...}. The cluster stops when stdin
 closes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 import tempfile
+import time
 from typing import Any, TextIO
 
+import psutil
 import ray
 
 from libra.cluster.ray_runtime import RayRuntime
 
 GPUS_PER_NODE = 2  # on each worker node (start_nodes' own CPU and object-store sizes for a node added later)
+THAW_WAIT_S = 120.0
+FROZEN: dict[str, tuple[Any, list[psutil.Process]]] = {}  # node id: (the node, its stopped processes)
 
 
 def training_node(runtime: RayRuntime) -> Any:
@@ -36,13 +46,64 @@ def training_node(runtime: RayRuntime) -> Any:
     return None
 
 
+def node_processes(node: Any) -> list[psutil.Process]:
+    """Every live process of `node`: its Ray processes and what they started (workers, and the servers and
+    their guards that Libra's host actors started, in sessions of their own but still their descendants)."""
+    found: dict[int, psutil.Process] = {}
+    for _, popen in node.live_processes():
+        try:
+            root = psutil.Process(popen.pid)
+            found.update({p.pid: p for p in [root, *root.children(recursive=True)]})
+        except psutil.NoSuchProcess:
+            pass
+    return list(found.values())
+
+
+def freeze(node: Any) -> dict[str, Any]:
+    processes = node_processes(node)
+    for proc in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.suspend()
+    FROZEN[node.node_id] = (node, processes)
+    return {"frozen": node.node_id, "processes": len(processes)}
+
+
+def thaw(runtime: RayRuntime, within_s: float = THAW_WAIT_S) -> dict[str, Any]:
+    """Continue the frozen node's processes; how long they took to end by themselves, and which did not."""
+    if not FROZEN:
+        return {"error": "no node is frozen"}
+    node_id, (node, processes) = FROZEN.popitem()
+    for proc in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.resume()
+    began = time.monotonic()
+    left = processes
+    while left and time.monotonic() - began < within_s:
+        _, left = psutil.wait_procs(left, timeout=0.5)
+        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    ended_within_s = None if left else round(time.monotonic() - began, 1)
+    names = []
+    for proc in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            names.append(" ".join(proc.cmdline()[:3])[:120])
+    runtime.local_nodes.remove_node(node, allow_graceful=False)  # what is left, and the node from the list
+    for proc in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    return {"thawed": node_id, "ended_within_s": ended_within_s, "left": names}
+
+
 def answer(command: str, runtime: RayRuntime) -> dict[str, Any]:
-    if command in ("remove-training-node", "kill-training-node"):
+    if command in ("remove-training-node", "kill-training-node", "freeze-training-node"):
         node = training_node(runtime)
         if node is None:
             return {"error": f"no worker node holds the training pool: {ray.util.placement_group_table()}"}
+        if command == "freeze-training-node":
+            return freeze(node)
         runtime.local_nodes.remove_node(node, allow_graceful=command == "remove-training-node")
         return {"removed": node.node_id}
+    if command == "thaw":
+        return thaw(runtime)
     if command == "add-node":
         node = runtime.local_nodes.add_node(num_gpus=GPUS_PER_NODE, num_cpus=max(2 * GPUS_PER_NODE, 4),
                                             object_store_memory=128 * 1024**2)
@@ -66,6 +127,10 @@ def main() -> None:
             if line.strip():
                 print(json.dumps(answer(line.strip(), runtime)), file=replies, flush=True)
     finally:
+        for _, processes in FROZEN.values():  # a run that failed before its thaw: stopped processes die slowly
+            for proc in processes:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.resume()
         runtime.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
 

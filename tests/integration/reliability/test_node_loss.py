@@ -6,8 +6,10 @@ running training share), restarts the training pool on the other node, goes back
 checkpoint and reaches its last step with every step in `metrics.jsonl` once and all its samples; nothing of
 the job is left running. With `runtime_node_loss_policy: wait`, the same loss and a node added back while the
 job waits: it keeps its pools (nothing re-planned), restarts the training pool at its size and replaces the lost
-rollout instance on the new node. The cluster is held by `node_loss_holder.py` in a process of its own (this
-process may already be joined to the session's Ray cluster), one for the three jobs."""
+rollout instance on the new node. With the node's processes stopped instead (alive but unreachable, as behind
+a network partition), the job meets the loss the same way once Ray's health checks declare it, and when the
+node comes back its processes end by themselves. The cluster is held by `node_loss_holder.py` in a process of
+its own (this process may already be joined to the session's Ray cluster), one for the three jobs."""
 
 from __future__ import annotations
 
@@ -74,12 +76,15 @@ def loss_cluster() -> Iterator[LossCluster]:
 
 
 def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_policy: bool = False,
-                  silent: bool = False) -> dict[str, Any]:
+                  silent: bool = False, frozen: bool = False) -> dict[str, Any]:
     """The job on `cluster`; after step 2 and its checkpoint the node of its training rank is removed; the job's
     exit code, run directory, output, when the node went, the metric rows written by then and the GPUs left.
     `wait_policy`: the job runs `runtime_node_loss_policy: wait`, and once it waits a node is added back (when,
     as `added_at`). `silent`: the node dies without telling the cluster (its processes killed at once), so Ray
-    declares it dead only when its health checks fail. Shared with benchmarks/reliability.py."""
+    declares it dead only when its health checks fail. `frozen`: the node's processes are stopped instead (alive
+    but unreachable, as behind a network partition), Ray declares it dead the same way, and once the job has
+    restarted its training pool on what remains they are continued (the partition heals: `thawed`, the holder's
+    answer). Shared with benchmarks/reliability.py."""
     ws, launches = make_workspace(root, ray_address=cluster.address)
     config: Path = ws["config"]
     data = yaml.safe_load(config.read_text())
@@ -98,7 +103,7 @@ def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_pol
         # the loss is trained again
         wait_for(lambda: (RunDir.at(run_dir).latest_checkpoint() or (0,))[0] >= 2, STARTUP_S,
                  "the checkpoint of step 2", launch)
-        if silent:
+        if silent or frozen:
             # held at a step boundary until the dead node's processes are surely gone (its rollout instance
             # failed by the health rule): a job left running could end its few steps on a training worker that
             # has not yet noticed its raylet died
@@ -106,11 +111,16 @@ def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_pol
             wait_for(lambda: any(e["kind"] == "paused" for e in events(run_dir)), STARTUP_S, "the loop held", launch)
         before = metric_rows(run_dir)
         removed_at = time.time()
-        cluster.ask("kill-training-node" if silent else "remove-training-node")
-        if silent:
+        cluster.ask("freeze-training-node" if frozen else "kill-training-node" if silent else "remove-training-node")
+        if silent or frozen:
             wait_for(lambda: any(e["kind"] == "member_failed" and e["ts"] > removed_at for e in events(run_dir)),
                      STARTUP_S, "the lost node's rollout instance failed", launch)
             operator(run_dir, "resume", "reliability: the node is gone")
+        thawed = None
+        if frozen:
+            wait_for(lambda: any(e["kind"] == "train_recovered" and e["ts"] > removed_at for e in events(run_dir)),
+                     STARTUP_S, "the training pool restarted on what remains", launch)
+            thawed = cluster.ask("thaw")
         added_at = replaced_at = None
         if wait_policy:
             wait_for(lambda: any(e["kind"] == "capacity_wait" for e in events(run_dir)), STARTUP_S,
@@ -127,7 +137,7 @@ def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_pol
             operator(run_dir, "resume", "reliability: replaced")
         code = launch.wait(timeout=1200)
         return {"code": code, "run_dir": run_dir, "output": launch.output(), "removed_at": removed_at,
-                "added_at": added_at, "replaced_at": replaced_at, "before": before,
+                "added_at": added_at, "replaced_at": replaced_at, "before": before, "thawed": thawed,
                 "gpus_left": cluster.ask("gpus")["gpus"]}
     finally:
         stop_everything(run_dir, launches)
@@ -136,8 +146,8 @@ def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_pol
 @pytest.fixture(scope="module")
 def shared_cluster() -> Iterator[LossCluster]:
     """One cluster for the module's three jobs (a start and a stop of it saved per job); `whole` gives each job
-    both worker nodes. The job whose node dies without a word runs last: Ray counts a killed node alive until
-    its health checks fail."""
+    both worker nodes. The job whose node is frozen runs last: Ray counts it alive until its health checks
+    fail."""
     with loss_cluster() as cluster:
         yield cluster
 
@@ -218,11 +228,16 @@ def test_the_wait_policy_keeps_its_pools_when_the_node_comes_back(shared_cluster
     assert (desired["train_gpus"], desired["rollout_instances"]) == (1, 3), desired
 
 
-def test_a_node_that_dies_silently_is_met_the_same_way(shared_cluster: LossCluster, tmp_path: Path) -> None:
-    """Ray learns of the death from its health checks: the job re-plans once the cluster shows the loss (a
-    training restart that began before gives up its placement wait then) and reaches its last step with
-    nothing trained twice."""
-    run = node_loss_run(whole(shared_cluster), tmp_path, silent=True)
+def test_a_node_alive_but_unreachable_is_met_the_same_way_and_ends_when_it_comes_back(
+        shared_cluster: LossCluster, tmp_path: Path) -> None:
+    """Every process of the node stopped (a network partition, a hung machine: alive, unreachable). Ray learns
+    of the loss from its health checks: the job re-plans once the cluster shows it (a training restart that
+    began before gives up its placement wait then) and reaches its last step with nothing trained twice. When
+    the node comes back, what ran on it ends by itself (Ray's processes, the training worker, the rollout server
+    through its guard) while the job trains on; nothing of it writes a step. The node killed without a word
+    (its processes gone at once), which Ray meets the same way, is measured by the benchmark
+    (`node_loss_silent`)."""
+    run = node_loss_run(whole(shared_cluster), tmp_path, frozen=True)
     log = assert_finished_whole(run, gpus_left=2)
     run_dir: Path = run["run_dir"]
     lost = [e for e in log if e["kind"] == "capacity_lost"]
@@ -233,3 +248,5 @@ def test_a_node_that_dies_silently_is_met_the_same_way(shared_cluster: LossClust
     assert not [e["message"] for e in log if e["kind"] == "action_error"]
     # a training restart placed before Ray declared the node dead gives up when it does, not after the timeout
     assert f"was not placed within {PLACEMENT_TIMEOUT_S:.0f}s" not in (run_dir / "controller.log").read_text()
+    thawed = run["thawed"]
+    assert thawed["left"] == [] and thawed["ended_within_s"] is not None, thawed

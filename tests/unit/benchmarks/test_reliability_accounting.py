@@ -48,6 +48,16 @@ def test_fault_figures(before: list[dict[str, Any]], final: list[dict[str, Any]]
                                        and expected["samples_lost"] == 0 and expected["samples_duplicated"] == 0)
 
 
+@pytest.mark.parametrize(("details", "met"), [
+    pytest.param({"thawed_processes_left": []}, True, id="a-node-back-left-nothing-running"),
+    pytest.param({"thawed_processes_left": ["/usr/bin/python -m libra.rollout.server_guard"]}, False,
+                 id="a-node-back-left-a-process-running"),
+])
+def test_a_node_that_came_back_must_leave_nothing_running(details: dict[str, Any], met: bool) -> None:
+    fault = {"survived": True, "samples_lost": 0, "samples_duplicated": 0, "steps_repeated": 0, "details": details}
+    assert acc.target_met(fault) is met
+
+
 
 IN_RUN = {
     # name: (final rows, exit code, window of steps, expected figures); the fault at 150, recovered at 171.5
