@@ -71,7 +71,8 @@ class ControlLoop:
         pools = self.tracker.snapshot(now)
         for name, edge, obs in ((ROLLOUT, self.rollout, pools.rollout), (TRAIN, self.train, pools.train)):
             if obs.created and not obs.busy:
-                self.tracker.observe(name, edge.views(), now)
+                asked_at = self.tracker.version
+                self.tracker.observe(name, edge.views(), now, asked_at)
         return self.tracker.snapshot(self.clock())
 
     def tick(self) -> list[Action]:

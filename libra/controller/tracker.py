@@ -3,7 +3,8 @@ pools report (observation) and from the executor (action begun, done, failed).
 
 It never calls a pool itself. Observations are given as `MemberView`s; a view whose key no member has is a
 server started by an earlier controller and is adopted as a new member (keeping its id when the id is one
-of ours, `<pool>-<n>`); a live member whose key disappears from the views has failed. Every state change
+of ours, `<pool>-<n>`); a live member whose key disappears from the views has failed (unless the report was
+asked before its start ended). Every state change
 goes through the transition table and into the event log. A member's weight version changes only through
 `record_acks` (publish ACKs); its GPUs, TP, fingerprint and serving flag are what the pool reports.
 """
@@ -74,6 +75,7 @@ class MemberTracker:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._version = 0  # counts changes, for `wait_changed`
+        self._settled_at: dict[str, int] = {}  # member id: the change that last bound it or ended its action
 
     @contextmanager
     def _changing(self) -> Iterator[None]:
@@ -87,7 +89,7 @@ class MemberTracker:
 
     @property
     def version(self) -> int:
-        """A number that grows with every change (pass it to `wait_changed`)."""
+        """A number that grows with every change (pass it to `wait_changed`, or to `observe` as `asked_at`)."""
         with self._lock:
             return self._version
 
@@ -218,11 +220,14 @@ class MemberTracker:
         with self._changing():
             if member_id in self._members:
                 self._members[member_id].busy = busy
+                if not busy:
+                    self._settled_at[member_id] = self._version
 
     def bind(self, member_id: str, key: str, info: dict[str, Any] | None = None) -> None:
         with self._changing():
             member = self._members[member_id]
             member.key = key
+            self._settled_at[member_id] = self._version
             if info:
                 member.info.update(info)
 
@@ -268,8 +273,11 @@ class MemberTracker:
             self._errors.append(message)
 
     # ---- observation (passive step) -------------------------------------------------------------------
-    def observe(self, pool: str, views: Iterable[MemberView], now: float) -> None:
-        """Fold one pool report into the members: bind, adopt, advance, and fail the vanished."""
+    def observe(self, pool: str, views: Iterable[MemberView], now: float, asked_at: int | None = None) -> None:
+        """Fold one pool report into the members: bind, adopt, advance, and fail the vanished. `asked_at`: the
+        tracker's `version` when the report was asked; a member bound, or whose action ended, since then is
+        not failed for missing from it (the report may predate its start: a pool busy with a publish answers
+        late, and the start ends meanwhile)."""
         views = list(views)
         with self._changing():
             by_key = {m.key: m for m in self._members.values() if m.pool == pool and m.key}
@@ -298,6 +306,8 @@ class MemberTracker:
             seen = {v.key for v in views}
             for member in list(self._members.values()):
                 if member.pool != pool or member.busy or not member.key or member.key in seen:
+                    continue
+                if asked_at is not None and self._settled_at.get(member.id, -1) >= asked_at:
                     continue
                 if member.state in (S.STARTING, S.LOADING, S.READY, S.DRAINING):
                     self.move(member.id, S.FAILED, now, "no longer reported by the pool")

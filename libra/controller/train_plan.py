@@ -63,6 +63,18 @@ def rollout_needs_new_instances(observed: ObservedState, desired: DesiredState) 
     return bool(outdated) or len(live) - len(outdated) < desired.rollout_instances
 
 
+def rollout_switch_finished(observed: ObservedState, desired: DesiredState) -> bool:
+    """The rollout pool holds only what the desired state wants: the desired count live and serving, nothing
+    draining and no action in flight. A training pool that lent GPUs to a cluster swap grows back only then:
+    a GPU freed earlier (a green instance that failed, waiting out its start back-off) belongs to its
+    replacement, and a training pool at its desired size would not lend it again."""
+    members = observed.of(ROLLOUT)
+    if any(m.busy or m.state == S.DRAINING for m in members):
+        return False
+    live = [m for m in members if m.live]
+    return len(live) == desired.rollout_instances and all(m.serving for m in live)
+
+
 def training_gpus_held(observed: ObservedState, desired: DesiredState) -> int:
     """The GPUs the rollout strategies must leave to training: what its ranks hold now (a cluster swap lends
     GPUs below the desired size), or the desired size while the pool is not created or may still grow."""
@@ -128,6 +140,9 @@ def training_actions(observed: ObservedState, desired: DesiredState, planned: li
                                              f"new instances", gpus, layout, ids, desired.generation)]
     if training_converged(observed, desired):
         return actions
+    swapping = desired.reconfigure_strategy == "cluster_swap" and bool(desired.reconfiguring)
+    if swapping and size < desired.train_gpus and not rollout_switch_finished(observed, desired):
+        return actions  # lent GPUs come back once the switch has drained the old instances
     starting = sum(a.spec.tp for a in actions if isinstance(a, StartRolloutInstance))  # planned this tick
     free = desired.cluster_gpus - rollout_gpus_held(observed, desired) - starting
     if desired.cluster_gpus > 0 and desired.train_gpus > free:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from libra.controller.events import EventLog
 from libra.controller.executor import Executor
 from libra.controller.members import MemberState
 from libra.controller.state import ROLLOUT, TRAIN, DesiredState, TrainLayout
-from libra.controller.tracker import EARLY_FAILURE_BACKOFF_S, EARLY_FAILURE_S, MemberTracker
+from libra.controller.tracker import EARLY_FAILURE_BACKOFF_S, EARLY_FAILURE_S, MemberTracker, MemberView
 
 from .fakes import FakeRolloutEdge, FakeTrainingEdge
 
@@ -80,6 +81,36 @@ def test_vanished_instance_is_failed_and_replaced(harness: Harness) -> None:
     history = [t.target.value for t in harness.tracker.member("rollout-0").history]
     assert history[-2:] == ["FAILED", "STOPPED"]
     assert "member_failed" in harness.event_kinds()
+
+
+@pytest.mark.parametrize("lost_after_it_started", [False, True], ids=["still-running", "lost-after-it-started"])
+def test_a_report_asked_before_a_start_ended_does_not_fail_the_started_instance(
+        harness: Harness, lost_after_it_started: bool) -> None:
+    """A pool busy with a publish answers its report late; a start that ends meanwhile is missing from it. Such
+    an instance was failed at once ("no longer reported by the pool") and stopped, which left a cluster swap
+    short of its green set. The next report decides: one the pool really lost is failed then."""
+    harness.settle()
+    harness.clock.t += EARLY_FAILURE_S
+    harness.rollout.gate = threading.Event()  # the start of the third instance waits
+    harness.want = dataclasses.replace(harness.want, rollout_instances=3)
+    harness.loop.tick()
+    assert harness.states()["rollout-2"] == "STARTING"
+    asked = harness.rollout.views
+
+    def report_then_the_start_ends() -> list[MemberView]:
+        report = asked()  # while rollout-2 still starts
+        harness.rollout.gate.set()  # type: ignore[union-attr]
+        assert harness.executor.wait_idle(5)
+        if lost_after_it_started:
+            harness.rollout.instances.pop("rollout-2")
+        return report
+
+    harness.rollout.views = report_then_the_start_ends  # type: ignore[method-assign]
+    harness.loop.observe()
+    assert harness.states()["rollout-2"] == "READY", "a report older than the start fails nothing"
+    harness.rollout.views = asked  # type: ignore[method-assign]
+    harness.loop.observe()
+    assert harness.states()["rollout-2"] == ("FAILED" if lost_after_it_started else "READY")
 
 
 def test_an_instance_lost_right_after_it_became_ready_is_replaced_after_a_back_off(harness: Harness) -> None:

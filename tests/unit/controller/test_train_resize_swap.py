@@ -15,6 +15,7 @@ from libra.controller.control_loop import ControlLoop
 from libra.controller.events import EventLog
 from libra.controller.executor import Executor
 from libra.controller.gate import WeightGate
+from libra.controller.members import MemberState
 from libra.controller.reconfigure import (
     ReconfigureLimits,
     ReconfigureTarget,
@@ -164,3 +165,29 @@ def test_restarted_controller_finishes_a_training_change(tmp_path: Path, job) ->
         assert not fresh.want.reconfiguring and "reconfigure_done" in fresh.kinds()
     finally:
         fresh.executor.shutdown()
+
+
+def test_a_green_instance_that_fails_mid_swap_is_replaced_before_training_grows_back(job) -> None:
+    """Swapping back to 2 instances, one of the green set fails as it starts: the GPU it frees waits for its
+    replacement (after the start back-off), not for the training pool, which grows back only once the switch
+    has drained the old instance. Before, training took that GPU back during the back-off, the green set then
+    lacked one and the training pool refused to lend it again (the pool counted blue and green together as the
+    2 instances wanted): the swap never ended."""
+    j = job()
+    j.request(ReconfigureTarget(rollout_instances=1), "cluster_swap")
+    j.settle()
+    j.request(ReconfigureTarget(rollout_instances=2), "cluster_swap")
+    for _ in range(30):
+        j.loop.tick()
+        assert j.executor.wait_idle(5)
+        j.clock.t += 1
+        green = sorted(k for k, i in j.rollout.instances.items() if not i.serving)
+        if len(green) == 2:
+            break
+    assert len(green) == 2, j.rollout.instances
+    j.rollout.instances[green[-1]].state = MemberState.FAILED  # the pool reports it failed
+    j.settle(40)
+    assert (len(j.train.workers), len(j.rollout.serving())) == (2, 2) and not j.want.reconfiguring
+    assert j.train.resizes == [(3, TrainLayout()), (1, TrainLayout()), (2, TrainLayout())], j.train.resizes
+    assert max(j.held) <= 4, j.held
+    assert all(j.serving), "the rollout pool was left without a serving instance"
