@@ -127,8 +127,9 @@ NOT_COVERED = [
     "loss of a Ray node: measured for a node removed by `Cluster.remove_node`, gracefully (node_loss) and killed "
     "without a word (node_loss_silent), on one machine; a network partition is played by stopping every process "
     "of the node (node_partition), so its servers are unreachable from everywhere, not only from other nodes, and "
-    "a partition that splits the cluster in two (Ray's head on one side) is not covered; with `runtime_node_loss_policy: wait`, a node that does not come back in time (then the job "
-    "re-plans) is a unit case only",
+    "a partition that splits the cluster in two (Ray's head on one side) is not covered; with "
+    "`runtime_node_loss_policy: wait`, a node that does not come back in time (then the job re-plans) is a unit "
+    "case only",
     "a rollout server that hangs in the middle of a restart reload: measured while the new server starts "
     "(rollout_hung_mid_restart, its processes stopped, so they use no CPU); a new server that keeps using CPU "
     "without ever answering is waited for until the start-up timeout (rollout_startup_timeout_s), and the "

@@ -67,7 +67,9 @@ def rollout_switch_finished(observed: ObservedState, desired: DesiredState) -> b
     """The rollout pool holds only what the desired state wants: the desired count live and serving, nothing
     draining and no action in flight. A training pool that lent GPUs to a cluster swap grows back only then:
     a GPU freed earlier (a green instance that failed, waiting out its start back-off) belongs to its
-    replacement, and a training pool at its desired size would not lend it again."""
+    replacement, and a training pool at its desired size would not lend it again. Looser than the rollout
+    strategies' `converged`: a serving instance reloading its weights counts (publishes come every step or
+    two, and the grow would wait for a moment without one)."""
     members = observed.of(ROLLOUT)
     if any(m.busy or m.state == S.DRAINING for m in members):
         return False

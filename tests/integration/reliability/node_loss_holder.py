@@ -10,7 +10,8 @@ Libra's servers included: a node alive but unreachable, as behind a network part
 Ray's health checks find it dead later: {"frozen": node id, "processes": how many}), `thaw` (the frozen node's
 processes continued, as the partition heals; waits up to THAW_WAIT_S for them to end by themselves, then removes
 what is left with the node: {"thawed": node id, "ended_within_s": seconds until the last ended or None,
-"left": [command names of those still running]}), `add-node` (a new worker node of 2 logical GPUs, as the lost one came back: {"added": node id}), `gpus`
+"left": [command names of those still running]}), `add-node` (a new worker node of 2 logical GPUs, as the
+lost one came back: {"added": node id}), `gpus`
 ({"gpus": the GPUs Ray counts alive}). The first line out is {"address": ...}. The cluster stops when stdin
 closes."""
 
@@ -68,6 +69,14 @@ def freeze(node: Any) -> dict[str, Any]:
     return {"frozen": node.node_id, "processes": len(processes)}
 
 
+def running(proc: psutil.Process) -> bool:
+    """Alive and not a zombie (a process that ends between the two checks is not running)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def thaw(runtime: RayRuntime, within_s: float = THAW_WAIT_S) -> dict[str, Any]:
     """Continue the frozen node's processes; how long they took to end by themselves, and which did not."""
     if not FROZEN:
@@ -80,7 +89,7 @@ def thaw(runtime: RayRuntime, within_s: float = THAW_WAIT_S) -> dict[str, Any]:
     left = processes
     while left and time.monotonic() - began < within_s:
         _, left = psutil.wait_procs(left, timeout=0.5)
-        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        left = [p for p in left if running(p)]
     ended_within_s = None if left else round(time.monotonic() - began, 1)
     names = []
     for proc in left:

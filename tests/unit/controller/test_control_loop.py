@@ -91,7 +91,7 @@ def test_a_report_asked_before_a_start_ended_does_not_fail_the_started_instance(
     short of its green set. The next report decides: one the pool really lost is failed then."""
     harness.settle()
     harness.clock.t += EARLY_FAILURE_S
-    harness.rollout.gate = threading.Event()  # the start of the third instance waits
+    start_may_end = harness.rollout.gate = threading.Event()  # the start of the third instance waits
     harness.want = dataclasses.replace(harness.want, rollout_instances=3)
     harness.loop.tick()
     assert harness.states()["rollout-2"] == "STARTING"
@@ -99,7 +99,7 @@ def test_a_report_asked_before_a_start_ended_does_not_fail_the_started_instance(
 
     def report_then_the_start_ends() -> list[MemberView]:
         report = asked()  # while rollout-2 still starts
-        harness.rollout.gate.set()  # type: ignore[union-attr]
+        start_may_end.set()
         assert harness.executor.wait_idle(5)
         if lost_after_it_started:
             harness.rollout.instances.pop("rollout-2")
