@@ -25,37 +25,6 @@ TIMEOUT_S = 4.0
 STALL_S = 1.5
 
 
-@pytest.mark.parametrize(("code", "stop_it", "error", "message"), [
-    (BUSY, True, ServerStalledError, "used no CPU for 2s while starting"),
-    (BLOCKED, False, ServerStalledError, "used no CPU for 2s while starting"),
-    (BUSY, False, ServerStartError, f"was not healthy within {TIMEOUT_S:.0f}s"),
-], ids=["stopped-by-sigstop-is-hung", "blocked-for-good-is-hung", "working-is-waited-for-until-the-timeout"])
-def test_a_start_that_uses_no_cpu_is_hung(tmp_path: Path, code: str, stop_it: bool, error: type[Exception],
-                                         message: str) -> None:
-    log = tmp_path / "server.log"
-    log.write_text("starting\n")
-    # the leader only waits, as a server's guard does; the worker is a member of its group
-    popen = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "{code}" & wait'], start_new_session=True)
-    launch = ServerLaunch(model_path="/m", port=pick_free_port("127.0.0.1"), host="127.0.0.1", max_model_len=64,
-                          kv_cache_bytes=0, log_path=str(log))
-    server = ServerProcess(launch, popen.pid, popen)
-    try:
-        time.sleep(0.5)  # the worker has started
-        if stop_it:
-            os.killpg(popen.pid, signal.SIGSTOP)
-        started = time.monotonic()
-        with pytest.raises(ServerStartError, match=message) as raised:
-            server.wait_healthy(TIMEOUT_S, stall_s=STALL_S)
-        waited = time.monotonic() - started
-        assert type(raised.value) is error
-        if error is ServerStalledError:
-            assert waited < TIMEOUT_S, f"declared hung after {waited:.1f}s, not before the timeout"
-        assert "starting" in str(raised.value), "the error quotes the server's log"
-        assert not pid_alive(popen.pid), "the hung server was stopped"
-    finally:
-        server.kill()
-
-
 def grows_within(pgid: int, since: int, within_s: float) -> bool:
     """Whether the group's count rises above `since` within `within_s` (an interpreter's start is slow on a
     loaded machine, so no fixed wait)."""
@@ -76,6 +45,37 @@ def group_stopped_within(pgid: int, within_s: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+@pytest.mark.parametrize(("code", "stop_it", "error", "message"), [
+    (BUSY, True, ServerStalledError, "used no CPU for 2s while starting"),
+    (BLOCKED, False, ServerStalledError, "used no CPU for 2s while starting"),
+    (BUSY, False, ServerStartError, f"was not healthy within {TIMEOUT_S:.0f}s"),
+], ids=["stopped-by-sigstop-is-hung", "blocked-for-good-is-hung", "working-is-waited-for-until-the-timeout"])
+def test_a_start_that_uses_no_cpu_is_hung(tmp_path: Path, code: str, stop_it: bool, error: type[Exception],
+                                         message: str) -> None:
+    log = tmp_path / "server.log"
+    log.write_text("starting\n")
+    # the leader only waits, as a server's guard does; the worker is a member of its group
+    popen = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "{code}" & wait'], start_new_session=True)
+    launch = ServerLaunch(model_path="/m", port=pick_free_port("127.0.0.1"), host="127.0.0.1", max_model_len=64,
+                          kv_cache_bytes=0, log_path=str(log))
+    server = ServerProcess(launch, popen.pid, popen)
+    try:
+        assert grows_within(popen.pid, 0, 30), "the worker has started"
+        if stop_it:
+            os.killpg(popen.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(ServerStartError, match=message) as raised:
+            server.wait_healthy(TIMEOUT_S, stall_s=STALL_S)
+        waited = time.monotonic() - started
+        assert type(raised.value) is error
+        if error is ServerStalledError:
+            assert waited < TIMEOUT_S, f"declared hung after {waited:.1f}s, not before the timeout"
+        assert "starting" in str(raised.value), "the error quotes the server's log"
+        assert not pid_alive(popen.pid), "the hung server was stopped"
+    finally:
+        server.kill()
 
 
 def test_the_cpu_of_a_group_counts_its_members() -> None:
