@@ -54,13 +54,19 @@ def rollout_gpus_held(observed: ObservedState, desired: DesiredState) -> int:
 
 
 def rollout_needs_new_instances(observed: ObservedState, desired: DesiredState) -> bool:
-    """Whether the rollout pool must start instances to reach the desired one: fewer live instances of the
-    desired spec than wanted, or live instances of another spec. A strategy that asks for training GPUs while
-    this is false reads a passing state (instances reloading weights look not ready), and is not lent any."""
+    """Whether the rollout pool must start instances to reach the desired one, as a switch counts it: live
+    instances of another spec, or fewer serving instances of the desired spec than wanted and a green set (the
+    desired spec, not serving) short of the wanted count. The serving (blue) instances do not count towards the
+    green set: a swap whose green set found GPUs for some of its instances asks for the rest. A strategy that
+    asks for training GPUs while this is false reads a passing state (serving instances reloading weights look
+    not ready), and is not lent any."""
     live = [m for m in observed.of(ROLLOUT) if m.live]
     outdated = [m for m in live if RolloutSpec(m.tp or desired.rollout_tp, m.fingerprint).differs_from(
         desired.rollout_spec)]
-    return bool(outdated) or len(live) - len(outdated) < desired.rollout_instances
+    current = [m for m in live if m not in outdated]
+    if not outdated and sum(m.serving for m in current) >= desired.rollout_instances:
+        return False  # the target serves already, or a subset of what serves will
+    return sum(not m.serving for m in current) < desired.rollout_instances
 
 
 def rollout_switch_finished(observed: ObservedState, desired: DesiredState) -> bool:

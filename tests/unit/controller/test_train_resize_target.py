@@ -138,9 +138,9 @@ def rank(index: int, layout: TrainLayout = TrainLayout(), state: MemberState = S
                   fingerprint=layout.label())
 
 
-def server(index: int, state: MemberState = S.READY) -> Member:
+def server(index: int, state: MemberState = S.READY, serving: bool = True, fingerprint: str = "fp-tp1") -> Member:
     return Member(id=f"rollout-{index}", pool="rollout", state=state, since=NOW, key=f"rollout-{index}", tp=1,
-                  fingerprint="fp-tp1", serving=True)
+                  fingerprint=fingerprint, serving=serving)
 
 
 def observed(*members: Member, busy: bool = False) -> ObservedState:
@@ -175,6 +175,15 @@ START = StartRolloutInstance("test", "rollout-9", RolloutSpec(1, "fp-tp1"))
     # then reads a passing state; nothing is lent (training 2 -> 3 waits for the freed GPU instead)
     pytest.param((rank(0), rank(1), server(0, S.LOADING), server(1, S.LOADING)), want(3, swap=True, instances=1),
                  [ShrinkTrainingPool("swap", 1)], [], id="no-lend-while-rollout-shrinks"),
+    # a swap 1 -> 2 instances found a spare GPU for one green instance and asks for the other: the serving (blue)
+    # instance is not part of the green set, so training lends one GPU (before, blue + green counted as the 2
+    # wanted and nothing was lent: the swap never ended)
+    pytest.param((rank(0), rank(1), server(0), server(1, serving=False)), want(2, swap=True),
+                 [ShrinkTrainingPool("swap", 1)], [(1, TrainLayout())], id="lend-for-the-rest-of-a-green-set"),
+    pytest.param((rank(0), rank(1), server(0), server(1, serving=False), server(2, serving=False)),
+                 want(2, swap=True, cluster=5), [ShrinkTrainingPool("swap", 1)], [], id="no-lend-with-the-green-set-whole"),
+    pytest.param((rank(0), rank(1), server(0, fingerprint="fp-old"), server(1, serving=False)), want(2, swap=True),
+                 [ShrinkTrainingPool("swap", 1)], [(1, TrainLayout())], id="lend-for-a-new-spec"),
 ])
 def test_training_actions(members: tuple[Member, ...], desired: DesiredState, planned: list, expected: list) -> None:
     actions = training_actions(observed(*members), desired, list(planned))
