@@ -262,6 +262,9 @@ def instance_view(info: Any) -> MemberView:
     error = ""
     if not healthy and state in (S.READY, S.LOADING):
         state, error = S.FAILED, f"instance reported unhealthy (state {state_name})"
+    failure = str(getattr(info, "failure", "") or "")  # why the pool failed it (silent to /health, host gone)
+    if state == S.FAILED and failure:
+        error = failure
     details = {}
     for name in ("host", "port", "pid", "gpu_ids", "weight_version", "adopted", "outstanding"):
         if hasattr(info, name):

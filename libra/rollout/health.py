@@ -6,6 +6,10 @@ after it with requests in flight) would otherwise hold the publish for reload_ti
 (`libra.rollout.spec.HealthRule`) comes from the job's `rollout_health_check_*` options; a hung server is
 failed within `hang_detection_bound_s`; `Misses` counts the checks in a row that went unanswered.
 
+The monitor also asks each READY instance's host actor for its status in the same round (`host_gone`): a node
+whose Ray daemon hangs is declared dead by Ray while its servers still answer /health, and an instance whose host
+Ray declared gone no longer holds its GPUs in Ray's books, so it is failed like a silent one.
+
 An instance declared failed has its requests in flight sent to another instance (`Router.fail_instance`).
 """
 
@@ -14,11 +18,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from libra.rollout.client import InstanceFailure, ServerClient
 from libra.rollout.router import READY, Router
-from libra.rollout.spec import HealthRule
+from libra.rollout.spec import HealthRule, HostGoneError
 
 T = TypeVar("T")
 
@@ -79,8 +83,23 @@ async def unless_hung(work: Awaitable[T], client: ServerClient, rule: HealthRule
         await asyncio.gather(task, watch, return_exceptions=True)
 
 
+async def host_gone(handle: Any, rule: HealthRule) -> str:
+    """Why the host actor `handle` (None: an unmanaged endpoint) is gone for good, or '' while it answers or
+    cannot tell (a host that does not answer now may be busy; its server's /health decides then)."""
+    if handle is None:
+        return ""
+    try:
+        await asyncio.wait_for(handle.acall("status"), rule.timeout_s)
+    except HostGoneError as exc:
+        return f"its host is gone, as when Ray declares its node dead ({exc})"
+    except Exception:  # unreachable now, slow, or a status that failed: not a verdict
+        return ""
+    return ""
+
+
 async def monitor(router: Router, rule: HealthRule) -> None:
-    """Check every READY instance each round; fail the ones that missed `rule.failures_to_fail` in a row."""
+    """Check every READY instance each round; fail the ones that missed `rule.failures_to_fail` in a row, and the
+    ones whose host actor is gone."""
     misses: dict[str, Misses] = {}
     while True:
         await asyncio.sleep(rule.interval_s)
@@ -88,5 +107,7 @@ async def monitor(router: Router, rule: HealthRule) -> None:
             if slot.state != READY:
                 continue
             missed = misses.setdefault(slot.id, Misses(rule))
-            if missed.record(await slot.client.health(rule.timeout_s)) and slot.state == READY:
-                await router.fail_instance(slot, missed.reason)
+            answered, gone = await asyncio.gather(slot.client.health(rule.timeout_s), host_gone(slot.handle, rule))
+            failed = missed.record(answered)
+            if (failed or gone) and slot.state == READY:
+                await router.fail_instance(slot, gone or missed.reason)

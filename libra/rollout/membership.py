@@ -88,6 +88,7 @@ def instance_info(slot: InstanceSlot, serving: bool) -> InstanceInfo:
         fingerprint=slot.spec.fingerprint() if slot.spec else "",
         serving=serving,
         lent=slot.lent,
+        failure=slot.failure,
     )
 
 

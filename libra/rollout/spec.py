@@ -300,6 +300,7 @@ class InstanceInfo:
     fingerprint: str = ""  # InstanceSpec.fingerprint() of its launch ("" for unmanaged endpoints)
     serving: bool = False  # in the set that receives new requests (`set_serving`)
     lent: bool = False  # its GPUs are lent to the training step (`RolloutPool.lend_instances`)
+    failure: str = ""  # why the pool declared it failed ("" while it has not)
 
     @property
     def url(self) -> str:

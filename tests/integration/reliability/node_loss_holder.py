@@ -60,13 +60,18 @@ def node_processes(node: Any) -> list[psutil.Process]:
     return list(found.values())
 
 
-def freeze(node: Any) -> dict[str, Any]:
+def freeze(node: Any, raylet_only: bool = False) -> dict[str, Any]:
+    """Stop every process of `node`, or (`raylet_only`) its raylet alone; either way every process of the node
+    is watched after the thaw."""
     processes = node_processes(node)
-    for proc in processes:
+    stopped = processes
+    if raylet_only:
+        stopped = [psutil.Process(popen.pid) for name, popen in node.live_processes() if name == "raylet"]
+    for proc in stopped:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.suspend()
     FROZEN[node.node_id] = (node, processes)
-    return {"frozen": node.node_id, "processes": len(processes)}
+    return {"frozen": node.node_id, "processes": len(stopped)}
 
 
 def running(proc: psutil.Process) -> bool:
@@ -103,12 +108,12 @@ def thaw(runtime: RayRuntime, within_s: float = THAW_WAIT_S) -> dict[str, Any]:
 
 
 def answer(command: str, runtime: RayRuntime) -> dict[str, Any]:
-    if command in ("remove-training-node", "kill-training-node", "freeze-training-node"):
+    if command in ("remove-training-node", "kill-training-node", "freeze-training-node", "freeze-training-raylet"):
         node = training_node(runtime)
         if node is None:
             return {"error": f"no worker node holds the training pool: {ray.util.placement_group_table()}"}
-        if command == "freeze-training-node":
-            return freeze(node)
+        if command.startswith("freeze-"):
+            return freeze(node, raylet_only=command == "freeze-training-raylet")
         runtime.local_nodes.remove_node(node, allow_graceful=command == "remove-training-node")
         return {"removed": node.node_id}
     if command == "thaw":

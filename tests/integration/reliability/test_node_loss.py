@@ -7,9 +7,9 @@ checkpoint and reaches its last step with every step in `metrics.jsonl` once and
 the job is left running. With `runtime_node_loss_policy: wait`, the same loss and a node added back while the
 job waits: it keeps its pools (nothing re-planned), restarts the training pool at its size and replaces the lost
 rollout instance on the new node. With the node's processes stopped instead (alive but unreachable, as behind
-a network partition), the job meets the loss the same way once Ray's health checks declare it, and when the
-node comes back its processes end by themselves. The cluster is held by `node_loss_holder.py` in a process of
-its own (this process may already be joined to the session's Ray cluster), one for the three jobs."""
+a network partition), or only its raylet (its server still answering), the job meets the loss the same way once
+Ray's health checks declare it, and when the node comes back its processes end by themselves. The cluster is held by `node_loss_holder.py` in a process of
+its own (this process may already be joined to the session's Ray cluster), one for the four jobs."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def loss_cluster() -> Iterator[LossCluster]:
 
 
 def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_policy: bool = False,
-                  silent: bool = False, frozen: bool = False) -> dict[str, Any]:
+                  silent: bool = False, frozen: bool = False, raylet_only: bool = False) -> dict[str, Any]:
     """The job on `cluster`; after step 2 and its checkpoint the node of its training rank is removed; the job's
     exit code, run directory, output, when the node went, the metric rows written by then and the GPUs left.
     `wait_policy`: the job runs `runtime_node_loss_policy: wait`, and once it waits a node is added back (when,
@@ -111,7 +111,8 @@ def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_pol
             wait_for(lambda: any(e["kind"] == "paused" for e in events(run_dir)), STARTUP_S, "the loop held", launch)
         before = metric_rows(run_dir)
         removed_at = time.time()
-        cluster.ask("freeze-training-node" if frozen else "kill-training-node" if silent else "remove-training-node")
+        cluster.ask(("freeze-training-raylet" if raylet_only else "freeze-training-node") if frozen
+                    else "kill-training-node" if silent else "remove-training-node")
         if silent or frozen:
             wait_for(lambda: any(e["kind"] == "member_failed" and e["ts"] > removed_at for e in events(run_dir)),
                      STARTUP_S, "the lost node's rollout instance failed", launch)
@@ -145,8 +146,8 @@ def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_pol
 
 @pytest.fixture(scope="module")
 def shared_cluster() -> Iterator[LossCluster]:
-    """One cluster for the module's three jobs (a start and a stop of it saved per job); `whole` gives each job
-    both worker nodes. The job whose node is frozen runs last: Ray counts it alive until its health checks
+    """One cluster for the module's four jobs (a start and a stop of it saved per job); `whole` gives each job
+    both worker nodes. The jobs whose node is frozen run last: Ray counts it alive until its health checks
     fail."""
     with loss_cluster() as cluster:
         yield cluster
@@ -228,16 +229,19 @@ def test_the_wait_policy_keeps_its_pools_when_the_node_comes_back(shared_cluster
     assert (desired["train_gpus"], desired["rollout_instances"]) == (1, 3), desired
 
 
+@pytest.mark.parametrize("raylet_only", [False, True], ids=["every-process-stopped", "only-its-raylet-hung"])
 def test_a_node_alive_but_unreachable_is_met_the_same_way_and_ends_when_it_comes_back(
-        shared_cluster: LossCluster, tmp_path: Path) -> None:
-    """Every process of the node stopped (a network partition, a hung machine: alive, unreachable). Ray learns
-    of the loss from its health checks: the job re-plans once the cluster shows it (a training restart that
-    began before gives up its placement wait then) and reaches its last step with nothing trained twice. When
-    the node comes back, what ran on it ends by itself (Ray's processes, the training worker, the rollout server
+        shared_cluster: LossCluster, tmp_path: Path, raylet_only: bool) -> None:
+    """Every process of the node stopped (a network partition, a hung machine: alive, unreachable), or only its
+    Ray daemon (a hung raylet: its training worker and rollout server still run, and the server still answers
+    the controller). Ray learns of the loss from its health checks: the job re-plans once the cluster shows it
+    (a training restart that began before gives up its placement wait then; a server that still answers is
+    failed because Ray declared its host gone) and reaches its last step with nothing trained twice. When the
+    node comes back, what ran on it ends by itself (Ray's processes, the training worker, the rollout server
     through its guard) while the job trains on; nothing of it writes a step. The node killed without a word
     (its processes gone at once), which Ray meets the same way, is measured by the benchmark
     (`node_loss_silent`)."""
-    run = node_loss_run(whole(shared_cluster), tmp_path, frozen=True)
+    run = node_loss_run(whole(shared_cluster), tmp_path, frozen=True, raylet_only=raylet_only)
     log = assert_finished_whole(run, gpus_left=2)
     run_dir: Path = run["run_dir"]
     lost = [e for e in log if e["kind"] == "capacity_lost"]
@@ -250,3 +254,6 @@ def test_a_node_alive_but_unreachable_is_met_the_same_way_and_ends_when_it_comes
     assert f"was not placed within {PLACEMENT_TIMEOUT_S:.0f}s" not in (run_dir / "controller.log").read_text()
     thawed = run["thawed"]
     assert thawed["left"] == [] and thawed["ended_within_s"] is not None, thawed
+    failed = [e["reason"] for e in log if e["kind"] == "member_failed" and e["pool"] == "rollout"]
+    # a hung raylet's server still answers /health: it is failed because Ray declared its host gone
+    assert failed and failed[0].startswith("its host is gone" if raylet_only else "/health did not"), failed

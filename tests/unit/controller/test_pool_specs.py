@@ -53,19 +53,22 @@ def test_launch_fingerprint_changes_with_tp_and_settings(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize(
-    ("state", "healthy", "expected"),
+    ("state", "healthy", "failure", "expected", "error"),
     [
-        pytest.param("ready", True, "READY", id="ready"),
-        pytest.param("starting", True, "STARTING", id="starting"),
-        pytest.param("ready", False, "FAILED", id="unhealthy"),
+        pytest.param("ready", True, "", "READY", "", id="ready"),
+        pytest.param("starting", True, "", "STARTING", "", id="starting"),
+        pytest.param("ready", False, "", "FAILED", "instance reported unhealthy (state ready)", id="unhealthy"),
+        pytest.param("failed", False, "its host is gone", "FAILED", "its host is gone", id="failed-says-why"),
     ],
 )
-def test_instance_view_carries_spec_placement_and_routing(state: str, healthy: bool, expected: str) -> None:
+def test_instance_view_carries_spec_placement_and_routing(state: str, healthy: bool, failure: str, expected: str,
+                                                          error: str) -> None:
     from libra.controller.pools import instance_view
     from libra.rollout.spec import InstanceInfo
 
     info = InstanceInfo(id="rollout-3", host="127.0.0.1", port=8000, pid=42, gpu_ids=("0", "1"), weight_version=5,
-                        state=state, healthy=healthy, tp_size=2, fingerprint="is-abc", serving=True)
+                        state=state, healthy=healthy, tp_size=2, fingerprint="is-abc", serving=True, failure=failure)
     view = instance_view(info)
     assert (view.key, view.state.value, view.tp, view.gpu_ids, view.fingerprint, view.serving, view.weight_version) == (
         "rollout-3", expected, 2, ("0", "1"), "is-abc", True, 5)
+    assert view.error == error

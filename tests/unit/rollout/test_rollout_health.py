@@ -14,7 +14,7 @@ from libra.config import load_dict
 from libra.config.mapping import rollout_pool_spec
 from libra.rollout import health
 from libra.rollout.router import FAILED, READY, RELOADING, InstanceSlot, Router
-from libra.rollout.spec import HealthRule
+from libra.rollout.spec import HealthRule, HostGoneError, HostUnreachableError
 
 QWEN_7B = Path(__file__).resolve().parents[3] / "configs" / "models" / "qwen2.5-7b"
 BASE = {"model_path": str(QWEN_7B), "cluster": {"num_nodes": 1, "gpus_per_node": 8, "gpu_type": "H100"},
@@ -62,13 +62,28 @@ def test_a_bad_rule_is_refused_by_the_spec(rule: HealthRule) -> None:
     assert any(problem.startswith("health.") for problem in spec.problems())
 
 
+class Host:
+    """A host actor's handle whose status call answers, or raises `error` (a host Ray declared gone, one that
+    does not answer now)."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.calls = 0
+
+    async def acall(self, method: str, *args: object) -> dict[str, object]:
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+        return {"alive": True, "pid": 1}
+
+
 def test_monitor_fails_only_the_silent_ready_instance() -> None:
 
     async def scenario() -> dict[str, tuple[str, str]]:
         router = Router(max_concurrent=4, request_timeout_s=5, wait_for_instance_s=0.1)
         for iid, answer_from, state in [("silent", 0, READY), ("fine", 1, READY), ("reloading", 0, RELOADING)]:
             router.slots[iid] = InstanceSlot(id=iid, client=Answers(answer_from), host="h", port=1,  # type: ignore[arg-type]
-                                             weight_version=0, state=state)
+                                             weight_version=0, state=state, handle=Host())
         task = asyncio.create_task(health.monitor(router, HealthRule(interval_s=0.01)))
         for _ in range(500):  # 3 rounds of 0.01 s, with room for a loaded machine
             await asyncio.sleep(0.01)
@@ -81,3 +96,34 @@ def test_monitor_fails_only_the_silent_ready_instance() -> None:
     states = asyncio.run(scenario())
     assert states["silent"] == (FAILED, "/health did not answer 3 checks in a row (10s timeout each)")
     assert states["fine"] == (READY, "") and states["reloading"] == (RELOADING, "")
+
+
+@pytest.mark.parametrize(("host", "state"), [
+    pytest.param(Host(HostGoneError("the host actor rollout-0 is gone (ActorDiedError)")), FAILED,
+                 id="host-declared-gone-fails-at-once"),
+    pytest.param(Host(HostUnreachableError("does not answer")), READY, id="host-unreachable-is-no-verdict"),
+    pytest.param(Host(RuntimeError("status failed")), READY, id="host-error-is-no-verdict"),
+    pytest.param(Host(), READY, id="host-answers"),
+    pytest.param(None, READY, id="unmanaged-endpoint-has-no-host"),
+])
+def test_monitor_fails_a_healthy_server_whose_host_is_gone(host: Host | None, state: str) -> None:
+    """A node whose Ray daemon hangs is declared dead by Ray while its servers still answer /health: the
+    instance is failed from its host's status, in the first round, though its server answers."""
+
+    async def scenario() -> tuple[str, str]:
+        router = Router(max_concurrent=4, request_timeout_s=5, wait_for_instance_s=0.1)
+        slot = InstanceSlot(id="rollout-0", client=Answers(1), host="h", port=1,  # type: ignore[arg-type]
+                            weight_version=0, state=READY, handle=host)
+        router.slots[slot.id] = slot
+        task = asyncio.create_task(health.monitor(router, HealthRule(interval_s=0.01)))
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if slot.state == FAILED or (host is not None and host.calls >= 3) or (host is None and slot.client.checks >= 3):
+                break
+        task.cancel()
+        return slot.state, slot.failure
+
+    found, failure = asyncio.run(scenario())
+    assert found == state
+    if state == FAILED:
+        assert failure.startswith("its host is gone, as when Ray declares its node dead (the host actor rollout-0 is gone")
