@@ -12,6 +12,8 @@ Faults (`--faults` picks some):
   sigterm_mid_run             SIGTERM to the launch process alone after step 3, then a new launch
   truncated_newest_checkpoint the job finishes step 4; a tensor shard of its step-4 checkpoint is cut in half;
                               a new launch runs to step END
+  truncated_newest_checkpoint_mirrored  the same in a job that keeps a checkpoint mirror
+                              (checkpoint.mirror_dir): the new launch takes the mirror's copy of step 4
   worker_kill_mid_step        after step 2, SIGKILL to the training worker inside its train step; the same
                               launch restarts the training pool and runs to step END (checkpoint every step)
   worker_kill_mid_checkpoint  the same, inside the worker's checkpoint write
@@ -51,6 +53,10 @@ Faults (`--faults` picks some):
                               as behind a network partition); Ray declares it dead the same way; once the job
                               restarted its training pool on what remains, the processes are continued (the
                               partition heals) and must end by themselves
+  raylet_hung                 node_loss with only the node's Ray daemon (raylet) stopped: Ray declares the node
+                              dead while its training worker and rollout server still run and answer; the job
+                              fails the instance from its host actor's status and re-plans; the raylet is then
+                              continued and everything of the node must end by itself
   disk_full_mid_trace         only the run directory's trace folder on a small tmpfs, filled after step 2;
                               the same launch trains on to step END (trace records dropped with a warning)
   load_queue_and_status       10,000 queued prompts through the job's producer and buffer under
@@ -126,8 +132,9 @@ LOAD_END_STEP = 200  # over a minute of training under the status calls (checkpo
 NOT_COVERED = [
     "loss of a Ray node: measured for a node removed by `Cluster.remove_node`, gracefully (node_loss) and killed "
     "without a word (node_loss_silent), on one machine; a network partition is played by stopping every process "
-    "of the node (node_partition), so its servers are unreachable from everywhere, not only from other nodes, and "
-    "a partition that splits the cluster in two (Ray's head on one side) is not covered; with "
+    "of the node (node_partition), so its servers are unreachable from everywhere, not only from the head's side; "
+    "a node whose Ray daemon alone stops answering while its servers still answer the controller is raylet_hung; "
+    "a partition between two worker nodes that both still reach the head is not covered; with "
     "`runtime_node_loss_policy: wait`, a node that does not come back in time (then the job re-plans) is a unit "
     "case only",
     "a rollout server that hangs in the middle of a restart reload: measured while the new server starts "
@@ -188,9 +195,15 @@ def signal_mid_run(root: Path, signum: signal.Signals, to_group: bool) -> dict[s
         stop_everything(run_dir, launches)
 
 
-def truncated_newest_checkpoint(root: Path) -> dict[str, Any]:
+def truncated_newest_checkpoint(root: Path, mirrored: bool = False) -> dict[str, Any]:
+    """A tensor shard of the step-4 checkpoint cut in half between two launches; `mirrored`: the job keeps a
+    checkpoint mirror (`checkpoint.mirror_dir`), whose copy of step 4 is whole."""
     ws, launches = make_workspace(root)
     run_dir: Path = ws["run_dir"]
+    if mirrored:
+        data = yaml.safe_load(ws["config"].read_text())
+        data["checkpoint"]["mirror_dir"] = str(root / "mirror")
+        ws["config"].write_text(yaml.safe_dump(data, sort_keys=False))
     try:
         first = ws["launch"]("--max-steps", "4")
         first_code = first.wait(timeout=STARTUP_S + 600)
@@ -200,11 +213,19 @@ def truncated_newest_checkpoint(root: Path) -> dict[str, Any]:
         fault_at = time.time()
         second = ws["launch"]("--max-steps", str(END_STEP))
         last_code = second.wait(timeout=STARTUP_S + 600)
-        warnings = [e["message"] for e in events(run_dir) if e["kind"] == "warning" and "skipped" in e["message"]]
+        found = events(run_dir)
+        warnings = [e["message"] for e in found if e["kind"] == "warning" and ("skipped" in e["message"]
+                                                                             or "restored" in e["message"])]
         figures = fault_figures("", before, metric_rows(run_dir), _resumed_step(run_dir), END_STEP,
                                 SAMPLES_PER_STEP, fault_at, last_code)
         figures["details"] = {"first_exit_code": first_code, "resumed_from_step": _resumed_step(run_dir),
                               "warning_names_the_shard": any(str(shard) in w for w in warnings)}
+        if mirrored:
+            copies = [e for e in found if e["kind"] == "checkpoint_mirrored"]
+            figures["details"].update(
+                restored_from_the_mirror=any("restored from the mirror" in w for w in warnings),
+                damaged_folder_kept=[p.name for p in (run_dir / "checkpoints").glob("*.damaged-*")],
+                mirror_copies=len(copies), mirror_copy_s_max=max((float(e["seconds"]) for e in copies), default=None))
         return figures
     finally:
         stop_everything(run_dir, launches)
@@ -403,16 +424,18 @@ def server_faults(root: Path, job: str) -> dict[str, dict[str, Any]]:
         stop_everything(run_dir, launches)
 
 
-def node_loss(root: Path, wait_policy: bool = False, silent: bool = False, frozen: bool = False) -> dict[str, Any]:
+def node_loss(root: Path, wait_policy: bool = False, silent: bool = False, frozen: bool = False,
+              raylet_only: bool = False) -> dict[str, Any]:
     """A job on 2 nodes of 2 logical GPUs (1 training GPU, 3 rollout instances; a head with none) loses the
     node of its training rank after step 2; the same launch re-plans onto the 2 GPUs left, or (`wait_policy`)
     waits for its GPUs and keeps its pools once a node is added back; `silent`: the node dies without a word
     (its processes killed at once) and Ray declares it dead from its health checks; `frozen`: its processes
-    stopped instead, and continued once the job recovered."""
+    stopped instead, and continued once the job recovered; `raylet_only`: only its raylet stopped."""
     from tests.integration.reliability.test_node_loss import loss_cluster, node_loss_run
 
     with loss_cluster() as cluster:
-        run = node_loss_run(cluster, root, END_STEP, wait_policy=wait_policy, silent=silent, frozen=frozen)
+        run = node_loss_run(cluster, root, END_STEP, wait_policy=wait_policy, silent=silent, frozen=frozen,
+                            raylet_only=raylet_only)
     found = events(run["run_dir"])
     recovered = [e for e in found if e["kind"] == "train_recovered"]
     lost = [e for e in found if e["kind"] == "capacity_lost"]
@@ -430,13 +453,15 @@ def node_loss(root: Path, wait_policy: bool = False, silent: bool = False, froze
                           "steps_before_the_loss": [int(r["step"]) for r in run["before"]]}
     if silent or frozen:
         figures["details"].update(
-            removal="every process stopped (SIGSTOP), continued after the recovery" if frozen
+            removal=("its raylet alone stopped (SIGSTOP), continued after the recovery" if raylet_only
+                     else "every process stopped (SIGSTOP), continued after the recovery") if frozen
             else "killed without a word (remove_node allow_graceful=False)",
             decided_after_s=round(float(lost[0]["ts"]) - run["removed_at"], 1) if lost else None,
             action_errors=sum(1 for e in found if e["kind"] == "action_error"),
             recovery_covers="the loop held at a step boundary from before the fault until the lost node's rollout "
-                            "instance was failed by the health rule (the test's operator pause), then the next "
-                            "training call met the dead rank")
+                            "instance was failed (the test's operator pause: by the health rule, or for a hung "
+                            "raylet because Ray declared its host gone), then the next training call met the dead "
+                            "rank")
     if frozen:
         thawed = run["thawed"] or {}
         figures["details"].update(thawed_processes_ended_within_s=thawed.get("ended_within_s"),
@@ -461,6 +486,7 @@ FAULTS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "ctrl_c_mid_run": lambda root: signal_mid_run(root, signal.SIGINT, to_group=True),
     "sigterm_mid_run": lambda root: signal_mid_run(root, signal.SIGTERM, to_group=False),
     "truncated_newest_checkpoint": truncated_newest_checkpoint,
+    "truncated_newest_checkpoint_mirrored": lambda root: truncated_newest_checkpoint(root, mirrored=True),
     "worker_kill_mid_step": lambda root: worker_kill(root, "train_step"),
     "worker_kill_mid_checkpoint": lambda root: worker_kill(root, "save_checkpoint"),
     "controller_kill_mid_step": lambda root: controller_kill(root, "train_step"),
@@ -475,6 +501,7 @@ FAULTS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "node_loss_wait_policy": lambda root: node_loss(root, wait_policy=True),
     "node_loss_silent": lambda root: node_loss(root, silent=True),
     "node_partition": lambda root: node_loss(root, frozen=True),
+    "raylet_hung": lambda root: node_loss(root, frozen=True, raylet_only=True),
 }
 
 

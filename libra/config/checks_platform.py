@@ -91,6 +91,26 @@ def checkpoint_keep_every(c: RuleContext) -> Iterator[Finding]:
                       f"set a multiple of {ck.interval_steps}")
 
 
+def checkpoint_mirror_dir(c: RuleContext) -> Iterator[Finding]:
+    mirror = c.cfg.checkpoint.mirror_dir
+    if not mirror:
+        return
+    path = os.path.abspath(mirror)
+    checkpoints = os.path.abspath(os.path.join(c.cfg.run_dir, "checkpoints"))
+    if path == os.path.abspath(c.cfg.run_dir) or path == checkpoints or path.startswith(checkpoints + os.sep):
+        yield Finding("checkpoint.mirror_dir", f"{mirror!r} is the run directory or inside its checkpoints folder, "
+                      "where the mirror's copies would be taken for the checkpoints themselves",
+                      "choose a folder outside run_dir's checkpoints, best on another file system")
+        return
+    existing = path
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a writable folder" if existing == path else f"cannot be created: {existing} is not a writable folder"
+        yield Finding("checkpoint.mirror_dir", f"{mirror!r} {what}",
+                      "choose a folder the job can write, or leave mirror_dir empty")
+
+
 def prometheus_port(c: RuleContext) -> Iterator[Finding]:
     tr = c.cfg.tracking
     if "prometheus" in tr.backends and tr.prometheus_port == 0:

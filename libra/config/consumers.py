@@ -171,6 +171,7 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     "checkpoint.keep_last": (f"{TRAIN}.retention.keep_last~", RL_LOOP),
     "checkpoint.keep_every": (f"{TRAIN}.retention.keep_every", RL_LOOP),
     "checkpoint.resume": (RL_LOOP,),
+    "checkpoint.mirror_dir": (RL_LOOP,),
     # tracking
     "tracking.backends": (CONTROLLER,),
     "tracking.prometheus_port": (CONTROLLER,),

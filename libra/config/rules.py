@@ -291,6 +291,8 @@ RULES: tuple[Rule, ...] = (
     _r("checkpoint.keep_every", INVALID, "checkpoint.keep_every, checkpoint.interval_steps",
        "checkpoint.keep_every is a multiple of checkpoint.interval_steps (which must be > 0)",
        plat.checkpoint_keep_every),
+    _r("checkpoint.mirror_dir", INVALID, "checkpoint.mirror_dir, run_dir", "checkpoint.mirror_dir (when set) is a "
+       "folder the job can write or create, outside run_dir's checkpoints folder", plat.checkpoint_mirror_dir),
     _r("tracking.prometheus_port", INVALID, "tracking.backends, tracking.prometheus_port", "the prometheus "
        "backend needs tracking.prometheus_port > 0", plat.prometheus_port),
     _r("tracking.port_unused", WARNING, "tracking.backends, tracking.prometheus_port", "a prometheus_port "

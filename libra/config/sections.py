@@ -356,6 +356,11 @@ class CheckpointConfig(DataClassJsonMixin):
         0, "Also keep every checkpoint whose step is a multiple of this; 0 = none.", ge=0
     )
     resume: bool = opt(True, "Resume from the newest checkpoint in run_dir when one exists.")
+    mirror_dir: str = opt(
+        "", "A second folder each complete checkpoint is copied to in the background, with the same retention "
+        "(best on another file system); a resume whose checkpoint in run_dir is damaged or missing takes the "
+        "mirror's copy of that step before an older checkpoint. Empty = no mirror."
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

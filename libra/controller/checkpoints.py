@@ -9,8 +9,9 @@ A checkpoint write that fails because the run directory's file system is full (`
 folder is removed so that it gives its space back.
 
 A resume (`restore_newest`) takes the newest checkpoint that loads: one whose controller state is unreadable
-or whose training checkpoint the pool refuses (a truncated shard, a damaged `latest` marker) is skipped with
-a warning naming the file, and the one before it is tried. A run whose every checkpoint is damaged stops with
+or whose training checkpoint the pool refuses (a truncated shard, a damaged `latest` marker) is restored from
+the checkpoint mirror when the job keeps one (`checkpoint_mirror.py`), else skipped with a warning naming the
+file, and the one before it is tried. A run whose every checkpoint is damaged stops with
 `CorruptRunStateError` rather than silently starting again from step 0.
 """
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from libra.controller.checkpoint_mirror import CheckpointMirror
 from libra.run_dir import CHECKPOINT_PREFIX, CONTROLLER_STATE, CorruptRunStateError, RunDir, write_json_atomic
 
 TRAIN_SUBDIR = "train"
@@ -98,23 +100,48 @@ def _last_line(exc: BaseException) -> str:
 
 
 def restore_newest(
-    store: CheckpointStore, load: Callable[[str], int], warn: Callable[[str], None]
+    store: CheckpointStore, load: Callable[[str], int], warn: Callable[[str], None],
+    mirror: CheckpointMirror | None = None,
 ) -> tuple[ControllerState, Path, int] | None:
     """Load the newest checkpoint that loads: (controller state, training checkpoint dir, step the training
     pool reports). Each checkpoint skipped is reported through `warn`, naming its file and what is wrong.
-    None when the run has no complete checkpoint; CorruptRunStateError when it has some and none loads."""
+    With a `mirror`, a step whose checkpoint is damaged or missing in the run directory is first restored from
+    the mirror's copy (the damaged folder is kept beside it) and loaded again. None when the run has no
+    complete checkpoint; CorruptRunStateError when it has some and none loads."""
     problems: list[str] = []
-    for step, folder in reversed(store.run.checkpoints_by_step()):
+    here = dict(store.run.checkpoints_by_step())
+    mirrored = set(mirror.steps()) if mirror is not None else set()
+
+    def attempt(step: int, folder: Path) -> tuple[ControllerState, Path, int] | str:
         train_dir = folder / TRAIN_SUBDIR
         try:
             state = read_controller_state(folder / CONTROLLER_STATE, step)
-            loaded = load(str(train_dir))
+            return state, train_dir, load(str(train_dir))
         except Exception as exc:
-            problem = str(exc) if isinstance(exc, CorruptRunStateError) else f"{train_dir}: {_last_line(exc)}"
-            problems.append(problem)
-            warn(f"checkpoint of step {step} skipped: {problem}; trying the one before it")
-            continue
-        return state, train_dir, loaded
+            return str(exc) if isinstance(exc, CorruptRunStateError) else f"{train_dir}: {_last_line(exc)}"
+
+    for step in sorted(set(here) | mirrored, reverse=True):
+        folder = store.run.checkpoint_dir(step)
+        found = attempt(step, folder) if step in here else f"{folder} is missing from the run directory"
+        if not isinstance(found, str):
+            return found
+        if mirror is not None and step in mirrored:
+            damaged = found
+            try:
+                aside = mirror.restore(step, folder)
+            except OSError as exc:
+                found = f"{damaged}; its mirror copy {mirror.folder(step)} could not be copied back ({exc})"
+            else:
+                again = attempt(step, folder)
+                if not isinstance(again, str):
+                    kept = f"; the damaged folder is kept at {aside}" if aside is not None else ""
+                    warn(f"checkpoint of step {step} restored from the mirror {mirror.folder(step)} ({damaged}){kept}")
+                    return again
+                mirror.put_back(folder, aside)  # the run directory as it was: one damaged copy, not two
+                # the copy was loaded from the run directory: name the mirror's files, which hold the damage
+                found = f"{damaged}; its mirror copy is damaged too: {again.replace(str(folder), str(mirror.folder(step)))}"
+        problems.append(found)
+        warn(f"checkpoint of step {step} skipped: {found}; trying the one before it")
     if problems:
         raise CorruptRunStateError(
             f"no checkpoint under {store.run.checkpoints} can be loaded: " + " | ".join(problems)

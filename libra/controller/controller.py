@@ -496,6 +496,7 @@ class Controller:
             ("stop the rollout producer", self._stop_producer),
             ("stop the control loop", self._stop_control_loop),
             ("save a checkpoint", self._final_checkpoint),
+            ("finish copying checkpoints to the mirror", self._close_checkpoint_mirror),
             ("stop the parked borrowed training replicas", self._stop_borrowed),
             ("stop the rollout pool", self._stop_rollout),
             ("stop the training pool", self._stop_training),
@@ -539,6 +540,10 @@ class Controller:
     def _final_checkpoint(self) -> None:
         if self.rl is not None and self.train_edge is not None and self.train_edge.pool is not None:
             self.rl.final_checkpoint()
+
+    def _close_checkpoint_mirror(self) -> None:
+        if self.rl is not None:
+            self.rl.close_mirror()
 
     def _stop_borrowed(self) -> None:
         if self.train_edge is not None:  # before the rollout pool: they run on its instances' GPUs

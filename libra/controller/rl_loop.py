@@ -32,16 +32,19 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn, cast
 
 from libra.config import Config
 from libra.controller.batching import SampleBuffer
+from libra.controller.checkpoint_mirror import CheckpointMirror
 from libra.controller.checkpoints import (
     CheckpointStore,
     ControllerState,
     checkpoint_step,
     disk_full_error,
     restore_newest,
+    retained_steps,
 )
 from libra.controller.events import EventLog
 from libra.controller.producer import RolloutProducer, SamplingSettings
@@ -81,6 +84,7 @@ class RLLoop:
         self.buffer: SampleBuffer | None = None
         self.producer: RolloutProducer | None = None
         self.store = CheckpointStore(run, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
+        self.mirror = self._make_mirror(cfg.checkpoint.mirror_dir)
         self._last_checkpoint_step = -1
         self._saved_checkpoint_step: int | None = None  # written, not yet complete (waits for the step's row)
         self._reported_step = 0  # the newest step whose metrics row was written (or loaded at resume)
@@ -92,6 +96,23 @@ class RLLoop:
         self._step_in_flight = 0
         self._restarts_in_a_row = 0  # since the last checkpoint saved
         self._training_state_lost = False  # a worker died and no checkpoint is loaded yet: nothing to save
+
+    def _make_mirror(self, mirror_dir: str) -> CheckpointMirror | None:
+        if not mirror_dir:
+            return None
+        keep_last, keep_every = self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every
+
+        def mirrored(step: int, path: Path, seconds: float) -> None:
+            self.events.emit("checkpoint_mirrored", f"step {step} copied to {path} in {seconds:.1f}s", step=step,
+                             path=str(path), seconds=round(seconds, 3))
+
+        return CheckpointMirror(Path(mirror_dir), lambda steps: retained_steps(steps, keep_last, keep_every),
+                                lambda message: self.events.emit("warning", message), mirrored)
+
+    def close_mirror(self) -> None:
+        """Wait until every committed checkpoint is copied to the mirror (the job's last one included)."""
+        if self.mirror is not None:
+            self.mirror.close()
 
     # ---- resume ---------------------------------------------------------------------------------------
     def restore(self) -> None:
@@ -113,7 +134,7 @@ class RLLoop:
             self.events.emit("warning", message)
 
         # the newest checkpoint that loads; damaged ones are skipped with a warning naming the file
-        latest = restore_newest(self.store, load, warn) if use_checkpoints else None
+        latest = restore_newest(self.store, load, warn, self.mirror) if use_checkpoints else None
         current = self.state
         if latest is not None:
             state, train_dir, loaded = latest
@@ -521,6 +542,8 @@ class RLLoop:
         self._last_checkpoint_step = step
         self._restarts_in_a_row = 0
         self.events.emit("checkpoint", f"saved step {step}", step=step, path=str(folder))
+        if self.mirror is not None:
+            self.mirror.submit(step, folder)
 
     def _raise_disk_full_or(self, exc: Exception, step: int) -> NoReturn:
         full = disk_full_error(self.store, step, exc)
