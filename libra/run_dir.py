@@ -41,6 +41,26 @@ _STEP_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 _WEIGHTS_DIR = re.compile(rf"^{WEIGHTS_PREFIX}(\d+)$")
 
 
+def checkpoint_folder_name(step: int) -> str:
+    return f"{CHECKPOINT_PREFIX}{step:06d}"
+
+
+def checkpoint_folders(folder: Path, complete_only: bool = True) -> list[tuple[int, Path]]:
+    """(step, path) of each checkpoint folder in `folder` (a run's `checkpoints/`, a checkpoint mirror), oldest
+    first; incomplete ones (no controller state: a save or a copy cut short) are skipped unless asked for."""
+    found: list[tuple[int, Path]] = []
+    if not folder.is_dir():
+        return found
+    for entry in folder.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if not match or not entry.is_dir():
+            continue
+        if complete_only and not (entry / CONTROLLER_STATE).is_file():
+            continue
+        found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
 class CorruptRunStateError(RuntimeError):
     """A file of the run directory that a resume needs is damaged and nothing earlier can stand in for it;
     the message names the file and what to do."""
@@ -121,21 +141,11 @@ class RunDir:
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:
-        return self.checkpoints / f"{CHECKPOINT_PREFIX}{step:06d}"
+        return self.checkpoints / checkpoint_folder_name(step)
 
     def checkpoints_by_step(self, complete_only: bool = True) -> list[tuple[int, Path]]:
         """(step, path) of each checkpoint, oldest first; incomplete ones are skipped unless asked for."""
-        found: list[tuple[int, Path]] = []
-        if not self.checkpoints.is_dir():
-            return found
-        for entry in self.checkpoints.iterdir():
-            match = _STEP_DIR.match(entry.name)
-            if not match or not entry.is_dir():
-                continue
-            if complete_only and not (entry / CONTROLLER_STATE).is_file():
-                continue
-            found.append((int(match.group(1)), entry))
-        return sorted(found)
+        return checkpoint_folders(self.checkpoints, complete_only)
 
     def latest_checkpoint(self) -> tuple[int, Path] | None:
         found = self.checkpoints_by_step()

@@ -18,14 +18,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from libra.run_dir import CHECKPOINT_PREFIX, CONTROLLER_STATE
+from libra.run_dir import checkpoint_folder_name, checkpoint_folders
 
 _PARTIAL = ".partial-"
-
-
-def _step_of(name: str) -> int | None:
-    digits = name.removeprefix(CHECKPOINT_PREFIX)
-    return int(digits) if name.startswith(CHECKPOINT_PREFIX) and digits.isdigit() else None
 
 
 def copy_whole(source: Path, target: Path) -> None:
@@ -60,26 +55,18 @@ class CheckpointMirror:
         self.warn = warn
         self.done = done
         self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-mirror")
-        self._pending: list[concurrent.futures.Future[None]] = []
 
     def folder(self, step: int) -> Path:
-        return self.root / f"{CHECKPOINT_PREFIX}{step:06d}"
+        return self.root / checkpoint_folder_name(step)
 
     def steps(self) -> list[int]:
         """Steps whose whole copy the mirror holds (its controller state present), oldest first."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for entry in self.root.iterdir():
-            step = _step_of(entry.name)
-            if step is not None and (entry / CONTROLLER_STATE).is_file():
-                found.append(step)
-        return sorted(found)
+        return [step for step, _ in checkpoint_folders(self.root)]
 
     def submit(self, step: int, source: Path) -> None:
-        """Copy the committed checkpoint folder `source` of `step` in the background."""
-        self._pending = [f for f in self._pending if not f.done()]
-        self._pending.append(self._copier.submit(self._copy, step, source))
+        """Copy the committed checkpoint folder `source` of `step` in the background (a failure is warned about
+        there, never raised)."""
+        self._copier.submit(self._copy, step, source)
 
     def _copy(self, step: int, source: Path) -> None:
         began = time.monotonic()
@@ -99,6 +86,10 @@ class CheckpointMirror:
             self.done(step, target, time.monotonic() - began)
 
     def prune(self) -> list[int]:
+        """Remove the copies retention no longer keeps, and partial copies a stopped job left (one copy runs at a
+        time, so none is in flight while this runs on the copier)."""
+        for entry in self.root.glob(_PARTIAL + "*"):
+            shutil.rmtree(entry, ignore_errors=True)
         steps = self.steps()
         keep = self.keep(steps)
         removed = [s for s in steps if s not in keep]
@@ -129,6 +120,4 @@ class CheckpointMirror:
 
     def close(self) -> None:
         """Wait for the copies in flight, then stop the copier."""
-        for future in self._pending:
-            future.result()
         self._copier.shutdown(wait=True)

@@ -133,7 +133,8 @@ class RLLoop:
         def warn(message: str) -> None:
             self.events.emit("warning", message)
 
-        # the newest checkpoint that loads; damaged ones are skipped with a warning naming the file
+        # the newest checkpoint that loads; damaged ones are restored from the mirror (when the job keeps one) or
+        # skipped, with a warning naming the file
         latest = restore_newest(self.store, load, warn, self.mirror) if use_checkpoints else None
         current = self.state
         if latest is not None:

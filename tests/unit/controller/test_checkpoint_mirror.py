@@ -166,3 +166,11 @@ def test_a_checkpoint_removed_before_its_copy_is_not_copied_nor_warned_about(tmp
     job.mirror.submit(9, gone)
     job.mirror.close()
     assert job.copied == [] and job.warnings == [] and job.mirror.steps() == []
+
+
+def test_a_partial_copy_left_by_a_stopped_job_is_removed_at_the_next_copy(tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    left = job.mirror.root / ".partial-step_000001"
+    (left / "train").mkdir(parents=True)
+    job.commit(2)
+    assert sorted(p.name for p in job.mirror.root.iterdir()) == ["step_000002"]
