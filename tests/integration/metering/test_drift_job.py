@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import pytest
 import yaml
 
 from libra.config import load
@@ -80,7 +79,6 @@ def tree(pid: int) -> set[int]:
         return set()
 
 
-@pytest.mark.slow_job
 def test_drift_job_responses_grow(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     config = tmp_path / "drift.yaml"

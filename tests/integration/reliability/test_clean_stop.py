@@ -12,15 +12,12 @@ import signal
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from ..controller.conftest import job_tree, metric_rows, server_pids, survivors, wait_for
 
 STARTUP_S = 420  # Ray + a vLLM-CPU server + Megatron init on 2 loaded cores
 EXIT_INTERRUPTED = 130  # documented in libra/cli/cmd_launch.py and cluster_manual/launch.md
 
 
-@pytest.mark.slow_job
 def test_sigterm_mid_run_stops_quietly_and_leaves_nothing(job_workspace: dict[str, Any]) -> None:
     ws = job_workspace
     run_dir: Path = ws["run_dir"]
