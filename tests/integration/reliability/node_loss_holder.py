@@ -7,7 +7,9 @@ worker node that holds the training pool's placement group with `Cluster.remove_
 processes get SIGKILL, `remove_node(allow_graceful=False)`, and Ray's health checks find it dead later),
 `freeze-training-node` (every process of that node stopped by SIGSTOP, its Ray processes and all they started,
 Libra's servers included: a node alive but unreachable, as behind a network partition or a machine that hangs;
-Ray's health checks find it dead later: {"frozen": node id, "processes": how many}), `thaw` (the frozen node's
+Ray's health checks find it dead later: {"frozen": node id, "processes": how many}), `freeze-training-raylet`
+(only that node's raylet stopped, as a Ray daemon that hangs while the node's workers and servers run on; the
+same answer), `thaw` (the frozen node's
 processes continued, as the partition heals; waits up to THAW_WAIT_S for them to end by themselves, then removes
 what is left with the node: {"thawed": node id, "ended_within_s": seconds until the last ended or None,
 "left": [command names of those still running]}), `add-node` (a new worker node of 2 logical GPUs, as the

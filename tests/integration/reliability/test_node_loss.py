@@ -84,7 +84,8 @@ def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_pol
     declares it dead only when its health checks fail. `frozen`: the node's processes are stopped instead (alive
     but unreachable, as behind a network partition), Ray declares it dead the same way, and once the job has
     restarted its training pool on what remains they are continued (the partition heals: `thawed`, the holder's
-    answer). Shared with benchmarks/reliability.py."""
+    answer); with `raylet_only`, only the node's raylet is stopped and continued. Shared with
+    benchmarks/reliability.py."""
     ws, launches = make_workspace(root, ray_address=cluster.address)
     config: Path = ws["config"]
     data = yaml.safe_load(config.read_text())
