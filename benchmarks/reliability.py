@@ -17,6 +17,10 @@ Faults (`--faults` picks some):
   worker_kill_mid_step        after step 2, SIGKILL to the training worker inside its train step; the same
                               launch restarts the training pool and runs to step END (checkpoint every step)
   worker_kill_mid_checkpoint  the same, inside the worker's checkpoint write
+  worker_hung_mid_step        after step 2, SIGSTOP to the training worker inside its train step, never
+                              continued (a hung worker); the job (train_hang_timeout_s 30) finds the step past its
+                              deadline, restarts the training pool and runs to step END (checkpoint every step)
+  worker_hung_mid_publish     the same, while the worker exports the weights of a publish (a hung weight sync)
   controller_kill_mid_step    on a Ray cluster that outlives the controller, SIGKILL to `libra launch` after
                               step 2 while the worker is in its train step; a new launch adopts the live
                               rollout server and runs to step END (checkpoint every step)
@@ -29,6 +33,8 @@ Faults (`--faults` picks some):
   rollout_kill9_mid_reload    the same job: SIGKILL while a weight publish reloads that server (its /is_paused)
   rollout_hung_sigstop        the same job: SIGSTOP of a server's process group while it runs requests
   rollout_hung_mid_reload     the same job: SIGSTOP while a weight publish reloads that server in place
+  rollout_engine_hung         the same job with rollout_stall_timeout_s 20: SIGSTOP of a server's engine core alone
+                              while it runs requests; its front end still answers /health, the stall watch fails it
   single_rollout_kill9_mid_generation  a job with 1 rollout instance: SIGKILL to its server's process group while
                               its engine runs requests; they are generated again once the replacement serves
   single_rollout_kill9_mid_reload  the same job: SIGKILL while a publish reloads its only server; the publish
@@ -106,6 +112,7 @@ from reliability_accounting import (  # noqa: E402
 from reliability_disk import disk_full_mid_checkpoint, disk_full_mid_trace  # noqa: E402
 from reliability_load import load_queue_and_status  # noqa: E402
 
+from libra.rollout.spec import HealthRule  # noqa: E402
 from tests.integration.controller.conftest import (  # noqa: E402
     events,
     live,
@@ -119,10 +126,13 @@ from tests.integration.controller.conftest import (  # noqa: E402
 from tests.integration.reliability.server_fault_rig import STARTUP_S as SERVER_JOB_STARTUP_S  # noqa: E402
 from tests.integration.reliability.server_fault_rig import ServerFaultRun, server_job  # noqa: E402
 from tests.integration.reliability.test_worker_faults import (  # noqa: E402
+    HANG_TIMEOUT_S,
+    freeze_noting,
     kill_noting,
     reap,
     the_worker,
     when_worker_runs,
+    with_hang_timeout,
 )
 
 END_STEP = 6
@@ -237,20 +247,25 @@ def _with_checkpoint_every_step(config: Path) -> None:
     config.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def worker_kill(root: Path, method: str) -> dict[str, Any]:
-    """SIGKILL to the training worker inside `method` after step 2; the launch recovers by itself."""
+def worker_fault(root: Path, method: str, hang: bool = False) -> dict[str, Any]:
+    """SIGKILL to the training worker inside `method` after step 2, or with `hang` a SIGSTOP never continued;
+    the launch recovers by itself."""
     ws, launches = make_workspace(root)
     run_dir: Path = ws["run_dir"]
     _with_checkpoint_every_step(ws["config"])
+    if hang:
+        with_hang_timeout(ws["config"])
+    note: dict[str, Any] = {}
     try:
         launch = ws["launch"]("--max-steps", str(END_STEP))
         wait_for(lambda: len(metric_rows(run_dir)) >= 2, STARTUP_S, "step 2", launch)
-        note: dict[str, Any] = {}
-        fault_at = when_worker_runs(run_dir, method, kill_noting(note, run_dir, the_worker), launch, STARTUP_S)
+        act = freeze_noting(note, run_dir) if hang else kill_noting(note, run_dir, the_worker)
+        fault_at = when_worker_runs(run_dir, method, act, launch, STARTUP_S)
         code = launch.wait(timeout=STARTUP_S + 600)
         found = events(run_dir)
         restart = [e for e in found if e["kind"] == "train_restart"]
         recovered = [e for e in found if e["kind"] == "train_recovered"]
+        lost = [e for e in found if e["kind"] == "train_worker_lost"]
         before = [{"step": step} for step in note["before"]]  # the rows written when the worker died
         figures = fault_figures("", before, metric_rows(run_dir), _resumed_step(run_dir), END_STEP,
                                 SAMPLES_PER_STEP, fault_at, code)
@@ -260,9 +275,17 @@ def worker_kill(root: Path, method: str) -> dict[str, Any]:
                               "resumed_from_step": _resumed_step(run_dir),
                               "pool_restart_s": restart[0].get("switch_s") if restart else None,
                               "recovery_event_s": recovered[0].get("seconds") if recovered else None}
+        if hang:
+            del figures["details"]["killed_in"]
+            figures["details"].update(
+                hung_in=method, hang_timeout_s=HANG_TIMEOUT_S, lost_as=lost[0].get("how") if lost else None,
+                found_after_s=round(float(lost[0]["ts"]) - fault_at, 1) if lost else None,
+                frozen_processes_left=live(note["frozen"] + note["children"]))
         return figures
     finally:
         stop_everything(run_dir, launches)
+        for pid in live(note.get("frozen", [])):  # whatever it found, nothing it froze outlives it
+            os.kill(pid, signal.SIGKILL)
 
 
 def controller_kill(root: Path, method: str) -> dict[str, Any]:
@@ -356,7 +379,9 @@ def controller_kill_mid_reconfiguration(root: Path) -> dict[str, Any]:
 
 # the jobs of the rollout-server faults (rollout instances, how a publish reloads them) and, per job, each
 # benchmark name's fault of the rig
-SERVER_JOBS = {"two_inplace": (2, "inplace"), "one_inplace": (1, "inplace"), "two_restart": (2, "restart")}
+SERVER_JOBS = {"two_inplace": (2, "inplace"), "one_inplace": (1, "inplace"), "two_restart": (2, "restart"),
+               "two_inplace_stall": (2, "inplace")}
+ENGINE_STALL_S = 20.0  # rollout_stall_timeout_s of the engine-hang job (default 120 s)
 SERVER_FAULTS = {"two_inplace": {"rollout_kill9_mid_generation": "kill9_mid_generation",
                                  "rollout_kill9_mid_reload": "kill9_mid_reload",
                                  "rollout_hung_sigstop": "hung_server",
@@ -364,7 +389,8 @@ SERVER_FAULTS = {"two_inplace": {"rollout_kill9_mid_generation": "kill9_mid_gene
                  "one_inplace": {"single_rollout_kill9_mid_generation": "kill9_mid_generation",
                                  "single_rollout_kill9_mid_reload": "kill9_mid_reload",
                                  "single_rollout_hung_sigstop": "hung_server"},
-                 "two_restart": {"rollout_hung_mid_restart": "hung_mid_restart"}}
+                 "two_restart": {"rollout_hung_mid_restart": "hung_mid_restart"},
+                 "two_inplace_stall": {"rollout_engine_hung": "hung_engine"}}
 SERVER_END_STEP = 40  # the loop is let go only for the faults (server_fault_rig.py)
 _server_figures: dict[str, dict[str, dict[str, Any]]] = {}
 
@@ -377,8 +403,9 @@ def server_faults(root: Path, job: str) -> dict[str, dict[str, Any]]:
     instances, reload_method = SERVER_JOBS[job]
     ws, launches = make_workspace(root)
     run_dir: Path = ws["run_dir"]
+    health = HealthRule(stall_s=ENGINE_STALL_S) if job == "two_inplace_stall" else None
     ws["config"].write_text(yaml.safe_dump(server_job(yaml.safe_load(ws["config"].read_text()), SERVER_END_STEP,
-                                                      instances=instances, reload_method=reload_method),
+                                                      health, instances=instances, reload_method=reload_method),
                                            sort_keys=False))
     started = time.monotonic()
     figures_by_name: dict[str, dict[str, Any]] = {}
@@ -387,7 +414,7 @@ def server_faults(root: Path, job: str) -> dict[str, dict[str, Any]]:
         run = ServerFaultRun(run_dir, launch, instances=instances)
         run.start(SERVER_JOB_STARTUP_S)
         inject = {"kill9_mid_generation": run.kill_mid_generation, "kill9_mid_reload": run.kill_mid_reload,
-                  "hung_server": run.hang, "hung_mid_reload": run.hang_mid_reload,
+                  "hung_server": run.hang, "hung_mid_reload": run.hang_mid_reload, "hung_engine": run.hang_engine,
                   "hung_mid_restart": run.hang_mid_restart}
         for rig_name in SERVER_FAULTS[job].values():
             inject[rig_name]()
@@ -487,8 +514,10 @@ FAULTS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "sigterm_mid_run": lambda root: signal_mid_run(root, signal.SIGTERM, to_group=False),
     "truncated_newest_checkpoint": truncated_newest_checkpoint,
     "truncated_newest_checkpoint_mirrored": lambda root: truncated_newest_checkpoint(root, mirrored=True),
-    "worker_kill_mid_step": lambda root: worker_kill(root, "train_step"),
-    "worker_kill_mid_checkpoint": lambda root: worker_kill(root, "save_checkpoint"),
+    "worker_kill_mid_step": lambda root: worker_fault(root, "train_step"),
+    "worker_kill_mid_checkpoint": lambda root: worker_fault(root, "save_checkpoint"),
+    "worker_hung_mid_step": lambda root: worker_fault(root, "train_step", hang=True),
+    "worker_hung_mid_publish": lambda root: worker_fault(root, "export_hf", hang=True),
     "controller_kill_mid_step": lambda root: controller_kill(root, "train_step"),
     "controller_kill_mid_publish": lambda root: controller_kill(root, "export_hf"),
     "controller_kill_mid_reconfiguration": controller_kill_mid_reconfiguration,

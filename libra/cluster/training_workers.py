@@ -5,7 +5,9 @@ Every training entry point is collective (all ranks must enter it), so a call go
 the results are awaited together; if any rank raises, that error is raised immediately instead of waiting for
 the other ranks, which would block in a collective forever. When a rank's process has died the error is a
 `WorkerLostError` (a rank that raised because its peer died is given a few seconds to be joined by the dead
-rank's own error), so the caller can start the pool again rather than fail.
+rank's own error), so the caller can start the pool again rather than fail. A call that outlives its
+deadline, or whose rank says its collective timed out waiting for a peer, is a `WorkerHungError` (a kind of lost
+worker: the pool is stopped, which kills the hung processes, and started again).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ FORWARDED_ENV = ("LIBRA_FORCE_CPU", "RL_TRAIN_PHASE_TRACE", "RL_TRAIN_PHASE_TRAC
 
 
 LOSS_GRACE_S = 5.0  # how long a failed call waits for a dead rank's error behind a survivor's
+# what a rank's error says when its collective library gave up waiting for a peer (gloo's recv/send timeout and
+# the pair it then closes; NCCL's watchdog): the peer hung
+COLLECTIVE_TIMEOUT_MARKERS = ("Timed out waiting", "Application timeout caused pair closure",
+                              "Watchdog caught collective operation timeout")
 
 
 class CollectiveCallError(RuntimeError):
@@ -37,6 +43,12 @@ class WorkerLostError(CollectiveCallError):
     def __init__(self, message: str, ranks: list[int]) -> None:
         super().__init__(message)
         self.ranks = ranks
+
+
+class WorkerHungError(WorkerLostError):
+    """A collective call outlived its deadline: a rank stopped answering (frozen, or stuck in a collective) and
+    the others wait for it. `ranks` are those that had not answered, the hung one and the ranks waiting for it
+    alike (from outside they cannot be told apart)."""
 
 
 class TrainingWorkerGroup:
@@ -95,7 +107,8 @@ class TrainingWorkerGroup:
             done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
             if not done:
                 ranks = sorted(index[r] for r in pending)
-                raise CollectiveCallError(f"{self.name}.{method}: ranks {ranks} did not finish within {timeout:.0f}s")
+                raise WorkerHungError(f"{self.name}.{method}: rank(s) {ranks} did not finish within {timeout:.0f}s "
+                                      "(a rank stopped answering, or a collective never completed)", ranks)
             for ref in done:
                 try:
                     results[index[ref]] = ray.get(ref)
@@ -106,10 +119,13 @@ class TrainingWorkerGroup:
     def _failure(self, method: str, rank: int, exc: Exception, pending: list[Any],
                  index: dict[Any, int]) -> CollectiveCallError:
         """The error of a call that failed on `rank`: a `WorkerLostError` when that rank's process died, or
-        when another rank's does within `LOSS_GRACE_S` (the ranks of a collective fail together)."""
+        when another rank's does within `LOSS_GRACE_S` (the ranks of a collective fail together); a
+        `WorkerHungError` when `rank` says its collective timed out waiting for a peer."""
         lost = [rank] if isinstance(exc, ray.exceptions.RayActorError) else []
+        unfinished: list[int] = []
         if not lost and pending:
-            done, _ = ray.wait(pending, num_returns=len(pending), timeout=LOSS_GRACE_S)
+            done, still = ray.wait(pending, num_returns=len(pending), timeout=LOSS_GRACE_S)
+            unfinished = sorted(index[ref] for ref in still)
             for ref in done:
                 try:
                     ray.get(ref)
@@ -121,6 +137,9 @@ class TrainingWorkerGroup:
         if lost:
             return WorkerLostError(f"{self.name}.{method}: the process of rank(s) {sorted(lost)} died ({message})",
                                    sorted(lost))
+        if collective_timed_out(str(exc)):
+            return WorkerHungError(f"{self.name}.{method}: a collective timed out waiting for a peer; rank(s) "
+                                   f"{unfinished} had not finished ({message})", unfinished or [rank])
         return CollectiveCallError(message)
 
     def shutdown(self) -> None:
@@ -133,6 +152,11 @@ class TrainingWorkerGroup:
             except Exception as exc:  # already gone with the cluster
                 log.debug("release training placement group: %s", exc)
             self._pg = None
+
+
+def collective_timed_out(error: str) -> bool:
+    """Whether a rank's error says that its collective library gave up waiting for a peer."""
+    return any(marker in error for marker in COLLECTIVE_TIMEOUT_MARKERS)
 
 
 def _is_large(value: Any) -> bool:

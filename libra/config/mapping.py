@@ -24,6 +24,7 @@ from libra.metering.spec import CpuMetering
 from libra.models.tiny import TinyModelSpec
 from libra.observability.phase_trace import TraceSettings
 from libra.rollout.spec import HealthRule, RolloutPoolSpec
+from libra.training.call_deadlines import HangRule
 from libra.training.spec import CheckpointRetention, MegatronOptions, OptimizerSpec, TrainingPoolSpec
 from planner.layout import TrainLayout
 from planner.workload import MemoryBudget, RolloutOptions, TrainOptions, Workload
@@ -117,6 +118,7 @@ def training_pool_spec(cfg: Config, num_gpus: int, layout: TrainLayout | None = 
         params_dtype=cfg.megatron_params_dtype,
         retention=checkpoint_retention(cfg.checkpoint),
         metering=cpu_metering(cfg),
+        hang=HangRule(timeout_s=cfg.train_hang_timeout_s, factor=cfg.train_hang_timeout_factor),
         trace=trace,
     )
 
@@ -150,9 +152,10 @@ def rollout_pool_spec(cfg: Config, num_instances: int, kv_cache_bytes: int, run_
 
 
 def health_rule(cfg: Config) -> HealthRule:
-    """`rollout_health_check_*` -> the rule by which the rollout pool declares a server failed."""
+    """`rollout_health_check_*`, `rollout_stall_timeout_s` -> the rule by which the rollout pool declares a server
+    failed."""
     return HealthRule(interval_s=cfg.rollout_health_check_interval_s, timeout_s=cfg.rollout_health_check_timeout_s,
-                      failures_to_fail=cfg.rollout_health_check_failures)
+                      failures_to_fail=cfg.rollout_health_check_failures, stall_s=cfg.rollout_stall_timeout_s)
 
 
 # ------------------------------------------------------------------------------------------ CPU metering

@@ -139,11 +139,26 @@ class Config(DataClassJsonMixin):
     rollout_health_check_failures: int = opt(
         3, "/health checks in a row without an answer that make a rollout instance failed (it is replaced, its "
         "requests re-sent). A hung server is failed within failures x (interval + timeout) seconds.", ge=1)
+    rollout_stall_timeout_s: float = opt(
+        120.0, "Seconds a serving rollout instance with requests in flight may process no token (by its engine's "
+        "own token counters on the server's /metrics) before it is failed (replaced, its requests re-sent): an "
+        "engine that hangs while its front end still answers /health. Checked every "
+        "rollout_health_check_interval_s. 0 = not watched (a hung engine is then found when a request times out).",
+        ge=0)
     restart_backoff_s: float = opt(
         5.0, "Seconds a pool (rollout or training) waits before starting a new member after one failed within "
         "120 s of becoming ready (e.g. a server that crashes on its first requests); the wait doubles with each "
         "such failure in a row, up to 300 s, and a member that served longer resets it. 0 = replace at once.",
         ge=0)
+    train_hang_timeout_s: float = opt(
+        300.0, "Seconds a training call (a step, a log-prob pass, a checkpoint save or load, a weight export) may "
+        "run at least before the training pool counts as hung (a rank stopped answering, or a collective never "
+        "completed): its workers are killed and the pool started again from the newest complete checkpoint, as "
+        "after a lost worker (runtime_training_restart_limit counts it). A kind of call not yet completed at the "
+        "pool's size and layout (a first step, a load) may run an hour, or this when longer.", gt=0)
+    train_hang_timeout_factor: float = opt(
+        10.0, "A training call may also run this many times the slowest call of its kind completed at the pool's "
+        "size and layout, when that is longer than train_hang_timeout_s. 0 = train_hang_timeout_s alone.", ge=0)
     rollout_temperature: float = opt(1.0, "Sampling temperature of rollouts.", ge=0)
     rollout_top_p: float = opt(1.0, "Nucleus sampling top_p of rollouts.", gt=0, le=1)
     expected_response_tokens: int = opt(

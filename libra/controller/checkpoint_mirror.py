@@ -63,10 +63,10 @@ class CheckpointMirror:
         """Steps whose whole copy the mirror holds (its controller state present), oldest first."""
         return [step for step, _ in checkpoint_folders(self.root)]
 
-    def submit(self, step: int, source: Path) -> None:
+    def submit(self, step: int, source: Path) -> concurrent.futures.Future[None]:
         """Copy the committed checkpoint folder `source` of `step` in the background (a failure is warned about
-        there, never raised)."""
-        self._copier.submit(self._copy, step, source)
+        there, never raised); the copy's future (the job does not wait for it)."""
+        return self._copier.submit(self._copy, step, source)
 
     def _copy(self, step: int, source: Path) -> None:
         began = time.monotonic()

@@ -47,7 +47,7 @@ from libra.controller.pools import (
     rollout_fingerprint,
     rollout_spec,
     training_target_problems,
-    training_worker_lost,
+    training_worker_loss,
 )
 from libra.controller.reconfigure import (
     ReconfigureLimits,
@@ -340,18 +340,19 @@ class Controller:
                           publish_weights=self.publish_weights, served_versions=self.served_versions,
                           wake_reconciler=self.wake_reconciler, pool_status=self.pool_status,
                           pool_text=self.pool_text, tick_errors=self.tick_errors, after_step=self._after_step,
-                          ehp_train_step=self._ehp_train_step(), training_lost=training_worker_lost,
+                          ehp_train_step=self._ehp_train_step(), training_loss=training_worker_loss,
                           restart_training=self._restart_training,
                           replan_onto_capacity=self._replan_onto_capacity)
 
     def _restart_training(self, exc: BaseException) -> dict[str, Any] | None:
-        """A training pool that lost a worker (`exc`, classified by `training_worker_lost`) is started again (at
+        """A training pool that lost a worker (`exc`, classified by `training_worker_loss`) is started again (at
         the same layout, or re-planned onto the GPUs alive when the cluster lost some), through the executor's
         training resizer (member bookkeeping, weight gate); None when this job cannot restart it."""
         if self.executor is None or self.node_loss is None:
             return None
         first_line = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        return self.node_loss.restart_training(f"a training worker died: {first_line[:300]}")
+        return self.node_loss.restart_training(f"a training worker {training_worker_loss(exc) or 'died'}: "
+                                               f"{first_line[:300]}")
 
     def _replan_onto_capacity(self) -> dict[str, Any] | None:
         """At a step boundary: the pools re-planned onto the GPUs alive when the cluster lost some."""

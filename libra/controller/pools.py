@@ -285,18 +285,21 @@ def instance_view(info: Any) -> MemberView:
     )
 
 
-def training_worker_lost(exc: BaseException) -> bool:
-    """Whether `exc` (or an error it was raised from) says that a training rank's process died."""
-    from libra.cluster.training_workers import WorkerLostError
+def training_worker_loss(exc: BaseException) -> str:
+    """How `exc` (or an error it was raised from) says that a training rank was lost: "died" (its process
+    ended), "hung" (a collective call outlived its deadline), or "" when it says neither."""
+    from libra.cluster.training_workers import WorkerHungError, WorkerLostError
 
     seen: BaseException | None = exc
     for _ in range(16):  # the chain of causes, bounded
         if seen is None:
-            return False
+            return ""
+        if isinstance(seen, WorkerHungError):
+            return "hung"
         if isinstance(seen, WorkerLostError):
-            return True
+            return "died"
         seen = seen.__cause__ or seen.__context__
-    return False
+    return ""
 
 
 def rollout_fingerprint(cfg: Config, run: RunDir, tp: int) -> str:

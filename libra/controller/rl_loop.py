@@ -266,19 +266,21 @@ class RLLoop:
             self._loop_started = None
 
     def _recover_training(self, exc: Exception) -> bool:
-        """After a training call failed: when a worker died, the session restarts the training pool and the
-        loop goes back to the newest complete checkpoint with a new producer; False for any other error."""
-        restart, lost = self.session.restart_training, self.session.training_lost
-        if restart is None or lost is None or not lost(exc):
+        """After a training call failed: when a worker died or hung, the session restarts the training pool and
+        the loop goes back to the newest complete checkpoint with a new producer; False for any other error."""
+        restart, loss = self.session.restart_training, self.session.training_loss
+        how = loss(exc) if restart is not None and loss is not None else ""
+        if restart is None or not how:
             return False
         step = self._step_in_flight
         limit = self.cfg.global_resource_planner.runtime_training_restart_limit
         if self._restarts_in_a_row >= limit:
             raise TrainingWorkersLostError(
                 f"the training pool lost a worker {self._restarts_in_a_row + 1} times in a row without saving a "
-                f"checkpoint in between (last during step {step}; runtime_training_restart_limit {limit}); the job "
-                f"stops. Look for the cause in {self.run.controller_log} and the Ray worker logs (memory, a failing "
-                "node), then launch the job again on this run directory to resume from its newest checkpoint"
+                f"checkpoint in between (the last {how} during step {step}; runtime_training_restart_limit "
+                f"{limit}); the job stops. Look for the cause in {self.run.controller_log} and the Ray worker logs "
+                "(memory, a failing node), then launch the job again on this run directory to resume from its "
+                "newest checkpoint"
             ) from exc
         started = time.monotonic()
         was_lost = self._training_state_lost  # a restart for a lost node may have failed before this error
@@ -289,10 +291,10 @@ class RLLoop:
             return False
         self.training_restarts += 1
         self._restarts_in_a_row += 1
-        self.events.emit("train_worker_lost", f"a training worker died during step {step}; the training pool was "
-                         f"started again ({self.training_restarts} time(s) in this session)", step=step,
+        self.events.emit("train_worker_lost", f"a training worker {how} during step {step}; the training pool was "
+                         f"started again ({self.training_restarts} time(s) in this session)", step=step, how=how,
                          restarts=self.training_restarts, restart_s=cost.get("switch_s"))
-        self._back_to_checkpoint(step, f"a training worker died during step {step}", started)
+        self._back_to_checkpoint(step, f"a training worker {how} during step {step}", started)
         return True
 
     def _replanned_onto_capacity(self) -> bool:

@@ -58,9 +58,10 @@ class JobSession:
     # (samples, step, rollout groups in flight) -> metrics: one training step with borrowed rollout GPUs
     # (elastic hybrid parallelism, `libra.controller.ehp_borrow`); None when it is off
     ehp_train_step: Callable[[list[Any], int, int], dict[str, float]] | None = None
-    # (error of a training call) -> whether it says that a training worker died (the pool can be restarted)
-    training_lost: Callable[[BaseException], bool] | None = None
-    # (error of a training call that says a worker died) -> the restart's cost when the pool was started again at
+    # (error of a training call) -> how it says a training worker was lost ("died", "hung"; the pool can be
+    # restarted), "" when it does not
+    training_loss: Callable[[BaseException], str] | None = None
+    # (error of a training call that says a worker was lost) -> the restart's cost when the pool was started again at
     # the same layout (its ranks then hold the initial weights); None when it could not be
     restart_training: Callable[[BaseException], dict[str, Any] | None] | None = None
     # at a step boundary: the pools re-planned onto the GPUs alive when the cluster lost some (a node died); None

@@ -12,6 +12,8 @@ import aiohttp
 from libra.rollout.spec import RequestRejectedError, RolloutError
 
 HEALTH_TIMEOUT_S = 5.0
+# the engine's own counts of the tokens it processed (vLLM's Prometheus counters on /metrics)
+ENGINE_TOKEN_COUNTERS = ("vllm:prompt_tokens", "vllm:generation_tokens")
 CONTROL_TIMEOUT_S = 60.0
 SERVER_KEEP_ALIVE_S = 5.0  # how long a vLLM server keeps an idle connection open (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 
@@ -22,6 +24,21 @@ def client_session() -> aiohttp.ClientSession:
     closed an idle connection (after 5 s) went out on it and failed with "Server disconnected": a weight
     reload that fails like that fails the publish, and the job with it."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=SERVER_KEEP_ALIVE_S / 2))
+
+
+def engine_token_count(metrics_text: str) -> float | None:
+    """The prompt and generated tokens an engine counted so far (every engine of the server together), read from
+    its Prometheus exposition; None when it has none of the counters. A malformed text raises ValueError."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total, found = 0.0, False
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name in ENGINE_TOKEN_COUNTERS:
+            for sample in family.samples:
+                if sample.name == f"{family.name}_total":
+                    total += sample.value
+                    found = True
+    return total if found else None
 
 
 class InstanceFailure(RolloutError):
@@ -44,6 +61,23 @@ class ServerClient:
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError, OSError):
             return False
+
+    async def engine_tokens(self, timeout_s: float = HEALTH_TIMEOUT_S) -> float | None:
+        """The tokens the server's engine counted so far (`engine_token_count` of its /metrics); None when they
+        cannot be read now (no answer, an error, no such counters)."""
+        try:
+            async with self.session.get(
+                f"{self.base_url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                text = await resp.text()
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return None
+        try:
+            return engine_token_count(text)
+        except ValueError:
+            return None
 
     async def complete(self, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """POST /v1/completions; returns the parsed response."""

@@ -8,7 +8,11 @@ failed within `hang_detection_bound_s`; `Misses` counts the checks in a row that
 
 The monitor also asks each READY instance's host actor for its status in the same round (`host_gone`): a node
 whose Ray daemon hangs is declared dead by Ray while its servers still answer /health, and an instance whose host
-Ray declared gone no longer holds its GPUs in Ray's books, so it is failed like a silent one.
+Ray declared gone no longer holds its GPUs in Ray's books, so it is failed like a silent one. And it reads the
+token counters of each READY instance that has requests in flight (`Progress`): vLLM's /health asks only whether
+its engine process reported an error, so an engine that hangs (stopped, stuck in a kernel) behind a front end
+that still answers looks healthy; one that counts no token for `HealthRule.stall_s` with requests in flight is
+failed.
 
 An instance declared failed has its requests in flight sent to another instance (`Router.fail_instance`).
 """
@@ -16,7 +20,8 @@ An instance declared failed has its requests in flight sent to another instance 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -54,28 +59,78 @@ class Misses:
         return self.rule.failure_reason(self.count)
 
 
-async def until_failed(client: ServerClient, rule: HealthRule) -> str:
-    """Check `client` every `rule.interval_s` and return the failure reason once it missed
-    `rule.failures_to_fail` checks in a row (runs until cancelled while it answers)."""
-    misses = Misses(rule)
+@dataclass
+class Progress:
+    """Whether an instance's engine moves while it has requests in flight, judged by `stall_s`: its last token
+    count (`tokens`) and the seconds it had requests in flight since that count last moved (`busy_s`)."""
+
+    stall_s: float
+    tokens: float | None = None
+    busy_s: float = 0.0
+    last_look: float | None = None
+
+    def record(self, in_flight: int, tokens: float | None, now: float) -> bool:
+        """Count one look (`tokens` None: not read, or unreadable); True once the instance spent `stall_s`
+        seconds with requests in flight while its engine's token count stood still. Only a count that moved
+        starts the watch again: requests that come and go on a hung engine (a step ends, its requests there are
+        aborted, the next step sends new ones) do not."""
+        elapsed = 0.0 if self.last_look is None else now - self.last_look
+        self.last_look = now
+        if tokens is None:
+            return False
+        if tokens != self.tokens:
+            self.tokens, self.busy_s = tokens, 0.0
+            return False
+        if in_flight:
+            self.busy_s += elapsed
+        return self.stall_s > 0 and self.busy_s >= self.stall_s
+
+
+class EngineStalledError(InstanceFailure):
+    """An instance's engine counted no token for the health rule's `stall_s` with requests in flight, its front end
+    perhaps still answering /health: the server has failed."""
+
+
+async def engine_tokens(client: ServerClient, rule: HealthRule, in_flight: int) -> float | None:
+    """The token count of `client`'s engine when the rule watches for stalls and the instance has requests in
+    flight (else None, and no call is made)."""
+    if rule.stall_s <= 0 or in_flight == 0:
+        return None
+    return await client.engine_tokens(rule.timeout_s)
+
+
+async def until_failed(client: ServerClient, rule: HealthRule,
+                       in_flight: Callable[[], int] = lambda: 0) -> InstanceFailure:
+    """Check `client` every `rule.interval_s`; the failure once it missed `rule.failures_to_fail` checks in a row,
+    or once its engine stalled with `in_flight()` requests (`EngineStalledError`); runs until cancelled while it
+    answers and moves."""
+    misses, progress = Misses(rule), Progress(rule.stall_s)
     while True:
         await asyncio.sleep(rule.interval_s)
-        if misses.record(await client.health(rule.timeout_s)):
-            return misses.reason
+        busy = in_flight()
+        answered, tokens = await asyncio.gather(client.health(rule.timeout_s), engine_tokens(client, rule, busy))
+        if misses.record(answered):
+            return InstanceFailure(misses.reason)
+        busy = min(busy, in_flight())
+        if progress.record(busy, tokens, time.monotonic()):
+            return EngineStalledError(rule.stall_reason(busy))
 
 
-async def unless_hung(work: Awaitable[T], client: ServerClient, rule: HealthRule, what: str) -> T:
+async def unless_hung(work: Awaitable[T], client: ServerClient, rule: HealthRule, what: str,
+                      in_flight: Callable[[], int] = lambda: 0) -> T:
     """`work`, watched by the health rule: a server that stops answering /health while it runs (hung,
-    stopped) ends it with an `InstanceFailure` within the rule's bound, instead of after `work`'s own timeout.
-    Only for work the server answers /health during (the drain before a reload, an in-place reload; not a
-    restart)."""
+    stopped) ends it with an `InstanceFailure` within the rule's bound, instead of after `work`'s own timeout,
+    and so does an engine that stalls while `in_flight()` requests wait on it (`EngineStalledError`: the drain
+    before a reload waits for requests that a hung engine never ends). Only for work the server answers
+    /health during (the drain before a reload, an in-place reload; not a restart)."""
     task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(until_failed(client, rule))
+    watch = asyncio.ensure_future(until_failed(client, rule, in_flight))
     try:
         await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
-        raise InstanceFailure(f"hung during {what}: {watch.result()}")
+        failure = watch.result()
+        raise type(failure)(f"hung during {what}: {failure}")
     finally:  # the work of a hung server is cancelled here
         for pending in (task, watch):
             if not pending.done():
@@ -98,16 +153,24 @@ async def host_gone(handle: Any, rule: HealthRule) -> str:
 
 
 async def monitor(router: Router, rule: HealthRule) -> None:
-    """Check every READY instance each round; fail the ones that missed `rule.failures_to_fail` in a row, and the
-    ones whose host actor is gone."""
+    """Check every READY instance each round; fail the ones that missed `rule.failures_to_fail` in a row, the
+    ones whose host actor is gone, and the ones whose engine stalled with requests in flight."""
     misses: dict[str, Misses] = {}
+    progress: dict[str, Progress] = {}
     while True:
         await asyncio.sleep(rule.interval_s)
         for slot in sorted(router.slots.values(), key=lambda s: s.id):
             if slot.state != READY:
+                progress.pop(slot.id, None)  # a reload or a start pauses the engine: watch again once it serves
                 continue
             missed = misses.setdefault(slot.id, Misses(rule))
-            answered, gone = await asyncio.gather(slot.client.health(rule.timeout_s), host_gone(slot.handle, rule))
+            in_flight = slot.outstanding
+            answered, gone, tokens = await asyncio.gather(
+                slot.client.health(rule.timeout_s), host_gone(slot.handle, rule),
+                engine_tokens(slot.client, rule, in_flight))
             failed = missed.record(answered)
-            if (failed or gone) and slot.state == READY:
-                await router.fail_instance(slot, gone or missed.reason)
+            in_flight = min(in_flight, slot.outstanding)  # requests that ended meanwhile do not count
+            stalled = progress.setdefault(slot.id, Progress(rule.stall_s)).record(in_flight, tokens,
+                                                                                  time.monotonic())
+            if (failed or gone or stalled) and slot.state == READY:
+                await router.fail_instance(slot, gone or (missed.reason if failed else rule.stall_reason(in_flight)))

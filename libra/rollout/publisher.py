@@ -26,7 +26,7 @@ from typing import Any
 
 from libra.observability.phase_trace import now_ns
 from libra.rollout.client import InstanceFailure
-from libra.rollout.health import answers_health, unless_hung
+from libra.rollout.health import EngineStalledError, answers_health, unless_hung
 from libra.rollout.lifecycle import InstanceManager, worker_report
 from libra.rollout.reload import (
     AckExpectation,
@@ -207,7 +207,8 @@ class WeightPublisher:
             try:
                 # It may hang after that check, its requests still in flight: the drain is watched too.
                 drain = router.wait_drained(slot, self.spec.reload_timeout_s)
-                if not await unless_hung(drain, slot.client, rule, "the drain of its requests before the reload"):
+                if not await unless_hung(drain, slot.client, rule, "the drain of its requests before the reload",
+                                         in_flight=lambda: slot.outstanding):
                     raise RolloutError(f"requests still running after {self.spec.reload_timeout_s:.0f}s")
                 if expect.method == "inplace":
                     reload = self._reload_inplace(slot, expect.version, hf_dir)
@@ -222,8 +223,9 @@ class WeightPublisher:
                 # Killed or hung mid-reload, or a reload the server refused? The reload broke already, so one
                 # check decides: a server that does not answer it has failed; one that answers and refused the
                 # weights fails the publish. A restart whose new server hung while it started (it used no CPU)
-                # has failed too; one that crashed loading the weights fails the publish.
-                server_failed = isinstance(exc, ServerStalledError) or (
+                # has failed too, as has an engine that stalled under the requests of the drain (its front end
+                # still answers); a server that crashed loading the weights fails the publish.
+                server_failed = isinstance(exc, ServerStalledError | EngineStalledError) or (
                     isinstance(exc, InstanceFailure) and not await slot.client.health(rule.timeout_s))
                 return ReloadAck(
                     **fields,

@@ -144,11 +144,14 @@ class InstanceSpec:
 @dataclass(frozen=True)
 class HealthRule:
     """How a rollout instance's /health is watched: a check every `interval_s` (each may take `timeout_s`);
-    `failures_to_fail` checks in a row without an answer make the instance failed."""
+    `failures_to_fail` checks in a row without an answer make the instance failed. An instance whose engine
+    counted no token for `stall_s` seconds while it had requests in flight has failed too (an engine hung behind
+    a front end that still answers /health); `stall_s` 0 does not watch for it."""
 
     interval_s: float = 5.0
     timeout_s: float = 10.0
     failures_to_fail: int = 3
+    stall_s: float = 0.0
 
     @property
     def hang_detection_bound_s(self) -> float:
@@ -159,11 +162,17 @@ class HealthRule:
     def failure_reason(self, misses: int) -> str:
         return f"/health did not answer {misses} checks in a row ({self.timeout_s:g}s timeout each)"
 
+    def stall_reason(self, in_flight: int) -> str:
+        return (f"its engine counted no token for {self.stall_s:g}s with {in_flight} request(s) in flight while "
+                "/health still answered (a hung engine)")
+
     def problems(self) -> list[str]:
         errors = [f"health.{name}={getattr(self, name)!r}: must be > 0"
                   for name in ("interval_s", "timeout_s") if not getattr(self, name) > 0]
         if self.failures_to_fail < 1:
             errors.append(f"health.failures_to_fail={self.failures_to_fail!r}: must be >= 1")
+        if not self.stall_s >= 0:
+            errors.append(f"health.stall_s={self.stall_s!r}: must be >= 0")
         return errors
 
 

@@ -67,6 +67,7 @@ from planner.layout import TrainLayout
 log = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 30.0  # a parked worker answers a call at once; one that does not is treated as failed
+EHP_STEP = "ehp_train_step"  # the kind of call whose history sets the deadline of each wait of a shared step
 
 
 class EhpError(RuntimeError):
@@ -258,9 +259,9 @@ class EhpSession:
         try:
             exported, self._prefetched = self._send_params(self.worlds)
             self._prefetched_for = (pool.group, pool.weights_version)
-            if not ehp_workers.wait_done(exported, pool.spec.call_timeout_s):
+            if not ehp_workers.wait_done(exported, pool.spec.hang.first_call_s):
                 raise TimeoutError(f"the core ranks did not export their parameters within "
-                                   f"{pool.spec.call_timeout_s:.0f}s")
+                                   f"{pool.spec.hang.first_call_s:.0f}s")
         except Exception as exc:  # the next step copies them itself
             log.warning("%s: copying the parameters into the parked replicas failed (%s)", self.name, exc)
             self._prefetched = self._prefetched_for = None
@@ -306,7 +307,7 @@ class EhpSession:
             raise EhpError(f"{self.name}: lent GPUs {[g.gpu_id for g in gpus]} repeat (placement group, bundle, id)")
         chunks = [list(gpus)] if self.settings.decouple_communication_domains else [
             list(gpus[i:i + size]) for i in range(0, len(gpus), size)]
-        timeout = pool.spec.call_timeout_s
+        timeout = pool.spec.hang.first_call_s
         t0 = time.perf_counter()
         try:
             for i, world_gpus in enumerate(chunks):
@@ -369,7 +370,7 @@ class EhpSession:
         shares = split_shares(len(samples), core_dp, [w.dp for w in self.worlds])
         active = [(w, s) for w, s in zip(self.worlds, shares[1:], strict=True) if s[1] > s[0]]
         core_samples = samples[shares[0][0]:shares[0][1]]
-        timeout = pool.spec.call_timeout_s
+        timeout = pool.deadlines.deadline(EHP_STEP)  # each wait of the step; a borrowed world past it falls back
         core_refs: list[Any] = []
         try:
             # Submitted at once, awaited later: a (synchronous) actor runs its calls in the order they were
@@ -411,6 +412,7 @@ class EhpSession:
             raise
         pool.stepped(step)
         marks["finish"] = time.perf_counter()
+        pool.deadlines.completed(EHP_STEP, marks["finish"] - t0)
         metrics.update(time_step_s=marks["finish"] - t0, ehp_replicas=float(self.replicas),
                        ehp_borrowed_samples=float(sum(b - a for _, (a, b) in active)),
                        ehp_params_prefetched=float(prefetched is not None),
@@ -437,7 +439,7 @@ class EhpSession:
                     step)
         self.detach(clean=False)  # its other ranks may wait in a collective of their own world
         if core_refs:
-            ehp_workers.gather(self.pool.group, "core_forward_backward", core_refs, self.pool.spec.call_timeout_s)
+            ehp_workers.gather(self.pool.group, "core_forward_backward", core_refs, self.pool.spec.hang.first_call_s)
         metrics = self.pool.train_step(samples, step)
         metrics["ehp_fallback"] = 1.0
         return metrics
@@ -491,7 +493,7 @@ def shard_state(pool: TrainingPool, timeout_s: float | None = None) -> dict[str,
     """Every gradient and parameter shard of `pool` (its DP rank 0) after a step, keyed
     "grad|param/tp{r}pp{p}/{chunk}/{name}": what a parity check compares between two pools."""
     out: dict[str, Any] = {}
-    timeout = pool.spec.call_timeout_s if timeout_s is None else timeout_s
+    timeout = pool.spec.hang.first_call_s if timeout_s is None else timeout_s
     for part in pool.group.call("ehp", "gradients", timeout=timeout):
         if part is None:
             continue

@@ -10,7 +10,9 @@ waits for the step to end, and the next step waits for the relayout: the caller 
 pool. The handle keeps its identity across a relayout (the RL loop holds it).
 
 `replace_workers` starts the pool again at the same spec after one of its processes died (a call then fails
-with `libra.cluster.training_workers.WorkerLostError`).
+with `libra.cluster.training_workers.WorkerLostError`) or hung: every collective call runs under a deadline
+from the pool's hang rule (`libra.training.call_deadlines`), and one that outlives it fails with
+`WorkerHungError`, a kind of lost worker.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from libra.cluster.ray_runtime import RayRuntime
 from libra.cluster.training_workers import TrainingWorkerGroup
 from libra.device import cuda_available
 from libra.training import checkpoint
+from libra.training.call_deadlines import CallDeadlines
 from libra.training.hf_arch import read_training_model
 from libra.training.resize import ResizeCost, TrainingResizeError
 from libra.training.spec import TrainingPoolSpec, TrainSample, check_spec
@@ -57,6 +60,8 @@ class TrainingPool:
         self.on_resize_measured: Callable[[ResizeCost], None] | None = None
         self._unmeasured: ResizeCost | None = None
         self._lock = threading.RLock()
+        self.deadlines = CallDeadlines(spec.hang)
+        self._deadlines_at: tuple[int, TrainLayout] | None = None  # the size and layout their history is of
 
     @property
     def group(self) -> TrainingWorkerGroup:
@@ -72,6 +77,9 @@ class TrainingPool:
         """Place the workers, form the process group and load the HF weights into Megatron on every rank."""
         with self._lock:
             t0 = time.perf_counter()
+            if self._deadlines_at != (self.spec.num_gpus, self.layout):
+                self.deadlines.forget()
+                self._deadlines_at = (self.spec.num_gpus, self.layout)
             group = TrainingWorkerGroup(self.runtime, TrainingWorker, (self.spec,), self.spec.num_gpus, self.name)
             self._group = group
             self.weights_version += 1
@@ -79,9 +87,9 @@ class TrainingPool:
             try:
                 group.start()
                 addr = group.rendezvous_host()
-                port = group.call_rank(0, "rendezvous_port", addr, timeout=self.spec.call_timeout_s)
-                self.rank_info = group.call("setup", addr, port, timeout=self.spec.call_timeout_s)
-                group.call("start_checkpoint_writer_warm_up", timeout=self.spec.call_timeout_s)
+                port = group.call_rank(0, "rendezvous_port", addr, timeout=self.spec.hang.first_call_s)
+                self.rank_info = group.call("setup", addr, port, timeout=self.spec.hang.first_call_s)
+                group.call("start_checkpoint_writer_warm_up", timeout=self.spec.hang.first_call_s)
             except BaseException:
                 self.shutdown()
                 raise
@@ -93,7 +101,7 @@ class TrainingPool:
         logprob_gap, tokens (+ dual_clip_frac, is_kept_frac, lr, timings)."""
         with self._lock:
             t0 = time.perf_counter()
-            metrics = self.group.call("train_step", list(samples), step, timeout=self.spec.call_timeout_s)[0]
+            metrics = self._call("train_step", list(samples), step)[0]
             metrics["time_step_s"] = time.perf_counter() - t0
             self.stepped(step)
             if self._unmeasured is not None:
@@ -109,19 +117,27 @@ class TrainingPool:
     def export_hf(self, out_dir: str) -> str:
         """Write the current weights as an HF checkpoint (safetensors + config/tokenizer); returns its checksum."""
         with self._lock:
-            return str(self.group.call("export_hf", out_dir, timeout=self.spec.call_timeout_s)[0])
+            return str(self._call("export_hf", out_dir)[0])
 
     def save_checkpoint(self, ckpt_dir: str, step: int) -> str:
         with self._lock:
-            return str(self.group.call("save_checkpoint", ckpt_dir, step, timeout=self.spec.call_timeout_s)[0])
+            return str(self._call("save_checkpoint", ckpt_dir, step)[0])
 
     def load_checkpoint(self, ckpt_dir: str) -> int:
         """Resume from `ckpt_dir` (a root with `latest` or one step directory), whatever layout wrote it."""
         with self._lock:
-            self.step = int(self.group.call("load_checkpoint", ckpt_dir, timeout=self.spec.call_timeout_s)[0])
+            self.step = int(self._call("load_checkpoint", ckpt_dir)[0])
             self.fresh = False
             self.weights_version += 1
             return self.step
+
+    def _call(self, method: str, *args: Any) -> list[Any]:
+        """A collective call under the hang rule's deadline for `method` (`WorkerHungError` past it); its
+        duration becomes the history of the next deadlines."""
+        started = time.perf_counter()
+        results = self.group.call(method, *args, timeout=self.deadlines.deadline(method))
+        self.deadlines.completed(method, time.perf_counter() - started)
+        return results
 
     def stepped(self, step: int) -> None:
         """Record that the ranks took optimizer step `step` (here, or in a step shared with borrowed replicas)."""
@@ -263,13 +279,13 @@ class TrainingPool:
         """Peak bytes of one log-prob recomputation micro batch of `seq_len` tokens (the largest over ranks);
         `micro_batch_size` defaults to the spec's recompute_micro_batch_size."""
         with self._lock:
-            results = self.group.call("recompute_probe", seq_len, micro_batch_size, timeout=self.spec.call_timeout_s)
+            results = self.group.call("recompute_probe", seq_len, micro_batch_size, timeout=self.spec.hang.first_call_s)
         return max(results, key=lambda r: r["peak_bytes"])
 
     def compute_logprobs(self, samples: list[TrainSample], reference: bool = False) -> list[list[float]]:
         """The current (or reference) model's log-prob of every response token, per sample."""
         with self._lock:
-            parts = self.group.call("compute_logprobs", list(samples), reference, timeout=self.spec.call_timeout_s)
+            parts = self._call("compute_logprobs", list(samples), reference)
         out: list[list[float]] = [[] for _ in samples]
         for part in parts:
             if part is None:
@@ -281,7 +297,7 @@ class TrainingPool:
     def forward_logits(self, token_ids: list[list[int]]) -> list[list[list[float]]]:
         """Full-vocabulary logits `[batch][position][vocab]` of equal-length token sequences."""
         with self._lock:
-            results = self.group.call("forward_logits", token_ids, timeout=self.spec.call_timeout_s)
+            results = self.group.call("forward_logits", token_ids, timeout=self.spec.hang.first_call_s)
         found = [r for r in results if r is not None]
         if len(found) != 1:
             raise RuntimeError(f"expected logits from exactly one rank, got {len(found)}")

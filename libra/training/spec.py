@@ -15,6 +15,7 @@ from typing import Literal
 from libra.algo.spec import AlgorithmSpec
 from libra.metering.spec import CpuMetering
 from libra.observability.phase_trace import TraceSettings
+from libra.training.call_deadlines import HangRule
 from planner.layout import TrainLayout
 from planner.model_spec import ModelSpec
 
@@ -101,8 +102,8 @@ class TrainingPoolSpec:
     params_dtype: Literal["fp32", "bf16", "fp16"]
     retention: CheckpointRetention
     metering: CpuMetering  # each worker runs in a CPU slice of its GPU (metered logical GPUs)
+    hang: HangRule  # how long a collective call may run before the pool counts as hung
     run_dir: str = ""
-    call_timeout_s: float = 3600.0
     # phase tracing of every rank (rank r writes phase_trace_rank{1000 + r}.jsonl); None = off
     trace: TraceSettings | None = None
 

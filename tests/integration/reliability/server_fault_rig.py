@@ -22,6 +22,10 @@ The faults, and how each one's window is hit:
 - `hung_mid_reload`: SIGSTOP the moment its `/is_paused` says true (an in-place reload under way, as for
   `kill9_mid_reload`): the publisher's health watch fails it within the health rule's bound and the publish
   goes on without it, rather than waiting on the reload's timeout. Proof: the publish left it out.
+- `hung_engine`: SIGSTOP of a server's engine core process alone while it generates (as above): its front end
+  still answers /health, so only the engine's token counters show it; the pool fails it once they stood still
+  for `rollout_stall_timeout_s` with requests in flight (`ServerFaultRun.stall_detection_bound_s`), and the rest
+  goes as for `hung_server`. Proof: the controller re-sent its requests.
 - `hung_mid_restart` (a job whose publishes restart the servers): SIGSTOP of the new server's process group
   the moment a restart reload has started it (its guard's command line names the victim's port, and the
   server is the group's second process): the host stops it after `START_STALL_S` without CPU and the
@@ -73,10 +77,12 @@ def server_job(data: dict[str, Any], end_step: int, health: HealthRule | None = 
                instances: int = 2, reload_method: str = "inplace") -> dict[str, Any]:
     """The controller tests' small job with `instances` rollout instances (one logical GPU each) and a publish
     after every step (reloading the servers by `reload_method`); answers long enough that a server is seen
-    running requests. `health` sets the rollout health rule (rollout_health_check_*); None keeps the default
-    one."""
+    running requests. `health` sets the rollout health rule (rollout_health_check_*, and
+    rollout_stall_timeout_s when its stall_s is set); None keeps the default one."""
     if health is not None:
         with_health_rule(data, health)
+        if health.stall_s:
+            data["rollout_stall_timeout_s"] = health.stall_s
     data["cluster"]["gpus_per_node"] = 1 + instances
     data["rollout_gpus"] = instances
     data["total_steps"] = end_step
@@ -153,6 +159,17 @@ class Server:
             self.conn.close()
             return ""
 
+    def health_status(self) -> int:
+        """The HTTP status of /health (0: no answer)."""
+        try:
+            self.conn.request("GET", "/health")
+            response = self.conn.getresponse()
+            response.read()
+            return response.status
+        except (OSError, http.client.HTTPException):
+            self.conn.close()
+            return 0
+
     def generated_tokens(self) -> float:
         lines = self.get("/metrics").splitlines()
         return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:generation_tokens_total"))
@@ -168,18 +185,41 @@ class Server:
 
         return check
 
+    def engine_pid(self, timeout_s: float = 30.0) -> int:
+        """The pid of the server's engine core (vLLM titles it `VLLM::EngineCore`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            titles: dict[int, str] = {}
+            for pid in group_members(self.pgid):
+                try:
+                    titles[pid] = (psutil.Process(pid).cmdline() or [""])[0]
+                except psutil.NoSuchProcess:
+                    continue
+            for pid, title in titles.items():
+                if title.startswith("VLLM::EngineCore"):
+                    return pid
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.id}: no engine core process in its group {self.pgid}: {titles}")
+            time.sleep(0.5)
+
     def paused(self) -> bool:
         try:
             return bool(json.loads(self.get("/is_paused") or "{}").get("is_paused"))
         except json.JSONDecodeError:
             return False
 
-    def hit_when(self, ready: Callable[[], bool], signum: signal.Signals, timeout: float, poll_s: float) -> float:
-        """Send `signum` to the server's process group the moment `ready()` holds; when it was sent."""
+    def hit_when(self, ready: Callable[[], bool], signum: signal.Signals, timeout: float, poll_s: float,
+                 engine_only: bool = False) -> float:
+        """Send `signum` to the server's process group (`engine_only`: to its engine core alone) the moment
+        `ready()` holds; when it was sent."""
+        engine = self.engine_pid() if engine_only else 0
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if ready():
-                os.killpg(self.pgid, signum)
+                if engine_only:
+                    os.kill(engine, signum)
+                else:
+                    os.killpg(self.pgid, signum)
                 self.conn.close()
                 return time.time()
             time.sleep(poll_s)
@@ -232,6 +272,13 @@ class ServerFaultRun:
         """How long a hang may take to be detected under the job's health rule, read from the configuration the
         launch wrote to its run directory (what actually runs)."""
         return health_rule(load(str(self.run_dir / "config.yaml"))).hang_detection_bound_s
+
+    @functools.cached_property
+    def stall_detection_bound_s(self) -> float:
+        """How long an engine that stopped with requests in flight may take to be failed: the job's
+        rollout_stall_timeout_s and one health round."""
+        rule = health_rule(load(str(self.run_dir / "config.yaml")))
+        return rule.stall_s + rule.interval_s
 
     def steps(self) -> int:
         rows = metric_rows(self.run_dir)
@@ -314,20 +361,23 @@ class ServerFaultRun:
         return victim, known
 
     def _inject(self, name: str, signum: signal.Signals, window: Callable[[Server], Callable[[], bool]],
-                poll_s: float, hit: Callable[[FaultRecord], bool]) -> FaultRecord:
-        """Send `signum` to a serving instance's group when `window(server)()` holds, observe the recovery, and
-        keep the record when `hit(record)` proves the window was met (else try again on the next instance)."""
+                poll_s: float, hit: Callable[[FaultRecord], bool], engine_only: bool = False) -> FaultRecord:
+        """Send `signum` to a serving instance's group (`engine_only`: its engine core) when `window(server)()`
+        holds, observe the recovery, and keep the record when `hit(record)` proves the window was met (else try
+        again on the next instance)."""
         if name in self._spare:
             return self._keep(self._spare.pop(name))
         for attempt in range(1, ATTEMPTS + 1):
             victim, known = self._victim()
             pids = group_members(victim.pgid)
             before = self.steps()
-            fault_at = victim.hit_when(window(victim), signum, WINDOW_S, poll_s)
+            fault_at = victim.hit_when(window(victim), signum, WINDOW_S, poll_s, engine_only)
             record = FaultRecord(name, victim.id, pids, fault_at, before, attempts=attempt)
             if signum == signal.SIGSTOP:
                 record.extra["stopped_processes"] = stopped_within(pids, STOP_SEEN_S)
-            self._observe(record, known)
+            if engine_only:
+                record.extra["health_status_while_stopped"] = victim.health_status()
+            self._observe(record, known, self.stall_detection_bound_s if engine_only else None)
             if hit(record):
                 return self._keep(record)
             if record.mid_reload and not record.requests_resent:
@@ -348,6 +398,10 @@ class ServerFaultRun:
 
     def hang(self) -> FaultRecord:
         return self._inject("hung_server", signal.SIGSTOP, Server.generating, 0.02, lambda r: r.requests_resent > 0)
+
+    def hang_engine(self) -> FaultRecord:
+        return self._inject("hung_engine", signal.SIGSTOP, Server.generating, 0.02, lambda r: r.requests_resent > 0,
+                            engine_only=True)
 
     def hang_mid_restart(self) -> FaultRecord:
         """In a job that reloads by restarting its servers: SIGSTOP of the new server a publish's restart reload

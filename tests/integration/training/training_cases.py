@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from dataclasses import replace
 from typing import Any
+
+import psutil
 
 from libra.algo.spec import AlgorithmSpec
 from libra.config.mapping import cpu_config, tiny_model_spec, training_pool_spec
@@ -95,3 +98,20 @@ def hf_reference_step(model_dir: str, samples: list[TrainSample], spec: Algorith
     squares = [(p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None]
     grad_norm = torch.stack(squares).sum().sqrt()
     return float(loss.detach()), float(grad_norm)
+
+
+def still_running(pids: list[int], wait_s: float = 30.0) -> list[int]:
+    """The pids of `pids` still running (not gone, not a zombie) after up to `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = [p for p in pids if _running(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

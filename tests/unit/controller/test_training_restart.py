@@ -1,5 +1,5 @@
-"""A training worker lost during a step (fake pools): the RL loop has the session restart the training pool,
-goes back to the newest complete checkpoint (never one the dead worker left half-written), trains the later
+"""A training worker lost (died or hung) during a step (fake pools): the RL loop has the session restart the
+training pool, goes back to the newest complete checkpoint (never one the dead worker left half-written), trains the later
 steps again and counts each step once; a worker lost again and again fails the job with a clear error, and
 any other training error fails it unchanged."""
 
@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from libra.cluster.training_workers import WorkerLostError
+from libra.cluster.training_workers import WorkerHungError, WorkerLostError
 from libra.config import load_dict
 from libra.controller.desired_store import DesiredStore
 from libra.controller.events import EventLog
-from libra.controller.pools import training_worker_lost
+from libra.controller.pools import training_worker_loss
 from libra.controller.reporting import Reporter
 from libra.controller.rl_loop import RLLoop, TrainingWorkersLostError
 from libra.controller.services import JobSession
@@ -73,10 +73,13 @@ class Rollout:
 
 
 class Training:
-    """A training pool whose worker dies in the calls named by `deaths` ((method, step) pairs, or `always`)."""
+    """A training pool whose worker dies in the calls named by `deaths` ((method, step) pairs, or `always`), and
+    hangs (its call outlives the deadline) in those named by `hangs`."""
 
-    def __init__(self, deaths: set[tuple[str, int]], always: bool = False, other_error: bool = False) -> None:
+    def __init__(self, deaths: set[tuple[str, int]], always: bool = False, other_error: bool = False,
+                 hangs: set[tuple[str, int]] = frozenset()) -> None:  # type: ignore[assignment]
         self.deaths = set(deaths)
+        self.hangs = set(hangs)
         self.always = always
         self.other_error = other_error
         self.step = 0
@@ -92,6 +95,9 @@ class Training:
                 raise WorkerLostError(f"libra-train.{method}: the process of rank(s) [0] died", [0])
             except WorkerLostError as lost:  # the pool's wrapper re-raises with the worker error as cause
                 raise RuntimeError(f"{method} failed") from lost
+        if (method, step) in self.hangs:
+            self.hangs.discard((method, step))
+            raise WorkerHungError(f"libra-train.{method}: rank(s) [0] did not finish within 30s", [0])
 
     def train_step(self, samples: list[Any], step: int) -> dict[str, float]:
         self._maybe_die("train_step", step)
@@ -100,6 +106,7 @@ class Training:
         return {"loss": 0.1, "tokens": float(len(samples) * 2)}
 
     def export_hf(self, out_dir: str) -> str:
+        self._maybe_die("export_hf", self.step)
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         return "sha256t1:fake"
 
@@ -114,7 +121,7 @@ class Training:
         return self.step
 
     def restart(self, exc: BaseException) -> dict[str, Any] | None:
-        assert training_worker_lost(exc), f"asked to restart after an error that is no lost worker: {exc!r}"
+        assert training_worker_loss(exc), f"asked to restart after an error that is no lost worker: {exc!r}"
         self.restarts += 1
         self.step = 0  # the new workers hold the initial weights
         return {"switch_s": 0.5}
@@ -148,7 +155,7 @@ def make_loop(tmp_path: Path, training: Training, replan_onto_capacity: Any = No
     session = JobSession(training=training, generation=rollout, desired=store,  # type: ignore[arg-type]
                          publish_weights=rollout.publish_weights, served_versions=lambda: [rollout.version],
                          wake_reconciler=lambda: None, pool_status=dict, pool_text=dict, tick_errors=lambda: 0,
-                         training_lost=training_worker_lost, restart_training=training.restart,
+                         training_loss=training_worker_loss, restart_training=training.restart,
                          replan_onto_capacity=replan_onto_capacity)
     loop = RLLoop(cfg, run, session, events, Reporter(run, "t", END_STEP, NullConsole(), events, None), Task(),
                   Tokenizer(), StopRequest(), END_STEP)
@@ -186,6 +193,45 @@ def test_a_lost_worker_resumes_from_the_newest_complete_checkpoint(
     assert [e["steps_repeated"] for e in recovered] == repeated
     assert [e["lost_step"] for e in _events(run, "train_recovered")] == [s for _, s in sorted(deaths, key=lambda d: d[1])]
     assert len(_events(run, "train_worker_lost")) == len(resumed)
+
+
+@pytest.mark.parametrize(
+    ("hangs", "trained"),
+    [
+        pytest.param({("train_step", 4)}, [1, 2, 3, 3, 4, 5, 6], id="mid-step"),
+        pytest.param({("export_hf", 3)}, [1, 2, 3, 3, 4, 5, 6], id="mid-weight-export-after-the-step"),
+        pytest.param({("save_checkpoint", 4)}, [1, 2, 3, 4, 3, 4, 5, 6], id="mid-checkpoint-write"),
+    ],
+)
+def test_a_hung_worker_is_recovered_as_a_lost_one_and_said_so(
+        tmp_path: Path, hangs: set[tuple[str, int]], trained: list[int]) -> None:
+    training = Training(set(), hangs=hangs)
+    loop, run = run_loop(tmp_path, training)
+    assert loop.state.step == END_STEP and training.trained == trained and training.restarts == 1
+    rows = [json.loads(line) for line in run.metrics_jsonl.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, END_STEP + 1)), "each step counted once"
+    [lost] = _events(run, "train_worker_lost")
+    assert lost["how"] == "hung" and "a training worker hung during step" in lost["message"]
+    [recovered] = _events(run, "train_recovered")
+    assert recovered["lost_step"] == min(step for _, step in hangs)
+
+
+@pytest.mark.parametrize(
+    ("error", "how"),
+    [
+        pytest.param(WorkerLostError("rank 0 died", [0]), "died", id="died"),
+        pytest.param(WorkerHungError("rank 0 did not finish", [0]), "hung", id="hung"),
+        pytest.param(ValueError("a bug in the loss"), "", id="another-error"),
+    ],
+)
+def test_how_a_worker_was_lost_is_read_through_the_chain_of_causes(error: Exception, how: str) -> None:
+    try:
+        try:
+            raise error
+        except Exception as inner:
+            raise RuntimeError("train_step failed") from inner
+    except RuntimeError as outer:
+        assert training_worker_loss(outer) == how
 
 
 @pytest.mark.parametrize(("limit", "restarts"), [
