@@ -269,7 +269,7 @@ class RLLoop:
         """After a training call failed: when a worker died or hung, the session restarts the training pool and
         the loop goes back to the newest complete checkpoint with a new producer; False for any other error."""
         restart, loss = self.session.restart_training, self.session.training_loss
-        how = loss(exc) if restart is not None and loss is not None else ""
+        how = loss(exc) if loss is not None else ""
         if restart is None or not how:
             return False
         step = self._step_in_flight

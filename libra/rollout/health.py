@@ -20,13 +20,14 @@ An instance declared failed has its requests in flight sent to another instance 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from libra.rollout.client import InstanceFailure, ServerClient
-from libra.rollout.router import READY, Router
+from libra.rollout.router import READY, InstanceSlot, Router
 from libra.rollout.spec import HealthRule, HostGoneError
 
 T = TypeVar("T")
@@ -99,21 +100,42 @@ async def engine_tokens(client: ServerClient, rule: HealthRule, in_flight: int) 
     return await client.engine_tokens(rule.timeout_s)
 
 
+@dataclass
+class Watch:
+    """The health rule applied to one instance look after look: /health missed `failures_to_fail` times in a row
+    (`Misses`), or its engine stalled with requests in flight (`Progress`)."""
+
+    rule: HealthRule
+    misses: Misses
+    progress: Progress
+
+    @classmethod
+    def of(cls, rule: HealthRule) -> Watch:
+        return cls(rule, Misses(rule), Progress(rule.stall_s))
+
+    async def look(self, client: ServerClient, in_flight: Callable[[], int]) -> InstanceFailure | None:
+        """One check of /health and, with `in_flight()` requests, of the engine's token count; the failure it
+        finds (`EngineStalledError` for a stall), or None."""
+        busy = in_flight()
+        answered, tokens = await asyncio.gather(client.health(self.rule.timeout_s),
+                                                engine_tokens(client, self.rule, busy))
+        if self.misses.record(answered):
+            return InstanceFailure(self.misses.reason)
+        busy = min(busy, in_flight())  # requests that ended meanwhile do not count
+        if self.progress.record(busy, tokens, time.monotonic()):
+            return EngineStalledError(self.rule.stall_reason(busy))
+        return None
+
+
 async def until_failed(client: ServerClient, rule: HealthRule,
                        in_flight: Callable[[], int] = lambda: 0) -> InstanceFailure:
-    """Check `client` every `rule.interval_s`; the failure once it missed `rule.failures_to_fail` checks in a row,
-    or once its engine stalled with `in_flight()` requests (`EngineStalledError`); runs until cancelled while it
-    answers and moves."""
-    misses, progress = Misses(rule), Progress(rule.stall_s)
+    """Check `client` every `rule.interval_s` (`Watch`); the failure it finds (runs until cancelled while the
+    server answers and its engine moves)."""
+    watch = Watch.of(rule)
     while True:
         await asyncio.sleep(rule.interval_s)
-        busy = in_flight()
-        answered, tokens = await asyncio.gather(client.health(rule.timeout_s), engine_tokens(client, rule, busy))
-        if misses.record(answered):
-            return InstanceFailure(misses.reason)
-        busy = min(busy, in_flight())
-        if progress.record(busy, tokens, time.monotonic()):
-            return EngineStalledError(rule.stall_reason(busy))
+        if (failure := await watch.look(client, in_flight)) is not None:
+            return failure
 
 
 async def unless_hung(work: Awaitable[T], client: ServerClient, rule: HealthRule, what: str,
@@ -152,25 +174,23 @@ async def host_gone(handle: Any, rule: HealthRule) -> str:
     return ""
 
 
+def _in_flight(slot: InstanceSlot) -> int:
+    return slot.outstanding
+
+
 async def monitor(router: Router, rule: HealthRule) -> None:
     """Check every READY instance each round; fail the ones that missed `rule.failures_to_fail` in a row, the
     ones whose host actor is gone, and the ones whose engine stalled with requests in flight."""
-    misses: dict[str, Misses] = {}
-    progress: dict[str, Progress] = {}
+    watches: dict[str, Watch] = {}
     while True:
         await asyncio.sleep(rule.interval_s)
         for slot in sorted(router.slots.values(), key=lambda s: s.id):
             if slot.state != READY:
-                progress.pop(slot.id, None)  # a reload or a start pauses the engine: watch again once it serves
+                if slot.id in watches:  # a reload or a start pauses the engine: its progress counts anew once it serves
+                    watches[slot.id].progress = Progress(rule.stall_s)
                 continue
-            missed = misses.setdefault(slot.id, Misses(rule))
-            in_flight = slot.outstanding
-            answered, gone, tokens = await asyncio.gather(
-                slot.client.health(rule.timeout_s), host_gone(slot.handle, rule),
-                engine_tokens(slot.client, rule, in_flight))
-            failed = missed.record(answered)
-            in_flight = min(in_flight, slot.outstanding)  # requests that ended meanwhile do not count
-            stalled = progress.setdefault(slot.id, Progress(rule.stall_s)).record(in_flight, tokens,
-                                                                                  time.monotonic())
-            if (failed or gone or stalled) and slot.state == READY:
-                await router.fail_instance(slot, gone or (missed.reason if failed else rule.stall_reason(in_flight)))
+            watch = watches.setdefault(slot.id, Watch.of(rule))
+            failure, gone = await asyncio.gather(watch.look(slot.client, functools.partial(_in_flight, slot)),
+                                                 host_gone(slot.handle, rule))
+            if (failure or gone) and slot.state == READY:
+                await router.fail_instance(slot, gone or str(failure))

@@ -5,11 +5,13 @@ not fail its call: it never returns, and every other rank waits for it inside th
 raises, so the pool can only tell from time. The rule (`HangRule`): a call may run `timeout_s`, or `factor`
 times the slowest call of the same kind that completed at the pool's current size and layout, whichever is
 longer. A kind of call that has not completed there yet (a first step carries the warm-up, a first load the
-whole read) may run `first_call_s`. `factor` 0 leaves `timeout_s` alone.
+whole read) may run `first_call_s`. `factor` 0 leaves `timeout_s` alone. The history is of one pool shape
+(`CallDeadlines.at`): at another size or layout calls take other times, so it starts again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 
@@ -32,6 +34,7 @@ class CallDeadlines:
     def __init__(self, rule: HangRule) -> None:
         self.rule = rule
         self._slowest: dict[str, float] = {}
+        self._shape: Hashable = None  # the pool shape (size, layout) the history is of
 
     def deadline(self, kind: str) -> float:
         """Seconds the next `kind` call may run before the pool counts as hung."""
@@ -43,9 +46,12 @@ class CallDeadlines:
     def completed(self, kind: str, seconds: float) -> None:
         self._slowest[kind] = max(seconds, self._slowest.get(kind, 0.0))
 
-    def forget(self) -> None:
-        """At a new size or layout the calls take other times: every kind starts again without history."""
-        self._slowest.clear()
+    def at(self, shape: Hashable) -> None:
+        """The pool runs at `shape` (its size and layout) from now on; at another shape than before, every kind
+        of call starts again without history."""
+        if shape != self._shape:
+            self._slowest.clear()
+            self._shape = shape
 
     def history(self) -> dict[str, float]:
         return dict(self._slowest)

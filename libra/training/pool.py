@@ -61,7 +61,6 @@ class TrainingPool:
         self._unmeasured: ResizeCost | None = None
         self._lock = threading.RLock()
         self.deadlines = CallDeadlines(spec.hang)
-        self._deadlines_at: tuple[int, TrainLayout] | None = None  # the size and layout their history is of
 
     @property
     def group(self) -> TrainingWorkerGroup:
@@ -77,9 +76,7 @@ class TrainingPool:
         """Place the workers, form the process group and load the HF weights into Megatron on every rank."""
         with self._lock:
             t0 = time.perf_counter()
-            if self._deadlines_at != (self.spec.num_gpus, self.layout):
-                self.deadlines.forget()
-                self._deadlines_at = (self.spec.num_gpus, self.layout)
+            self.deadlines.at((self.spec.num_gpus, self.layout))
             group = TrainingWorkerGroup(self.runtime, TrainingWorker, (self.spec,), self.spec.num_gpus, self.name)
             self._group = group
             self.weights_version += 1

@@ -30,9 +30,11 @@ def test_deadline(rule: HangRule, completed: list[tuple[str, float]], kind: str,
 
 def test_a_new_size_or_layout_forgets_the_history() -> None:
     deadlines = CallDeadlines(HangRule(30, 10, first_call_s=900))
+    deadlines.at((2, "tp2"))
     deadlines.completed("train_step", 12.0)
+    deadlines.at((2, "tp2"))  # started again at the same shape (a pool replaced after a lost worker)
     assert deadlines.deadline("train_step") == 120
-    deadlines.forget()
+    deadlines.at((4, "tp2"))
     assert deadlines.deadline("train_step") == 900 and deadlines.history() == {}
 
 
