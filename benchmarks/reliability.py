@@ -126,13 +126,14 @@ from tests.integration.controller.conftest import (  # noqa: E402
 from tests.integration.reliability.server_fault_rig import STARTUP_S as SERVER_JOB_STARTUP_S  # noqa: E402
 from tests.integration.reliability.server_fault_rig import ServerFaultRun, server_job  # noqa: E402
 from tests.integration.reliability.test_worker_faults import (  # noqa: E402
+    CHECKPOINT_EVERY_STEP,
     HANG_TIMEOUT_S,
     freeze_noting,
     kill_noting,
     reap,
     the_worker,
     when_worker_runs,
-    with_hang_timeout,
+    with_options,
 )
 
 END_STEP = 6
@@ -242,9 +243,7 @@ def truncated_newest_checkpoint(root: Path, mirrored: bool = False) -> dict[str,
 
 
 def _with_checkpoint_every_step(config: Path) -> None:
-    data = yaml.safe_load(config.read_text())
-    data["checkpoint"] = {"interval_steps": 1, "keep_last": 3}
-    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    with_options(config, checkpoint=CHECKPOINT_EVERY_STEP)
 
 
 def worker_fault(root: Path, method: str, hang: bool = False) -> dict[str, Any]:
@@ -254,7 +253,7 @@ def worker_fault(root: Path, method: str, hang: bool = False) -> dict[str, Any]:
     run_dir: Path = ws["run_dir"]
     _with_checkpoint_every_step(ws["config"])
     if hang:
-        with_hang_timeout(ws["config"])
+        with_options(ws["config"], train_hang_timeout_s=HANG_TIMEOUT_S)
     note: dict[str, Any] = {}
     try:
         launch = ws["launch"]("--max-steps", str(END_STEP))
@@ -269,16 +268,15 @@ def worker_fault(root: Path, method: str, hang: bool = False) -> dict[str, Any]:
         before = [{"step": step} for step in note["before"]]  # the rows written when the worker died
         figures = fault_figures("", before, metric_rows(run_dir), _resumed_step(run_dir), END_STEP,
                                 SAMPLES_PER_STEP, fault_at, code)
-        figures["details"] = {"exit_code": code, "checkpoint_interval": 1, "killed_in": method,
+        figures["details"] = {"exit_code": code, "checkpoint_interval": 1, "hung_in" if hang else "killed_in": method,
                               "restart_reason": restart[0]["message"][:200] if restart else "",
                               "lost_step": recovered[0]["lost_step"] if recovered else None,
                               "resumed_from_step": _resumed_step(run_dir),
                               "pool_restart_s": restart[0].get("switch_s") if restart else None,
                               "recovery_event_s": recovered[0].get("seconds") if recovered else None}
         if hang:
-            del figures["details"]["killed_in"]
             figures["details"].update(
-                hung_in=method, hang_timeout_s=HANG_TIMEOUT_S, lost_as=lost[0].get("how") if lost else None,
+                hang_timeout_s=HANG_TIMEOUT_S, lost_as=lost[0].get("how") if lost else None,
                 found_after_s=round(float(lost[0]["ts"]) - fault_at, 1) if lost else None,
                 frozen_processes_left=live(note["frozen"] + note["children"]))
         return figures

@@ -26,10 +26,13 @@ def gloo_peer_class() -> type:
     Ray's workers)."""
 
     class GlooPeer:
-        """One rank of a two-rank gloo group whose collective timeout is `collective_timeout_s`."""
+        """One rank of a two-rank gloo group whose collective timeout is `collective_timeout_s`. The ranks meet
+        first at a barrier of a group with a long timeout, so that the seconds between Ray's delivery of a call to
+        one rank and to the other (many, on a loaded machine) never count against the short timeout."""
 
         def __init__(self, collective_timeout_s: float, rank: int, world: int) -> None:
             self.timeout_s, self.rank, self.world = collective_timeout_s, rank, world
+            self.timed_group: object = None
 
         def rendezvous_port(self, host: str) -> int:
             from libra.training.worker import free_port
@@ -40,7 +43,8 @@ def gloo_peer_class() -> type:
             import torch.distributed as dist
 
             dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world,
-                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+                                    timeout=datetime.timedelta(seconds=120))
+            self.timed_group = dist.new_group(timeout=datetime.timedelta(seconds=self.timeout_s))
             return self.rank
 
         def all_reduce(self, odd_rank: int, odd: str) -> float:
@@ -48,6 +52,7 @@ def gloo_peer_class() -> type:
             import torch
             import torch.distributed as dist
 
+            dist.barrier()
             if self.rank == odd_rank:
                 if odd == "stall":
                     time.sleep(120)
@@ -56,7 +61,7 @@ def gloo_peer_class() -> type:
                 elif odd == "raise":
                     raise ValueError("a bug on this rank")
             value = torch.ones(2)
-            dist.all_reduce(value)
+            dist.all_reduce(value, group=self.timed_group)
             return float(value.sum())
 
     return GlooPeer

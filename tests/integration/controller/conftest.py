@@ -291,19 +291,3 @@ def ray_holder(gpus: int, tmp: Path, env: dict[str, str]) -> Iterator[str]:
     with cluster_holder(Path(__file__).with_name("ray_holder.py"), [str(gpus), str(tmp)], env, 60) as (_, info):
         yield info["address"]
 
-
-@pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Ray cluster with 2 logical GPUs that outlives the controllers joining it; its address."""
-    with ray_holder(2, tmp_path_factory.mktemp("ray-holder"), dict(os.environ, RAY_AUTH_MODE="disabled")) as address:
-        yield address
-
-
-@pytest.fixture(scope="session")
-def shared_cluster_workspace(tmp_path_factory: pytest.TempPathFactory, ray_cluster: str) -> Iterator[dict[str, Any]]:
-    """A run directory whose launches join `ray_cluster` (so rollout servers can outlive a controller)."""
-    ws, launches = make_workspace(tmp_path_factory.mktemp("controller-shared"), ray_cluster)
-    try:
-        yield ws
-    finally:
-        stop_everything(ws["run_dir"], launches)

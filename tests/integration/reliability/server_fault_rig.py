@@ -59,6 +59,7 @@ from libra.api.client import OperatorClient
 from libra.config.loader import load
 from libra.config.mapping import health_rule
 from libra.rollout import server_guard
+from libra.rollout.client import engine_token_count
 from libra.rollout.server import START_STALL_S
 from libra.rollout.spec import HealthRule
 
@@ -81,8 +82,6 @@ def server_job(data: dict[str, Any], end_step: int, health: HealthRule | None = 
     rollout_stall_timeout_s when its stall_s is set); None keeps the default one."""
     if health is not None:
         with_health_rule(data, health)
-        if health.stall_s:
-            data["rollout_stall_timeout_s"] = health.stall_s
     data["cluster"]["gpus_per_node"] = 1 + instances
     data["rollout_gpus"] = instances
     data["total_steps"] = end_step
@@ -151,35 +150,33 @@ class Server:
         self.port = int(entry["port"])
         self.conn = http.client.HTTPConnection(entry.get("host") or "127.0.0.1", self.port, timeout=5)
 
-    def get(self, path: str) -> str:
+    def answer(self, path: str) -> tuple[int, str]:
+        """The HTTP status and body of a GET of `path` ((0, "") when the server does not answer)."""
         try:
             self.conn.request("GET", path)
-            return self.conn.getresponse().read().decode()
+            response = self.conn.getresponse()
+            return response.status, response.read().decode()
         except (OSError, http.client.HTTPException):
             self.conn.close()
-            return ""
+            return 0, ""
+
+    def get(self, path: str) -> str:
+        return self.answer(path)[1]
 
     def health_status(self) -> int:
         """The HTTP status of /health (0: no answer)."""
-        try:
-            self.conn.request("GET", "/health")
-            response = self.conn.getresponse()
-            response.read()
-            return response.status
-        except (OSError, http.client.HTTPException):
-            self.conn.close()
-            return 0
+        return self.answer("/health")[0]
 
-    def generated_tokens(self) -> float:
-        lines = self.get("/metrics").splitlines()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:generation_tokens_total"))
+    def engine_tokens(self) -> float:
+        """The prompt and generated tokens the server's engine counted so far (0 when it does not answer)."""
+        return engine_token_count(self.get("/metrics")) or 0.0
 
     def generating(self) -> Callable[[], bool]:
-        """A predicate: the engine produced tokens since the last call (and is not paused for a reload)."""
-        last = [self.generated_tokens()]
+        """A predicate: the engine worked on tokens since the last call (and is not paused for a reload)."""
+        last = [self.engine_tokens()]
 
         def check() -> bool:
-            now = self.generated_tokens()
+            now = self.engine_tokens()
             grew, last[0] = now > last[0], now
             return grew and not self.paused()
 

