@@ -184,6 +184,8 @@ async def monitor(router: Router, rule: HealthRule) -> None:
     watches: dict[str, Watch] = {}
     while True:
         await asyncio.sleep(rule.interval_s)
+        for removed in watches.keys() - router.slots.keys():  # each replacement is a new id: keep what is watched
+            del watches[removed]
         for slot in sorted(router.slots.values(), key=lambda s: s.id):
             if slot.state != READY:
                 if slot.id in watches:  # a reload or a start pauses the engine: its progress counts anew once it serves

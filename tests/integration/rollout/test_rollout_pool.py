@@ -391,13 +391,13 @@ def engine_core(server_pid: int, timeout_s: float = 30.0) -> psutil.Process:
     waited for up to `timeout_s`; the server's process tree in the error when there is none."""
     deadline = time.monotonic() + timeout_s
     while True:
-        tree: dict[int, str] = {}
+        tree: dict[int, tuple[str, str]] = {}  # pid: (status, command line)
         for child in psutil.Process(server_pid).children(recursive=True):
             try:
-                tree[child.pid] = f"{child.status()} {' '.join(child.cmdline())[:160]}"
+                tree[child.pid] = (child.status(), " ".join(child.cmdline())[:160])
             except psutil.Error:
                 continue
-        engines = [pid for pid, line in tree.items() if line.split(" ", 1)[-1].startswith("VLLM::EngineCore")]
+        engines = [pid for pid, (_, command) in tree.items() if command.startswith("VLLM::EngineCore")]
         if len(engines) == 1:
             return psutil.Process(engines[0])
         assert time.monotonic() < deadline, f"no single engine core under server {server_pid}: {tree}"
