@@ -97,7 +97,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -115,6 +114,7 @@ from reliability_load import load_queue_and_status  # noqa: E402
 from libra.rollout.spec import HealthRule  # noqa: E402
 from tests.integration.controller.conftest import (  # noqa: E402
     events,
+    job_file,
     live,
     make_workspace,
     metric_rows,
@@ -122,6 +122,7 @@ from tests.integration.controller.conftest import (  # noqa: E402
     server_pids,
     stop_everything,
     wait_for,
+    with_options,
 )
 from tests.integration.reliability.server_fault_rig import STARTUP_S as SERVER_JOB_STARTUP_S  # noqa: E402
 from tests.integration.reliability.server_fault_rig import ServerFaultRun, server_job  # noqa: E402
@@ -133,7 +134,6 @@ from tests.integration.reliability.test_worker_faults import (  # noqa: E402
     reap,
     the_worker,
     when_worker_runs,
-    with_options,
 )
 
 END_STEP = 6
@@ -212,9 +212,8 @@ def truncated_newest_checkpoint(root: Path, mirrored: bool = False) -> dict[str,
     ws, launches = make_workspace(root)
     run_dir: Path = ws["run_dir"]
     if mirrored:
-        data = yaml.safe_load(ws["config"].read_text())
-        data["checkpoint"]["mirror_dir"] = str(root / "mirror")
-        ws["config"].write_text(yaml.safe_dump(data, sort_keys=False))
+        with job_file(ws["config"]) as data:
+            data["checkpoint"]["mirror_dir"] = str(root / "mirror")
     try:
         first = ws["launch"]("--max-steps", "4")
         first_code = first.wait(timeout=STARTUP_S + 600)
@@ -402,9 +401,8 @@ def server_faults(root: Path, job: str) -> dict[str, dict[str, Any]]:
     ws, launches = make_workspace(root)
     run_dir: Path = ws["run_dir"]
     health = HealthRule(stall_s=ENGINE_STALL_S) if job == "two_inplace_stall" else None
-    ws["config"].write_text(yaml.safe_dump(server_job(yaml.safe_load(ws["config"].read_text()), SERVER_END_STEP,
-                                                      health, instances=instances, reload_method=reload_method),
-                                           sort_keys=False))
+    with job_file(ws["config"]) as data:
+        server_job(data, SERVER_END_STEP, health, instances=instances, reload_method=reload_method)
     started = time.monotonic()
     figures_by_name: dict[str, dict[str, Any]] = {}
     try:

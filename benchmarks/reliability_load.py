@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import yaml
 
 from libra.controller.batching import BatchCollectionTimeout, SampleBuffer
 from libra.controller.events import EventLog
@@ -308,15 +307,18 @@ def _job_under_calls(root: Path, end_step: int, startup_s: float, calls_per_min:
                      ) -> tuple[dict[str, Any], int, list[dict[str, Any]], float]:
     """A launch of the small job for `end_step` steps with `status_load` from its first step to its end:
     (status figures, exit code, metric rows, when the calls started)."""
-    from tests.integration.controller.conftest import make_workspace, metric_rows, stop_everything, wait_for
+    from tests.integration.controller.conftest import (
+        make_workspace,
+        metric_rows,
+        stop_everything,
+        wait_for,
+        with_options,
+    )
 
     root.mkdir(parents=True, exist_ok=True)
     ws, launches = make_workspace(root)
     run_dir: Path = ws["run_dir"]
-    config = yaml.safe_load(ws["config"].read_text())
-    config["total_steps"] = end_step
-    config["checkpoint"] = {"interval_steps": 10, "keep_last": 2}
-    ws["config"].write_text(yaml.safe_dump(config, sort_keys=False))
+    with_options(ws["config"], total_steps=end_step, checkpoint={"interval_steps": 10, "keep_last": 2})
     try:
         launch = ws["launch"]("--max-steps", str(end_step))
         wait_for(lambda: len(metric_rows(run_dir)) >= 1 and (run_dir / "api_address.json").is_file(), startup_s,

@@ -232,6 +232,21 @@ def make_workspace(root: Path, ray_address: str = "") -> tuple[dict[str, Any], l
     return {"root": root, "run_dir": run_dir, "config": config, "launch": launch, "port": port}, launches
 
 
+@contextlib.contextmanager
+def job_file(config: Path) -> Iterator[dict[str, Any]]:
+    """The job file `config` as data to edit in a `with` block, written back when the block ends (left as it was
+    when the block raises)."""
+    data = yaml.safe_load(config.read_text())
+    yield data
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def with_options(config: Path, **options: Any) -> None:
+    """Set top-level `options` in the job file `config`."""
+    with job_file(config) as data:
+        data.update(options)
+
+
 def stop_everything(run_dir: Path, launches: list[Launch]) -> None:
     """Stop whatever the launches of a workspace left running (normally nothing)."""
     for started in launches:

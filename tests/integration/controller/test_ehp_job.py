@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from libra.observability.trace_schema import iter_trace
 
 from .conftest import (
     events,
     group_members,
+    job_file,
     live,
     make_workspace,
     metric_rows,
@@ -40,12 +40,11 @@ def ehp_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     """The finished job: its exit code, run directory and launch output."""
     ws, launches = make_workspace(tmp_path_factory.mktemp("ehp-job"))
     config: Path = ws["config"]
-    data = yaml.safe_load(config.read_text())
-    data["cluster"]["gpus_per_node"] = 4
-    data.update(train_gpus=2, rollout_gpus=2, max_head_offpolicyness=0)
-    data["global_resource_planner"].update(EHP)
-    data["tracking"] = {"backends": ["jsonl"], "console": "plain"}
-    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    with job_file(config) as data:
+        data["cluster"]["gpus_per_node"] = 4
+        data.update(train_gpus=2, rollout_gpus=2, max_head_offpolicyness=0)
+        data["global_resource_planner"].update(EHP)
+        data["tracking"] = {"backends": ["jsonl"], "console": "plain"}
     try:
         launch = ws["launch"]("--max-steps", str(STEPS))
         code = launch.wait(timeout=1200)

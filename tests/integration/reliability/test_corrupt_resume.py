@@ -12,9 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from ..controller.conftest import events, metric_rows
+from ..controller.conftest import events, job_file, metric_rows
 
 STARTUP_S = 420  # Ray + a vLLM-CPU server + Megatron init on 2 loaded cores
 
@@ -37,9 +35,8 @@ def test_resume_skips_a_checkpoint_damaged_in_both_copies_and_restores_one_from_
     ws = job_workspace
     run_dir: Path = ws["run_dir"]
     mirror = run_dir.parent / "mirror"
-    data = yaml.safe_load(ws["config"].read_text())
-    data["checkpoint"]["mirror_dir"] = str(mirror)  # checkpoints at steps 2 and 4 (keep_last 2), then at the end
-    ws["config"].write_text(yaml.safe_dump(data, sort_keys=False))
+    with job_file(ws["config"]) as data:
+        data["checkpoint"]["mirror_dir"] = str(mirror)  # checkpoints at steps 2 and 4 (keep_last 2), then at the end
     first = ws["launch"]("--max-steps", "4")
     assert first.wait(timeout=STARTUP_S + 300) == 0, first.output()[-4000:]
     assert sorted(p.name for p in mirror.iterdir()) == ["step_000002", "step_000004"]

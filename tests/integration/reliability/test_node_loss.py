@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from libra.cluster.ray_runtime import PLACEMENT_TIMEOUT_S
 from libra.run_dir import RunDir
@@ -32,6 +31,7 @@ from libra.run_dir import RunDir
 from ..controller.conftest import (
     cluster_holder,
     events,
+    job_file,
     live,
     make_workspace,
     metric_rows,
@@ -88,15 +88,14 @@ def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_pol
     benchmarks/reliability.py."""
     ws, launches = make_workspace(root, ray_address=cluster.address)
     config: Path = ws["config"]
-    data = yaml.safe_load(config.read_text())
-    data["cluster"].update(num_nodes=2, gpus_per_node=2)
-    data.update(train_gpus=1, rollout_gpus=3)
-    if wait_policy:
-        data.setdefault("global_resource_planner", {}).update(runtime_node_loss_policy="wait",
-                                                              runtime_node_loss_wait_s=WAIT_S)
-    with_health_rule(data, TIGHT_HEALTH)  # a server on the lost node is failed within 21 s
-    data["checkpoint"] = {"interval_steps": 1, "keep_last": 3}
-    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    with job_file(config) as data:
+        data["cluster"].update(num_nodes=2, gpus_per_node=2)
+        data.update(train_gpus=1, rollout_gpus=3)
+        if wait_policy:
+            data.setdefault("global_resource_planner", {}).update(runtime_node_loss_policy="wait",
+                                                                  runtime_node_loss_wait_s=WAIT_S)
+        with_health_rule(data, TIGHT_HEALTH)  # a server on the lost node is failed within 21 s
+        data["checkpoint"] = {"interval_steps": 1, "keep_last": 3}
     run_dir: Path = ws["run_dir"]
     try:
         launch = ws["launch"]("--max-steps", str(steps))
@@ -188,7 +187,7 @@ def test_the_pools_were_re_planned_onto_the_gpus_left(lost_node_job: dict[str, A
     recovered = [e for e in log if e["kind"] == "train_recovered"]
     assert recovered and recovered[-1]["steps_repeated"] == 0, recovered
     assert any(e["kind"] == "capacity_changed" and e["live_gpus"] == 2 for e in log)
-    desired = yaml.safe_load((lost_node_job["run_dir"] / "desired_state.json").read_text())
+    desired = json.loads((lost_node_job["run_dir"] / "desired_state.json").read_text())
     assert (desired["train_gpus"], desired["rollout_instances"], desired["cluster_gpus"]) == (1, 1, 2)
 
 
@@ -226,7 +225,7 @@ def test_the_wait_policy_keeps_its_pools_when_the_node_comes_back(shared_cluster
     assert not [e["message"] for e in log if e["kind"] == "action_error"]
     recovered = [e for e in log if e["kind"] == "train_recovered"]
     assert recovered and recovered[-1]["steps_repeated"] == 0, recovered
-    desired = yaml.safe_load((run_dir / "desired_state.json").read_text())
+    desired = json.loads((run_dir / "desired_state.json").read_text())
     assert (desired["train_gpus"], desired["rollout_instances"]) == (1, 3), desired
 
 

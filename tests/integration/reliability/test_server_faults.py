@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from ..controller.conftest import (
     events,
+    job_file,
     live,
     make_workspace,
     metric_rows,
@@ -48,9 +48,9 @@ def fault_job(root: Path, end_step: int, instances: int) -> tuple[dict[str, Any]
     """A workspace whose job is `server_job` with `instances` rollout instances, the tight health rule and the
     short start-up back-off."""
     ws, launches = make_workspace(root)
-    data = server_job(yaml.safe_load(ws["config"].read_text()), end_step, TIGHT_HEALTH, instances=instances)
-    data["restart_backoff_s"] = RESTART_BACKOFF_S
-    ws["config"].write_text(yaml.safe_dump(data, sort_keys=False))
+    with job_file(ws["config"]) as data:
+        server_job(data, end_step, TIGHT_HEALTH, instances=instances)
+        data["restart_backoff_s"] = RESTART_BACKOFF_S
     return ws, launches
 
 

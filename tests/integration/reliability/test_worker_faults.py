@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from ..controller.conftest import (
     Launch,
@@ -39,6 +38,7 @@ from ..controller.conftest import (
     server_pids,
     stop_everything,
     wait_for,
+    with_options,
 )
 
 pytestmark = pytest.mark.slow_job
@@ -148,13 +148,6 @@ HANG_TIMEOUT_S = 30.0  # train_hang_timeout_s of the jobs with a hung worker: lo
 
 
 CHECKPOINT_EVERY_STEP = {"interval_steps": 1, "keep_last": 3}
-
-
-def with_options(config: Path, **options: Any) -> None:
-    """Set top-level `options` in the job file `config`."""
-    data = yaml.safe_load(config.read_text())
-    data.update(options)
-    config.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def kinds(run_dir: Path, kind: str) -> list[dict[str, Any]]:

@@ -24,6 +24,7 @@ from typing import Any
 
 import psutil
 import pytest
+from integration.vllm_processes import engine_core_pid
 
 from libra.cli.main import main
 from libra.cluster.ray_runtime import RayRuntime
@@ -386,24 +387,6 @@ def _get(url: str) -> tuple[int, str]:
         return 0, str(exc)
 
 
-def engine_core(server_pid: int, timeout_s: float = 30.0) -> psutil.Process:
-    """The engine core process of the server `server_pid` (vLLM titles it `VLLM::EngineCore` once it runs),
-    waited for up to `timeout_s`; the server's process tree in the error when there is none."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        tree: dict[int, tuple[str, str]] = {}  # pid: (status, command line)
-        for child in psutil.Process(server_pid).children(recursive=True):
-            try:
-                tree[child.pid] = (child.status(), " ".join(child.cmdline())[:160])
-            except psutil.Error:
-                continue
-        engines = [pid for pid, (_, command) in tree.items() if command.startswith("VLLM::EngineCore")]
-        if len(engines) == 1:
-            return psutil.Process(engines[0])
-        assert time.monotonic() < deadline, f"no single engine core under server {server_pid}: {tree}"
-        time.sleep(0.5)
-
-
 def test_an_engine_hung_behind_a_live_health_is_failed_by_its_token_counters(holder: PoolHolder) -> None:
     """vLLM's /health asks only whether the engine process reported an error: an engine core stopped (SIGSTOP, as
     one stuck in a kernel) with requests in flight leaves /health answering. The pool fails the instance once
@@ -411,7 +394,8 @@ def test_an_engine_hung_behind_a_live_health_is_failed_by_its_token_counters(hol
     that reason."""
     pool = holder.pool
     [instance] = pool.instances()  # the kill -9 test's survivor
-    engine = engine_core(instance.pid)
+    engine = engine_core_pid(lambda: [child.pid for child in psutil.Process(instance.pid).children(recursive=True)],
+                             f"server {instance.pid}")
     errors: list[BaseException] = []
 
     def generate() -> None:
@@ -425,7 +409,7 @@ def test_an_engine_hung_behind_a_live_health_is_failed_by_its_token_counters(hol
     deadline = time.monotonic() + 60
     while pool.stats().outstanding_by_instance.get(instance.id, 0) == 0 and time.monotonic() < deadline:
         time.sleep(0.005)
-    os.kill(engine.pid, signal.SIGSTOP)
+    os.kill(engine, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
         time.sleep(2.0)
@@ -435,7 +419,7 @@ def test_an_engine_hung_behind_a_live_health_is_failed_by_its_token_counters(hol
             time.sleep(0.2)
         found_after = time.monotonic() - stopped
     finally:
-        os.kill(engine.pid, signal.SIGCONT)
+        os.kill(engine, signal.SIGCONT)
     worker.join(timeout=120)
     [failed] = pool.instances()
     assert health_while_stopped == 200, "the front end answered /health with its engine stopped"
