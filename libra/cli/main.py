@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
 
@@ -37,7 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_grpc_logs(argv: list[str]) -> None:
+    """gRPC's core logs at INFO on the console when a process forks while its threads run (Ray's start forks
+    the driver: "Other threads are currently calling into gRPC, skipping fork() handlers"); only its errors
+    show, unless --debug or the user's own GRPC_VERBOSITY. Set before any command module imports gRPC."""
+    if "--debug" not in argv:
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_grpc_logs(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -23,11 +23,17 @@ class JobEnd:
 
 
 def resume_command(config: str, run_dir: str, overrides: Sequence[str] = (), extra: Sequence[str] = ()) -> str:
-    """The `libra launch` command line that continues the run (the same configuration and overrides)."""
+    """The `libra launch` command line that continues the run (the same configuration and overrides); an
+    `extra` override replaces the launch's own override of the same key instead of following it."""
+    replaced = {_key(override) for override in extra}
     words = ["libra", "launch", config, "--run-dir", run_dir]
-    for override in [*overrides, *extra]:
+    for override in [*(o for o in overrides if _key(o) not in replaced), *extra]:
         words += ["--set", override]
     return " ".join(shlex.quote(word) for word in words)
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].strip()
 
 
 def _saved(end: JobEnd) -> str:

@@ -55,6 +55,7 @@ def test_run_then_ctrl_c(controller_workspace: dict[str, Any]) -> None:
     output = launch.output()
     assert code == 130, output[-4000:]
     assert "Traceback" not in output and "never retrieved" not in output, output[-6000:]
+    assert "fork_posix" not in output, "gRPC's INFO lines about forks reach the console"
     ends = [line for line in output.splitlines() if line.startswith("libra: stopped by")]
     assert len(ends) == 1 and "stopped by Ctrl-C (SIGINT)" in ends[0], output[-3000:]
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,21 @@ def test_one_line_per_end(end: JobEnd, expected: list[str]) -> None:
     for text in expected:
         assert text in line, (text, line)
     assert "--run-dir '/runs/a b' --set optimizer.lr=1e-4" in line
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["total_steps=2"], ["--set", "total_steps=4"]),
+        (["optimizer.lr=1e-4", " total_steps =2"], ["--set", "optimizer.lr=1e-4", "--set", "total_steps=4"]),
+        (["optimizer.lr=1e-4"], ["--set", "optimizer.lr=1e-4", "--set", "total_steps=4"]),
+    ],
+    ids=["the-launch-set-it", "the-launch-set-it-among-others", "the-launch-did-not-set-it"],
+)
+def test_raising_total_steps_replaces_the_launchs_own_override(overrides: list[str], expected: list[str]) -> None:
+    line = stop_line(JobEnd("finished", 2, 2, checkpoint_step=2, total_steps=2), "job.yaml", "/r", overrides)
+    assert shlex.split(line.split("raise total_steps: ", 1)[1]) == ["libra", "launch", "job.yaml", "--run-dir", "/r",
+                                                                    *expected]
 
 
 def test_resume_command_round_trips_through_a_shell() -> None:
@@ -85,3 +101,24 @@ def test_launch_exit_code_and_quiet_output(
     assert len(stop_lines) == 1, out
     assert ("Traceback" in out.err) is traceback_shown
     assert f"--run-dir {tmp_path / 'run'}" in stop_lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "preset", "expected"),
+    [
+        (["launch", "job.yaml"], None, "ERROR"),
+        (["--debug", "launch", "job.yaml"], None, None),
+        (["launch", "job.yaml", "--debug"], None, None),
+        (["launch", "job.yaml"], "DEBUG", "DEBUG"),
+    ],
+    ids=["quiet-by-default", "global-debug-keeps-them", "launch-debug-keeps-them", "the-users-own-setting-wins"],
+)
+def test_grpc_fork_messages_stay_off_the_console(monkeypatch: pytest.MonkeyPatch, argv: list[str],
+                                                 preset: str | None, expected: str | None) -> None:
+    from libra.cli.main import quiet_grpc_logs
+
+    monkeypatch.setenv("GRPC_VERBOSITY", preset or "")  # recorded, so the test's setting is undone after it
+    if preset is None:
+        monkeypatch.delenv("GRPC_VERBOSITY")
+    quiet_grpc_logs(argv)
+    assert os.environ.get("GRPC_VERBOSITY") == expected
