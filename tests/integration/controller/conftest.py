@@ -99,6 +99,7 @@ class Launch:
     def __init__(self, config: Path, run_dir: Path, *extra: str) -> None:
         self.log = run_dir.parent / f"launch-{int(time.time() * 1000)}.log"
         env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+        env.pop("GRPC_VERBOSITY", None)  # as a user's shell has it: set by the CLI itself (a test's main() call sets it here)
         command = [sys.executable, "-m", "libra.cli.main", "launch", str(config), "--run-dir", str(run_dir),
                    "--console", "plain", *extra]
         self._log_fh = open(self.log, "wb")

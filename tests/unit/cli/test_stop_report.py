@@ -93,6 +93,8 @@ def test_launch_exit_code_and_quiet_output(
     from libra.controller import Controller
 
     monkeypatch.setattr(Controller, "run_job", _fake_run_job(outcome))
+    monkeypatch.setenv("GRPC_VERBOSITY", "")  # recorded, so what main() sets is undone after the test
+    monkeypatch.delenv("GRPC_VERBOSITY")
     prefix = ["--debug"] if argv_debug == ["global-debug"] else []
     suffix = [] if argv_debug == ["global-debug"] else argv_debug
     assert main([*prefix, "launch", DEV_CONFIG, "--run-dir", str(tmp_path / "run"), *suffix]) == code
