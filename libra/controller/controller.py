@@ -188,7 +188,7 @@ class Controller:
             os.environ.setdefault(ENV_DIR, str(run.traces))
         self._tracer = PhaseTracer.open(run.root, role="controller", rank=0, enabled=cfg.phase_trace_enabled)
         set_tracer(self._tracer)
-        if "prometheus" in cfg.tracking.backends or cfg.tracking.prometheus_port > 0:
+        if "prometheus" in cfg.tracking.backends:  # a port without the backend serves nothing (tracking.port_unused)
             self.metrics = LibraMetrics()
             self.events.subscribe(self.metrics.record_event)  # actions, reconfigurations, operator calls
             if cfg.tracking.prometheus_port > 0:

@@ -16,6 +16,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 
+class MetricsExporterError(RuntimeError):
+    """The exporter could not start (its port taken, its address not on this machine)."""
+
+
 @dataclass(frozen=True)
 class MetricName:
     name: str
@@ -100,8 +104,15 @@ class LibraMetrics:
         return m.labels(**labels) if labels else m
 
     def serve(self, port: int, address: str = "127.0.0.1") -> int:
-        """Start the HTTP exporter on `address`:`port` (tracking.prometheus_bind_address); returns the port."""
-        server, _thread = start_http_server(port, addr=address, registry=self.registry)
+        """Start the HTTP exporter on `address`:`port` (tracking.prometheus_bind_address); returns the port.
+        A port or address it cannot listen on is a MetricsExporterError naming both options."""
+        try:
+            server, _thread = start_http_server(port, addr=address, registry=self.registry)
+        except OSError as exc:
+            raise MetricsExporterError(
+                f"the Prometheus exporter cannot listen on {address}:{port} (tracking.prometheus_bind_address, "
+                f"tracking.prometheus_port): {exc.strerror or exc}; choose a free tracking.prometheus_port, or 0 "
+                "to serve no metrics") from exc
         self._server = server
         self.port = int(server.server_port)
         return self.port

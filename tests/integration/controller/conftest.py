@@ -24,15 +24,15 @@ import yaml
 REPO = Path(__file__).resolve().parents[3]
 
 
+# Test jobs' listening ports (rollout servers, the Prometheus exporter): below the training rendezvous ports
+# (20000-32767) and the kernel's ephemeral range, where an outgoing connection's local port could take one between
+# the pick and the job's bind (a job's exporter failed to start so, "Address already in use").
+TEST_LISTEN_PORTS = range(10000, 20000)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-# Test jobs' rollout ports: below the training rendezvous ports (20000-32767) and the kernel's ephemeral range,
-# where an outgoing connection's local port could take one between the pick and the server's bind.
-ROLLOUT_TEST_PORTS = range(10000, 20000)
+    """A port free now for one listener of a test job (its Prometheus exporter)."""
+    return free_port_base(span=1)
 
 
 def free_port_base(span: int = 8) -> int:
@@ -40,10 +40,10 @@ def free_port_base(span: int = 8) -> int:
     a server never answers for another job's instance (the configured default, 8100, is shared)."""
     draw = random.SystemRandom()
     for _ in range(50):
-        base = draw.randrange(ROLLOUT_TEST_PORTS.start, ROLLOUT_TEST_PORTS.stop - span)
+        base = draw.randrange(TEST_LISTEN_PORTS.start, TEST_LISTEN_PORTS.stop - span)
         if all(_port_free(base + i) for i in range(span)):
             return base
-    raise RuntimeError(f"no {span} consecutive free ports found in {ROLLOUT_TEST_PORTS}")
+    raise RuntimeError(f"no {span} consecutive free ports found in {TEST_LISTEN_PORTS}")
 
 
 def _port_free(port: int) -> bool:

@@ -81,3 +81,36 @@ def test_controller_builds_the_task_before_ray(tmp_path: Path, monkeypatch: pyte
     with pytest.raises(TaskError) as info:
         controller.run_job()
     assert info.value.field == "task.eval_dataset_path"
+
+
+class _StopBeforeTheModel(Exception):
+    pass
+
+
+def _stop_before_the_model(*args: object, **kwargs: object) -> None:
+    raise _StopBeforeTheModel
+
+
+@pytest.mark.parametrize(("backends", "serves"), [(["jsonl"], False), (["jsonl", "prometheus"], True)],
+                         ids=["port-without-the-backend-serves-nothing", "the-backend-serves-on-the-port"])
+def test_the_exporter_starts_only_with_the_prometheus_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              backends: list[str], serves: bool) -> None:
+    """What `tracking.port_unused` tells the user (a port without the backend is ignored) is what runs."""
+    import socket
+
+    from libra.config import load
+    from libra.controller import Controller, LaunchOptions, bootstrap
+    from libra.run_dir import RunDir
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = _dataset_job(tmp_path, range(100, 104))
+    cfg = load(str(config), [f"run_dir={tmp_path / 'run'}", f"tracking.backends={backends}",
+                             f"tracking.prometheus_port={port}"])
+    assert any("tracking.port_unused" in w for w in cfg.warnings) is not serves
+    monkeypatch.setattr(bootstrap, "ensure_tiny_model", _stop_before_the_model)  # the exporter started before
+    controller = Controller(cfg, RunDir.at(cfg.run_dir), LaunchOptions(console="off", install_signal_handlers=False))
+    with pytest.raises(_StopBeforeTheModel):
+        controller.run_job()
+    assert (controller.metrics is not None and controller.metrics.port == port) is serves

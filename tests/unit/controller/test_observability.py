@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from libra.controller.events import EventLog
 from libra.observability.console import PlainConsole, make_console, step_line
-from libra.observability.metrics import ALL, DISCARDED_SAMPLES, LibraMetrics
+from libra.observability.metrics import ALL, DISCARDED_SAMPLES, LibraMetrics, MetricsExporterError
 
 ROW = {
     "step": 7, "reward_mean": 0.625, "rollout_tokens_per_s": 812.0, "train_tokens_per_s": 300.0,
@@ -22,6 +25,19 @@ def test_metric_names_are_unique_and_prefixed() -> None:
     names = [m.name for m in ALL]
     assert len(names) == len(set(names))
     assert all(n.startswith("libra_") for n in names)
+
+
+@pytest.mark.parametrize("where", ["taken-port", "address-not-on-this-machine"])
+def test_an_exporter_that_cannot_listen_names_the_options_and_the_value(where: str) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        address, port = ("127.0.0.1", held.getsockname()[1]) if where == "taken-port" else ("192.0.2.123", 9464)
+        with pytest.raises(MetricsExporterError) as raised:
+            LibraMetrics().serve(port, address)
+    message = str(raised.value)
+    assert f"{address}:{port}" in message and "tracking.prometheus_port" in message, message
+    assert "tracking.prometheus_bind_address" in message and "choose a free tracking.prometheus_port" in message
 
 
 def test_prometheus_endpoint_serves_step_figures() -> None:
