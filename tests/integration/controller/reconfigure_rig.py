@@ -125,13 +125,12 @@ class Rig:
             raise TimeoutError(f"reconfiguration not done in {timeout:.0f} s: {self.store.get().reconfiguring}; "
                                f"members {self.members()}; events {self.events.recent(15)}")
 
-    def change_under_requests(self, instances: int | None, strategy: str, timeout: float,
-                              tp: int | None = None) -> RequestStream:
+    def change_under_requests(self, instances: int, strategy: str, timeout: float) -> RequestStream:
         """A rollout-pool change (`request`) made and waited for while a request stream keeps the pool busy; the
         stream, checked: no request failed, some were answered, and an instance served after each answer."""
         with RequestStream(pool_of(self)) as stream:
             time.sleep(2)
-            self.request(instances, strategy, tp)
+            self.request(instances, strategy)
             self.wait_done(timeout)
             time.sleep(1)
         assert stream.failures == []
