@@ -277,8 +277,11 @@ def run_policy(policy: str, config: Path, run_dir: Path, overrides: list[str], s
     return figures
 
 
-def ehp_runs(work: Path, shape: Shape, ray_address: str, cpu_per_gpu: float) -> dict[str, Any]:
-    """configs/dev.yaml, synchronous, 2 training + 2 rollout GPUs, without and with EHP borrowing both."""
+def ehp_runs(work: Path, shape: Shape, ray_address: str, cpu_per_gpu: float, rounds: int = 1) -> dict[str, Any]:
+    """configs/dev.yaml, synchronous, 2 training + 2 rollout GPUs, without and with EHP borrowing both; with
+    `rounds` > 1 the pair runs that many times, in alternating order (without first in the first round), and
+    the figures pool every round (`elastic_gain_figures.ehp_rounds`); the first round's own figures stay
+    beside them (`first_round`)."""
     config = REPO / "configs" / "dev.yaml"
     base = ["cluster.num_nodes=1", "cluster.gpus_per_node=4", f"cluster.ray_address={ray_address}",
             f"cluster.metered_cpu_per_gpu={cpu_per_gpu}", f"model_path={work / 'dev-model'}",
@@ -287,23 +290,37 @@ def ehp_runs(work: Path, shape: Shape, ray_address: str, cpu_per_gpu: float) -> 
             f"{GRP}.runtime_dynamic_reconfiguration_enabled=true", f"{GRP}.runtime_reconfigure_training=true",
             f"{GRP}.elastic_hybrid_replica_size_gpus=1", "task.eval_interval=0", "checkpoint.interval_steps=0",
             "tracking.backends=[jsonl]", "tracking.console=plain"]
-    runs = {}
-    for name, keep in (("without", 2), ("with", 0)):  # rollout GPUs EHP may never borrow
-        run_dir = work / f"ehp-{name}"
-        overrides = [*base, f"{GRP}.elastic_hybrid_min_rollout_gpus={keep}"]
-        waited = settle()
-        print(f"[elastic_gain] ehp {name} (after {waited:g} s for the load to settle)", flush=True)
-        runs[name] = launch(config, run_dir, overrides, shape.ehp_steps, shape.run_timeout_s)
-        runs[name]["settle_s"] = waited
-        runs[name]["rows"] = fig.read_jsonl(run_dir / "metrics.jsonl")
+    keep = {"without": 2, "with": 0}  # rollout GPUs EHP may never borrow
+    played: list[dict[str, dict[str, Any]]] = []
+    for index in range(rounds):
+        order = ("without", "with") if index % 2 == 0 else ("with", "without")
+        runs: dict[str, dict[str, Any]] = {}
+        for name in order:
+            run_dir = work / (f"ehp-{name}" if index == 0 else f"ehp-{name}-{index + 1}")
+            overrides = [*base, f"{GRP}.elastic_hybrid_min_rollout_gpus={keep[name]}"]
+            waited = settle()
+            print(f"[elastic_gain] ehp {name}, round {index + 1} of {rounds} (after {waited:g} s for the load to "
+                  "settle)", flush=True)
+            runs[name] = launch(config, run_dir, overrides, shape.ehp_steps, shape.run_timeout_s)
+            runs[name]["settle_s"] = waited
+            runs[name]["rows"] = fig.read_jsonl(run_dir / "metrics.jsonl")
+        played.append(runs)
     result: dict[str, Any] = {"job": "configs/dev.yaml, synchronous (max_head_offpolicyness 0), train 2 | rollout 2"}
     try:
-        result.update(fig.ehp_figures(runs["without"]["rows"], runs["with"]["rows"], borrowed_gpus=2))
+        first = fig.ehp_figures(played[0]["without"]["rows"], played[0]["with"]["rows"], borrowed_gpus=2)
+        if rounds == 1:
+            result.update(first)
+        else:
+            pooled = fig.ehp_rounds([(r["without"]["rows"], r["with"]["rows"]) for r in played])
+            for entry, runs in zip(pooled["rounds"], played, strict=True):
+                entry["order"] = [name for name in runs]
+            result.update({**first, **pooled, "first_round": first})
     except ValueError as exc:
         result["error"] = str(exc)
-    for name, outcome in runs.items():
-        outcome.pop("rows")
-        result[f"run_{name}"] = outcome
+    for index, runs in enumerate(played):
+        for name, outcome in runs.items():
+            outcome.pop("rows")
+            result[f"run_{name}" if index == 0 else f"run_{name}_{index + 1}"] = outcome
     return result
 
 
@@ -318,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-ehp", action="store_true", help="leave out the EHP part")
     parser.add_argument("--only-ehp", action="store_true", help="run the EHP part alone (no policy runs)")
     parser.add_argument("--ehp-steps", type=int, default=0, help="steps of each EHP run (default: 3 quick, 20 full)")
+    parser.add_argument("--ehp-rounds", type=int, default=1, help="run the EHP pair (without, with) this many times, "
+                                                                  "in alternating order, and pool the figures")
     parser.add_argument("--image", default="", help="also draw the split-over-time picture to this PNG "
                                                      "(benchmarks/elastic_gain_plot.py)")
     parser.add_argument("--rerun", nargs="+", default=[], metavar="RUN",
@@ -336,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rerun and --repeat need an existing --out result, a --reason, and no --only-ehp")
     if args.only_ehp and args.skip_ehp:
         parser.error("--only-ehp and --skip-ehp exclude each other")
+    if args.ehp_rounds < 1:
+        parser.error(f"--ehp-rounds {args.ehp_rounds}: give at least 1")
     if args.ehp_steps < 0 or args.ehp_steps == 1:
         parser.error(f"--ehp-steps {args.ehp_steps}: give at least 2 (the first step is the warm-up)")
     os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -378,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
             if reason:
                 raise SystemExit(f"the {policy} run does not validate: {reason}")
         runs = [run_policy(policy, config, work / name, [*base, *extra], shape) for policy, name, extra in plans]
-        ehp = {} if args.skip_ehp or again else ehp_runs(work, shape, runtime.address, args.cpu_per_gpu)
+        ehp = {} if args.skip_ehp or again else ehp_runs(work, shape, runtime.address, args.cpu_per_gpu,
+                                                         args.ehp_rounds)
     finally:
         runtime.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -465,13 +487,13 @@ def only_ehp(args: argparse.Namespace, shape: Shape, runtime: Any, ray_tmp: str,
              started: float) -> int:
     """`--only-ehp`: the EHP part alone, written with the machine and the load it ran under."""
     try:
-        ehp = ehp_runs(work, shape, runtime.address, args.cpu_per_gpu)
+        ehp = ehp_runs(work, shape, runtime.address, args.cpu_per_gpu, args.ehp_rounds)
     finally:
         runtime.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
     cores = os.cpu_count() or 1
-    loads = [x for name in ("run_without", "run_with") for key in ("load_before", "load_after")
-             for x in (ehp.get(name, {}).get(key) or [0.0])[:1]]
+    loads = [x for name, run in ehp.items() if name.startswith("run_") and isinstance(run, dict)
+             for key in ("load_before", "load_after") for x in (run.get(key) or [0.0])[:1]]
     notes = [
         "train_phase_s_without / train_phase_s_with are medians over the steps after the first: the first "
         "borrowing step starts the borrowed workers (first_attach_s, train_phase_s_with_first_step); the later "
@@ -480,6 +502,11 @@ def only_ehp(args: argparse.Namespace, shape: Shape, runtime: Any, ray_tmp: str,
         "the GPU it borrows, beside the lending server (resident, idle while the training phase runs).",
         period_note(args.cpu_per_gpu),
     ]
+    if args.ehp_rounds > 1:
+        notes.append(f"The pair of runs ran {args.ehp_rounds} times, in alternating order (rounds[].order); "
+                     "train_phase_s_without / train_phase_s_with / speedup / breakdown pool every round's steps "
+                     "after its warm-up step, speedup_per_round gives each round's own ratio, and first_round (also "
+                     "the top-level fields other than those) the first round's figures.")
     if loads and max(loads) > 0.5 * cores:
         notes.append(f"The machine was shared and loaded (1-minute load average up to {max(loads)} on {cores} "
                      "cores, see run_without/run_with): other work competed for the cores the metered slices "
@@ -489,6 +516,7 @@ def only_ehp(args: argparse.Namespace, shape: Shape, runtime: Any, ray_tmp: str,
         "cpu_per_gpu": args.cpu_per_gpu,
         "form": "quick" if args.quick else "full",
         "ehp_steps": shape.ehp_steps,
+        "ehp_rounds": args.ehp_rounds,
         "ehp": ehp,
         "not_covered": notes,
         "benchmark_wall_s": round(time.monotonic() - started, 1),
@@ -499,7 +527,8 @@ def only_ehp(args: argparse.Namespace, shape: Shape, runtime: Any, ray_tmp: str,
     print(f"[elastic_gain] wrote {args.out}", flush=True)
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
-    ok = all(ehp.get(f"run_{n}", {}).get("exit_code") == 0 for n in ("without", "with")) and "error" not in ehp
+    ok = all(run.get("exit_code") == 0 for name, run in ehp.items() if name.startswith("run_")
+             and isinstance(run, dict)) and "error" not in ehp
     return 0 if ok else 1
 
 

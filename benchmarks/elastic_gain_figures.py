@@ -209,7 +209,7 @@ PHASE_PARTS = ("train_time_forward_backward_s", "train_time_combine_optimizer_s"
                "train_ehp_wait_core_forward_backward_s", "train_ehp_wait_finish_s",
                # the slowest borrowed rank's own compute, and CPU seconds beside the wall seconds
                "train_ehp_borrowed_recompute_s", "train_ehp_borrowed_forward_backward_s",
-               "train_time_recompute_cpu_s", "train_time_forward_backward_cpu_s",
+               "train_time_recompute_cpu_s", "train_time_forward_backward_cpu_s", "train_time_train_cpu_s",
                "train_ehp_borrowed_recompute_cpu_s", "train_ehp_borrowed_forward_backward_cpu_s")
 
 
@@ -265,3 +265,45 @@ def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], b
         "train_phase_s_per_step": {"without": [round(float(r["time_train_s"]), 3) for r in a],
                                    "with": [round(float(r["time_train_s"]), 3) for r in b]},
     }
+
+
+def ehp_rounds(rounds: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]], warmup_steps: int = 1
+               ) -> dict[str, Any]:
+    """Several rounds of the same pair of runs (without and with EHP), run in alternating order so that a
+    machine slowing down or speeding up over the benchmark weighs on both sides: the training phase's median
+    over every step after the warm-up of every run of each side (`train_phase_s_without`, `train_phase_s_with`,
+    `speedup` their ratio), each round's own figures and ratio, the median of those ratios, and the pooled
+    breakdown (medians of the parts over the same steps)."""
+    if not rounds:
+        raise ValueError("no EHP rounds")
+    pooled: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
+    per_round = []
+    for without, with_ehp in rounds:
+        a, b = last_session(without), last_session(with_ehp)
+        if len(a) <= warmup_steps or len(b) <= warmup_steps:
+            raise ValueError(f"an EHP round wrote {len(a)} and {len(b)} steps: need more than {warmup_steps} each")
+        pooled["without"] += a[warmup_steps:]
+        pooled["with"] += b[warmup_steps:]
+        slow = statistics.median(float(r["time_train_s"]) for r in a[warmup_steps:])
+        fast = statistics.median(float(r["time_train_s"]) for r in b[warmup_steps:])
+        per_round.append({"train_phase_s_without": round(slow, 3), "train_phase_s_with": round(fast, 3),
+                          "speedup": round(slow / fast, 3) if fast > 0 else None})
+
+    def median_of(rows: list[dict[str, Any]], key: str) -> float | None:
+        values = [float(r[key]) for r in rows if isinstance(r.get(key), int | float)]
+        return round(statistics.median(values), 3) if values else None
+
+    without_s, with_s = median_of(pooled["without"], "time_train_s"), median_of(pooled["with"], "time_train_s")
+    ratios = [r["speedup"] for r in per_round if r["speedup"] is not None]
+    return {
+        "train_phase_s_without": without_s,
+        "train_phase_s_with": with_s,
+        "speedup": round(without_s / with_s, 3) if without_s is not None and with_s else None,
+        "speedup_per_round": ratios,
+        "speedup_median_of_rounds": round(statistics.median(ratios), 3) if ratios else None,
+        "steps_pooled": [len(pooled["without"]), len(pooled["with"])],
+        "rounds": per_round,
+        "breakdown": {name: {part: value for part in PHASE_PARTS if (value := median_of(rows, part)) is not None}
+                      for name, rows in pooled.items()},
+    }
+

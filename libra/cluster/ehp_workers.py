@@ -96,12 +96,18 @@ def call_refs(group: TrainingWorkerGroup, method: str, *args: Any) -> list[Any]:
     return [getattr(actor, method).remote(*args) for actor in group.actors]
 
 
-def call_each(group: TrainingWorkerGroup, method: str, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
+def call_each(group: TrainingWorkerGroup, method: str, per_rank: Sequence[Sequence[Any]],
+              num_returns: int = 1) -> list[Any]:
     """Start `method(*per_rank[r])` on rank r; arguments that are object references reach the rank as their
-    values (Ray resolves them where the rank runs)."""
+    values (Ray resolves them where the rank runs; a call whose argument's call failed fails without running).
+    With `num_returns` > 1 the method returns that many values and each rank's entry is a tuple of as many
+    references, one per value."""
     if len(per_rank) != len(group.actors):
         raise ValueError(f"{group.name}.{method}: {len(per_rank)} argument lists for {len(group.actors)} ranks")
-    return [getattr(actor, method).remote(*args) for actor, args in zip(group.actors, per_rank, strict=True)]
+    if num_returns == 1:
+        return [getattr(actor, method).remote(*args) for actor, args in zip(group.actors, per_rank, strict=True)]
+    return [tuple(getattr(actor, method).options(num_returns=num_returns).remote(*args))
+            for actor, args in zip(group.actors, per_rank, strict=True)]
 
 
 def gather(group: TrainingWorkerGroup, method: str, refs: list[Any], timeout: float | None) -> list[Any]:

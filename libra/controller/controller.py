@@ -378,7 +378,7 @@ class Controller:
             return None
         assert self.tracker is not None
         borrower = EhpBorrower(self.cfg, switch, self.rollout_edge, self.train_edge, self.tracker, self.gate,
-                               self.events, self.desired_state)
+                               self.events, self.desired_state, observe_now=self.wake_reconciler)
         assert self.reporter is not None
         self.reporter.set_state("starting", message="starting the borrowed training replicas on rollout GPUs")
         borrower.prewarm()

@@ -154,7 +154,8 @@ class EhpBorrower:
     `rollout` / `train` are the controller's pool edges (`libra.controller.pools`)."""
 
     def __init__(self, cfg: Config, switch: EhpSwitch, rollout: Any, train: Any, tracker: MemberTracker,
-                 gate: WeightGate, events: EventLog, desired: Callable[[], DesiredState]) -> None:
+                 gate: WeightGate, events: EventLog, desired: Callable[[], DesiredState],
+                 observe_now: Callable[[], None] = lambda: None) -> None:
         self.cfg = cfg
         self.switch = switch
         self.rollout = rollout
@@ -163,6 +164,7 @@ class EhpBorrower:
         self.gate = gate
         self.events = events
         self.desired = desired
+        self.observe_now = observe_now  # asks the control loop for an observation now rather than at its next tick
         self.settle_s = SETTLE_S
         self._last_skip = ""
         self._parked: ParkedBorrow | None = None
@@ -178,14 +180,21 @@ class EhpBorrower:
         flip, an instance given back a moment ago) clears within seconds while the synchronous job's rollout
         pool idles, so a transient refusal is decided again for up to `settle_s` before the step gives up its
         borrowed replicas; each retry waits for the tracker's next change (an action done, a member moved or
-        observed), not for a clock."""
+        observed), not for a clock. The first refusal also asks for an observation at once: the members the
+        tracker holds are the last tick's view, and a tick that fell inside the last weight publish saw the
+        instances reloading (LOADING) until the next tick, up to a control interval later, although they
+        serve the new weights since the publish's ACKs."""
         deadline = time.monotonic() + self.settle_s
+        observed_now = False
         while True:
             seen = self.tracker.version
             decision, transient = self._decide_now(session, rollout_in_flight)
             remaining = deadline - time.monotonic()
             if decision.lend or not transient or remaining <= 0:
                 return decision
+            if not observed_now:  # once: an observation changes the tracker, which would wake this loop again
+                observed_now = True
+                self.observe_now()
             self.tracker.wait_changed(seen, remaining)
 
     def _decide_now(self, session: Any, rollout_in_flight: int) -> tuple[BorrowDecision, bool]:
@@ -297,6 +306,11 @@ class EhpBorrower:
                     t = time.monotonic()
                     metrics = dict(session.train_step(samples, step))
                     times["step_s"] = time.monotonic() - t
+                if metrics.get("ehp_fallback"):
+                    self.events.emit("ehp_failed", f"a borrowed replica failed in step {step} "
+                                     f"({getattr(session, 'last_fallback_reason', '') or 'see the controller log'}); "
+                                     "the step ran on the training pool alone", step=step, stage="step",
+                                     instances=keys)
                 stage = "detach"
                 park = not decision.sleep
                 with tracer.span("ehp.detach", step, parked=park):
@@ -397,6 +411,8 @@ class EhpBorrower:
             session.detach()
             return
         session.park()
+        if not session.parked:  # the step lost its borrowed replicas (it fell back to the pool alone)
+            return
         desired = self.desired()
         with self._lock:
             self._parked = ParkedBorrow(tuple(lender_identity(members[k]) for k in keys), decision.replicas,

@@ -35,8 +35,10 @@ shard copy (object references, never through the driver); the global batch is sp
 and borrowed DP ranks (`split_shares`); both pools run forward/backward at once with gradient finalization
 deferred; the borrowed gradients, units and metric sums are added on the core side and the core finalizes and
 steps (`libra.training.ehp_steps` explains why that gradient equals the fixed pool's: the loss is a sum of
-per-token numerators over a global unit count). A borrowed rank that fails costs the step its speed-up, not
-its correctness: the session detaches and the core pool reruns the step alone.
+per-token numerators over a global unit count). The core ranks' finish is submitted with the rest of the step,
+its arguments the borrowed ranks' results, so it starts when they exist rather than after a round trip through
+the driver. A borrowed rank that fails costs the step its speed-up, not its correctness: the session detaches
+(which fails the finish that waits on it before it runs) and the core pool reruns the step alone.
 
 Not covered: expert parallelism (EP > 1: expert gradients reduce over expert-DP groups that a borrowed
 world would have to mirror rank by rank) is refused at `attach`.
@@ -144,6 +146,7 @@ class EhpSession:
         self._lock = threading.RLock()
         self.last_attach_reused = False  # the last attach re-attached a parked group (started nothing)
         self.last_stop_reason = ""  # why the last parked group was stopped
+        self.last_fallback_reason = ""  # why the last step that fell back to the pool alone lost its replicas
         # called with the reason whenever a parked group is stopped (for the job's event log)
         self.on_parked_stop: Callable[[str, list[str]], None] | None = None
 
@@ -372,10 +375,13 @@ class EhpSession:
         core_samples = samples[shares[0][0]:shares[0][1]]
         timeout = pool.deadlines.deadline(EHP_STEP)  # each wait of the step; a borrowed world past it falls back
         core_refs: list[Any] = []
+        finish_refs: list[Any] = []
         try:
-            # Submitted at once, awaited later: a (synchronous) actor runs its calls in the order they were
-            # submitted, so each borrowed rank loads the parameters before its forward, while the core ranks
-            # already compute theirs. Parked replicas had them loaded at park, unless the weights changed since.
+            # Every call of the step is submitted at once and awaited later: a (synchronous) actor runs its calls
+            # in the order they were submitted, so each borrowed rank loads the parameters before its forward,
+            # while the core ranks already compute theirs (parked replicas had the parameters loaded at park,
+            # unless the weights changed since). The core ranks' finish takes the borrowed ranks' results as
+            # arguments, so it runs as soon as they exist, without a round trip through this driver.
             prefetched = self._take_prefetched()
             if prefetched is not None:
                 loads = [prefetched[self.worlds.index(w)] for w, _ in active]
@@ -383,30 +389,25 @@ class EhpSession:
                 loads = self._send_params([w for w, _ in active])[1]
             core_refs = ehp_workers.call_refs(pool.group, "ehp", "core_forward_backward",
                                               ehp_workers.share(core_samples), step)
-            world_refs = [ehp_workers.call_refs(w.group, "ehp", "borrowed_forward_backward",
-                                                ehp_workers.share(samples[a:b]), step) for w, (a, b) in active]
-            grads = [ehp_workers.call_refs(w.group, "ehp", "export_grads", step) for w, _ in active]
+            results = []  # per active world, per rank: (summary, grads)
+            for (w, (a, b)), world_loads in zip(active, loads, strict=True):
+                share = ehp_workers.share(samples[a:b])
+                results.append(ehp_workers.call_each(w.group, "ehp", [("borrowed_forward_backward", share, step, load)
+                                                                      for load in world_loads], num_returns=2))
+            finish_refs = self._submit_finish(step, core_dp, active, results)
             marks = {"submit": time.perf_counter()}
             for (w, _), refs in zip(active, loads, strict=True):  # a failed load fails the step's borrow
                 ehp_workers.gather(w.group, "load_params", refs, timeout)
             marks["params"] = time.perf_counter()
-            summaries = [ehp_workers.gather(w.group, "borrowed_forward_backward", refs, timeout)
-                         for (w, _), refs in zip(active, world_refs, strict=True)]
+            summaries = [ehp_workers.gather(w.group, "borrowed_forward_backward", [ref for ref, _ in refs], timeout)
+                         for (w, _), refs in zip(active, results, strict=True)]
             marks["borrowed_forward_backward"] = time.perf_counter()
         except CollectiveCallError as exc:
-            return self._fall_back(samples, step, core_refs, exc)
+            return self._fall_back(samples, step, core_refs, finish_refs, exc)
         ehp_workers.gather(pool.group, "core_forward_backward", core_refs, timeout)
         marks["core_forward_backward"] = time.perf_counter()
-        extra = _combine_summaries(summaries)
-        per_rank: list[list[Any]] = [["core_finish", step, extra] for _ in self._core_keys]
-        for i, ((world, _), world_grads) in enumerate(zip(active, grads, strict=True)):
-            target_dp = 0 if self.settings.decouple_communication_domains else i % core_dp
-            for key, ref in zip(world.keys, world_grads, strict=True):
-                if key[2] == 0:  # a leader: its shard's sum over the world
-                    per_rank[self._core_keys.index((key[0], key[1], target_dp))].append(ref)
         try:
-            refs = ehp_workers.call_each(pool.group, "ehp", per_rank)
-            metrics = dict(ehp_workers.gather(pool.group, "core_finish", refs, timeout)[0])
+            metrics = dict(ehp_workers.gather(pool.group, "core_finish", finish_refs, timeout)[0])
         except CollectiveCallError:
             self.detach(clean=False)
             raise
@@ -419,6 +420,22 @@ class EhpSession:
                        **step_segments(t0, marks), **borrowed_timings(summaries))
         return metrics
 
+    def _submit_finish(self, step: int, core_dp: int, active: list[tuple[BorrowedWorld, tuple[int, int]]],
+                       results: list[list[tuple[Any, Any]]]) -> list[Any]:
+        """Submit every core rank's `core_finish` of `step`: the summary of every borrowed rank of the active
+        worlds (so that every core rank finishes or none does: `libra.training.ehp_steps`, step 3) and, per core
+        shard, the summed grads of the borrowed leaders of that shard; object references, which the ranks
+        receive as values once the borrowed ranks made them."""
+        sizes = [len(refs) for refs in results]
+        summaries = [summary for refs in results for summary, _ in refs]
+        per_rank: list[list[Any]] = [["core_finish", step, sizes, *summaries] for _ in self._core_keys]
+        for i, ((world, _), refs) in enumerate(zip(active, results, strict=True)):
+            target_dp = 0 if self.settings.decouple_communication_domains else i % core_dp
+            for key, (_, grads) in zip(world.keys, refs, strict=True):
+                if key[2] == 0:  # a leader: its shard's sum over the world
+                    per_rank[self._core_keys.index((key[0], key[1], target_dp))].append(grads)
+        return ehp_workers.call_each(self.pool.group, "ehp", per_rank)
+
     def _send_params(self, worlds: list[BorrowedWorld]) -> tuple[list[Any], list[list[Any]]]:
         """Start copying the core pool's current parameters into every rank of `worlds`, shard by shard (the
         core ranks export them, the borrowed ranks load them, never through the driver); the references of the
@@ -428,18 +445,34 @@ class EhpSession:
         return exported, [ehp_workers.call_each(world.group, "ehp", [("load_params", by_shard[(k[0], k[1])])
                                                                   for k in world.keys]) for world in worlds]
 
-    def _fall_back(self, samples: list[TrainSample], step: int, core_refs: list[Any],
+    def _fall_back(self, samples: list[TrainSample], step: int, core_refs: list[Any], finish_refs: list[Any],
                    exc: CollectiveCallError) -> dict[str, float]:
-        """A borrowed rank failed: let the core ranks finish what they started, detach, and run the step on
-        the pool alone (same gradient, without the speed-up). A core rank's failure is raised."""
+        """A borrowed rank failed: detach (the borrowed calls still pending fail, and with them the core ranks'
+        finish that waits on their results), let the core ranks finish what they started, and run the step
+        on the pool alone (same gradient, without the speed-up). Only where the core ranks' finish ran after
+        all (every borrowed rank had made its results before the failure was seen, e.g. a wait that outlived
+        its deadline by a little) is the step already done: its metrics are returned, the step is not run
+        twice. A core rank's failure is raised."""
         if not any(f"{w.group.name}." in str(exc) for w in self.worlds):
             self.detach(clean=False)
             raise exc
         log.warning("%s: a borrowed replica failed (%s); step %d runs on the training pool alone", self.name, exc,
                     step)
+        self.last_fallback_reason = str(exc)
         self.detach(clean=False)  # its other ranks may wait in a collective of their own world
+        wait = self.pool.spec.hang.first_call_s
         if core_refs:
-            ehp_workers.gather(self.pool.group, "core_forward_backward", core_refs, self.pool.spec.hang.first_call_s)
+            ehp_workers.gather(self.pool.group, "core_forward_backward", core_refs, wait)
+        if finish_refs:
+            try:
+                finished = dict(ehp_workers.gather(self.pool.group, "core_finish", finish_refs, wait)[0])
+            except CollectiveCallError:
+                pass  # it never ran: a borrowed result it needed had failed
+            else:
+                log.warning("%s: step %d had finished with the borrowed replicas before their failure was seen",
+                            self.name, step)
+                self.pool.stepped(step)
+                return finished
         metrics = self.pool.train_step(samples, step)
         metrics["ehp_fallback"] = 1.0
         return metrics
@@ -476,17 +509,6 @@ def borrowed_spec(core: TrainingPoolSpec, gpus: int) -> TrainingPoolSpec:
     meg = dataclasses.replace(core.megatron, use_distributed_optimizer=False, use_precision_aware_optimizer=False,
                               optimizer_cpu_offload=False)
     return dataclasses.replace(core, num_gpus=gpus, megatron=meg, trace=None, metering=METERING_OFF)
-
-
-def _combine_summaries(summaries: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """Units and metric sums of every borrowed world (each world's rank 0 holds its world's totals)."""
-    units, sums, scale = 0, [] if not summaries else [0.0] * len(summaries[0][0]["sums"]), 1.0
-    for world in summaries:
-        head = world[0]
-        units += int(head["units"])
-        sums = [a + float(b) for a, b in zip(sums, head["sums"], strict=True)]
-        scale = float(head["loss_scale"])
-    return {"units": units, "sums": sums, "loss_scale": scale}
 
 
 def shard_state(pool: TrainingPool, timeout_s: float | None = None) -> dict[str, Any]:

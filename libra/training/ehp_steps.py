@@ -15,11 +15,15 @@ ranks, however the batch is split. A step with borrowed replicas keeps numerator
    communication domain; a world of one replica has nothing to sum) and its units and metric sums over its
    PP and DP groups. It skips finalize's other reductions (sequence-parallel norms over TP, tied embeddings
    across PP stages): the core runs them once, on the combined sums.
-3. The borrowed world's leader ranks (DP x CP rank 0) ship their summed grads; the core rank of the same
-   (TP, PP) shard on the DP rank the driver names adds them into its local buffer (times the ratio of the
-   loss scales, 1 without fp16), one DP x CP rank of the last stage adds the borrowed units to its count,
-   and the real `finalize_model_grads` sums over the core DP group and divides by the global count. Then the
-   usual optimizer step; metric sums are combined the same way before `step_metrics` totals them.
+3. The borrowed world's leader ranks (DP x CP rank 0) ship their summed grads (the second result of the same
+   call, so a rank's grads exist exactly when its summary does); the core rank of the same (TP, PP) shard on
+   the DP rank the driver names adds them into its local buffer (times the ratio of the loss scales, 1
+   without fp16), one DP x CP rank of the last stage adds the borrowed units to its count, and the real
+   `finalize_model_grads` sums over the core DP group and divides by the global count. Then the usual
+   optimizer step; metric sums are combined the same way before `step_metrics` totals them. Every core
+   rank's `core_finish` takes the summary of every borrowed rank as an argument, so either every core rank
+   finishes or none does (a borrowed rank that failed fails them all before they run): no core rank can be
+   left alone in a collective of the finish.
 
 Only the model parameters travel to borrowed ranks (`export_params` / `load_params`): a borrowed rank never
 steps its optimizer.
@@ -151,15 +155,35 @@ def core_forward_backward(worker: TrainingWorker, samples: list[TrainSample], st
         return int(_local_forward_backward(worker, samples, step).num_tokens.item())
 
 
-def core_finish(
-    worker: TrainingWorker, step: int, extra: dict[str, Any], *grads: ChunkTensors | None
-) -> dict[str, float]:
+def combine_summaries(world_sizes: list[int], summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The units, metric sums and loss scale of every borrowed world, from the summaries of all their ranks
+    (world by world, `world_sizes` ranks each): every rank of a world holds its world's totals, so the first
+    one of each counts."""
+    if sum(world_sizes) != len(summaries):
+        raise RuntimeError(f"{len(summaries)} borrowed summaries for worlds of {world_sizes} ranks")
+    heads, start = [], 0
+    for size in world_sizes:
+        heads.append(summaries[start])
+        start += size
+    units, sums, scale = 0, [0.0] * len(heads[0]["sums"]) if heads else [], 1.0
+    for head in heads:
+        units += int(head["units"])
+        sums = [a + float(b) for a, b in zip(sums, head["sums"], strict=True)]
+        scale = float(head["loss_scale"])
+    return {"units": units, "sums": sums, "loss_scale": scale}
+
+
+def core_finish(worker: TrainingWorker, step: int, world_sizes: list[int], *parts: Any) -> dict[str, float]:
     """Add the borrowed replicas' grads, units and metric sums, finalize, step the optimizer; the metrics.
 
-    `extra`: {"units": borrowed units, "sums": borrowed metric sums (METRIC_ORDER), "loss_scale": the
-    borrowed ranks' loss scale}; `grads`: the borrowed gradients this rank adds (its shard), any number."""
+    `parts`: the summaries of every borrowed rank (world by world, `world_sizes` ranks each:
+    `borrowed_forward_backward`'s first result), then the borrowed gradients this rank adds (its shard), any
+    number."""
     from libra.training.worker import METRIC_ORDER
 
+    count = sum(world_sizes)
+    extra = combine_summaries(world_sizes, list(parts[:count]))
+    grads: tuple[ChunkTensors | None, ...] = parts[count:]
     with cpu_compat.device_scope(), worker.tracer.span("train.optimizer", step, ehp=1, borrowed_shards=len(grads)):
         pending = _take_pending(worker, step)
         t0 = time.perf_counter()
@@ -215,9 +239,13 @@ def load_params(worker: TrainingWorker, params: ChunkTensors) -> int:
     return copied
 
 
-def borrowed_forward_backward(worker: TrainingWorker, samples: list[TrainSample], step: int) -> dict[str, Any]:
+def borrowed_forward_backward(worker: TrainingWorker, samples: list[TrainSample], step: int,
+                              *after: Any) -> tuple[dict[str, Any], ChunkTensors | None]:
     """Forward/backward of this borrowed world's share, summed over its own DP x CP group (see module
-    docstring, step 2). Returns the world's units and metric sums, the loss scale and this rank's shard."""
+    docstring, step 2). Returns the world's units and metric sums, the loss scale and this rank's shard, and
+    (second result) the world-summed grads of this rank's shard if it is a leader (DP x CP rank 0), else None.
+    `after`: the results of the calls this one follows (the parameter load), unused: one that failed fails
+    this call before it runs, so a rank never computes on parameters it did not load."""
     from megatron.core import parallel_state as ps
 
     with cpu_compat.device_scope():
@@ -232,8 +260,8 @@ def borrowed_forward_backward(worker: TrainingWorker, samples: list[TrainSample]
         sums = pending.sums.clone()
         dist.all_reduce(sums, group=pp_group)
         dist.all_reduce(sums, group=ps.get_data_parallel_group())
-        pending.num_tokens = units
-        return {
+        _take_pending(worker, step)
+        summary = {
             "units": int(units.item()),
             "sums": [float(v) for v in sums.tolist()],
             "loss_scale": _loss_scale(worker),
@@ -242,15 +270,9 @@ def borrowed_forward_backward(worker: TrainingWorker, samples: list[TrainSample]
             "pp_rank": ps.get_pipeline_model_parallel_rank(),
             "timings": pending.timings,
         }
-
-
-def export_grads(worker: TrainingWorker, step: int) -> ChunkTensors | None:
-    """The world-summed grads of this rank's shard if it is a leader (DP x CP rank 0), else None; ends the
-    borrowed half of step `step`."""
-    _take_pending(worker, step)
-    if _dp_cp_rank() != 0:
-        return None
-    return [{n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()} for chunk in worker.unwrapped_chunks]
+        grads = None if _dp_cp_rank() != 0 else [
+            {n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()} for chunk in worker.unwrapped_chunks]
+        return summary, grads
 
 
 def gradients(worker: TrainingWorker) -> dict[str, Any] | None:
@@ -338,7 +360,6 @@ OPS: dict[str, Callable[..., Any]] = {
     "core_finish": core_finish,
     "load_params": load_params,
     "borrowed_forward_backward": borrowed_forward_backward,
-    "export_grads": export_grads,
     "shard_key": shard_key,
     "gradients": gradients,
 }

@@ -247,7 +247,7 @@ class TrainingWorker:
             mbs, rmbs = spec.micro_batch_size, spec.recompute_micro_batch_size
             batch, _ = self.local_batch(samples, mbs, rmbs)
             old_logp: torch.Tensor | None = batch.rollout_logp
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if spec.recompute_logprobs:
                 with tracer.span("train.recompute_logprobs", step, model="policy"):
                     old_logp = self.logprob_pass(self.chunks, batch, rmbs)
@@ -255,14 +255,16 @@ class TrainingWorker:
             if spec.algorithm.ref_kl.enable:
                 with tracer.span("train.recompute_logprobs", step, model="reference"):
                     ref_logp = self.logprob_pass(self.ref_chunks, batch, rmbs)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             with tracer.span("train.forward_backward", step):
                 sums = self.forward_backward(batch, old_logp, ref_logp)
             with tracer.span("train.optimizer", step):
                 grad_norm = self.optimizer_step()
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             self.step = step
-            metrics = self.step_metrics(sums, grad_norm, recompute_s=t1 - t0, train_s=t2 - t1)
+            # CPU seconds beside wall seconds: on metered logical GPUs the gap is time spent waiting for the slice
+            metrics = self.step_metrics(sums, grad_norm, recompute_s=t1 - t0, train_s=t2 - t1,
+                                        recompute_cpu_s=c1 - c0, train_cpu_s=c2 - c1)
             step_span.set(tokens=int(metrics["tokens"]))
             return metrics
 

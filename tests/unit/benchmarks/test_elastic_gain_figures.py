@@ -222,6 +222,31 @@ def test_ehp_figures_need_steps_after_warmup() -> None:
         fig.ehp_figures([row(1, 1.0)], [row(1, 1.0), row(2, 2.0)], borrowed_gpus=2)
 
 
+def test_ehp_rounds_pool_every_rounds_steps_after_its_warmup() -> None:
+    """Two rounds: a slow machine in the second (both sides slower); the pooled medians take every step after
+    each run's warm-up step, and each round keeps its own ratio."""
+    def run(times: tuple[float, ...], **extra: float) -> list[dict[str, Any]]:
+        return [row(s, s, time_train_s=t, **extra) for s, t in enumerate(times, start=1)]
+
+    rounds = [(run((9.0, 2.0, 2.0, 2.0)), run((9.0, 1.0, 1.0, 1.0), train_ehp_step_s=0.5)),
+              (run((9.0, 4.0, 4.0, 4.0)), run((9.0, 2.5, 2.5, 2.5), train_ehp_step_s=1.5))]
+    got = fig.ehp_rounds(rounds)
+    assert got["speedup_per_round"] == [2.0, 1.6] and got["speedup_median_of_rounds"] == 1.8
+    assert got["steps_pooled"] == [6, 6]
+    assert got["train_phase_s_without"] == 3.0 and got["train_phase_s_with"] == 1.75 and got["speedup"] == 1.714
+    assert got["breakdown"] == {"without": {}, "with": {"train_ehp_step_s": 1.0}}
+    assert [r["train_phase_s_without"] for r in got["rounds"]] == [2.0, 4.0]
+
+
+@pytest.mark.parametrize(("rounds", "message"), [
+    pytest.param([], "no EHP rounds", id="none"),
+    pytest.param([([row(1, 1.0), row(2, 2.0)], [row(1, 1.0)])], "need more than 1", id="a-run-with-only-its-warmup"),
+])
+def test_ehp_rounds_refuse(rounds: list[Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        fig.ehp_rounds(rounds)
+
+
 def test_read_jsonl_skips_a_line_cut_short(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"ste')

@@ -160,13 +160,14 @@ class FakePool:
 @dataclass
 class FakeSession:
     ops: list[str]
-    fail: str = ""  # "attach" | "core"
+    fail: str = ""  # "attach" | "core" | "borrowed" (a borrowed rank fails in the step: it falls back)
     pool: FakePool = field(default_factory=FakePool)
     settings: Settings = field(default_factory=Settings)
     attached_to: list[str] = field(default_factory=list)
     parked_on: list[str] = field(default_factory=list)
     on_parked_stop: Any = None
     holders: list[str] = field(default_factory=list)  # the lending instance of each attached GPU
+    last_fallback_reason: str = ""
 
     def replica_size(self) -> int:
         return 1
@@ -211,6 +212,11 @@ class FakeSession:
     def train_step(self, samples: list[Any], step: int) -> dict[str, float]:
         if self.attached_to and self.fail == "core":
             raise RuntimeError("training rank 0 died")
+        if self.attached_to and self.fail == "borrowed":  # as `EhpSession._fall_back`: detached, the pool alone
+            self.last_fallback_reason = "ehp0.shard_key failed on rank 1: died"
+            self.detach(clean=False)
+            self.ops.append(f"step {step} on 0 borrowed GPU(s)")
+            return {"loss": 0.5, "ehp_fallback": 1.0}
         self.ops.append(f"step {step} on {len(self.attached_to)} borrowed GPU(s)")
         metrics = {"loss": 0.5}
         if self.attached_to:
@@ -315,6 +321,19 @@ def test_failed_lend_trains_on_the_pool_alone() -> None:
     assert metrics["ehp_fallback"] == 1.0 and r.rollout.ops == ["step 2 on 0 borrowed GPU(s)"]
     assert r.kinds() == ["ehp_failed"]
     assert not any(m.busy for m in r.tracker.members(ROLLOUT)) and serving(r.tracker) == ["rollout-0", "rollout-1"]
+
+
+def test_a_borrowed_failure_in_the_step_is_an_event_and_parks_nothing() -> None:
+    r = rig(fail="borrowed")
+    metrics = r.borrower.train_step([object()], step=4)
+    assert metrics["ehp_fallback"] == 1.0 and metrics["ehp_reused"] == 0.0
+    assert r.rollout.ops[-3:] == ["step 4 on 0 borrowed GPU(s)", "park", "give_back ['rollout-0', 'rollout-1']"]
+    assert r.kinds() == ["ehp_borrow", "ehp_failed", "ehp_return"]
+    failed = next(e for e in r.events if e["kind"] == "ehp_failed")
+    assert failed["stage"] == "step" and "ehp0.shard_key failed on rank 1" in failed["message"]
+    back = next(e for e in r.events if e["kind"] == "ehp_return")
+    assert back["parked"] is False and r.borrower._parked is None
+    assert serving(r.tracker) == ["rollout-0", "rollout-1"] and not r.rollout.lent
 
 
 def test_core_failure_raises_after_the_gpus_go_back() -> None:
@@ -455,6 +474,30 @@ def test_a_step_waits_for_a_transient_refusal_to_clear(hold: str, clears_after_s
         assert 1 <= decided <= 1 + (len(members) if hold == "member" else 1)
     else:
         assert decided == 2
+
+
+@pytest.mark.parametrize("fresh", [S.READY, S.LOADING], ids=["reload-done-since", "still-reloading"])
+def test_a_refusal_on_members_seen_reloading_asks_for_an_observation_at_once(fresh: S) -> None:
+    """The tracker's last observation fell inside the weight publish (members LOADING); the first refusal asks
+    the control loop to observe now, once, instead of waiting up to a control interval for its next tick: an
+    instance that serves again is borrowed at once; one still reloading is waited for as before."""
+    r = rig()
+    r.borrower.settle_s = 30.0 if fresh == S.READY else 0.5  # a missed observation would wait the whole settle
+    views = rollout_views()
+    r.tracker.observe(ROLLOUT, [dataclasses.replace(v, state=S.LOADING) for v in views], time.time())
+    asked: list[float] = []
+
+    def observe_now() -> None:
+        asked.append(time.monotonic())
+        r.tracker.observe(ROLLOUT, [dataclasses.replace(v, state=fresh) for v in views], time.time())
+
+    r.borrower.observe_now = observe_now
+    metrics = r.borrower.train_step([object()], step=1)
+    assert len(asked) == 1
+    if fresh == S.READY:
+        assert "ehp_replicas" in metrics and r.kinds() == ["ehp_borrow", "ehp_return"]
+    else:
+        assert "ehp_replicas" not in metrics and r.kinds() == ["ehp_idle"]
 
 
 def test_rollout_work_in_flight_is_not_waited_for() -> None:

@@ -21,6 +21,7 @@ from libra.metering.spec import CpuMetering
 from libra.observability.phase_trace import TraceSettings
 from libra.training.batching import dp_block
 from libra.training.ehp import (
+    BorrowedWorld,
     EhpError,
     EhpSession,
     EhpSettings,
@@ -506,3 +507,80 @@ def test_only_worlds_that_left_a_slice_rejoin_in_the_ping(monkeypatch: pytest.Mo
     session.park()
     assert session.attach(gpus) is True
     assert calls == ["w0.0 leave_lent_slice rollout-0", "w0.0 shard_key_in_lent_slice rollout-0"]
+
+
+# ---- the core ranks' finish: every borrowed world's totals, and a fall-back that never steps twice -----------
+@pytest.mark.parametrize(("sizes", "summaries", "expected"), [
+    pytest.param([1, 1], [{"units": 3, "sums": [1.0, 2.0], "loss_scale": 1.0},
+                          {"units": 5, "sums": [0.5, 0.5], "loss_scale": 1.0}],
+                 {"units": 8, "sums": [1.5, 2.5], "loss_scale": 1.0}, id="two-worlds-of-one-rank"),
+    pytest.param([2], [{"units": 4, "sums": [1.0], "loss_scale": 2.0}, {"units": 4, "sums": [1.0], "loss_scale": 2.0}],
+                 {"units": 4, "sums": [1.0], "loss_scale": 2.0}, id="one-world-of-two-ranks-counted-once"),
+    pytest.param([], [], {"units": 0, "sums": [], "loss_scale": 1.0}, id="none"),
+])
+def test_combine_summaries_counts_each_world_once(sizes: list[int], summaries: list[dict[str, Any]],
+                                                   expected: dict[str, Any]) -> None:
+    from libra.training.ehp_steps import combine_summaries
+
+    assert combine_summaries(sizes, summaries) == expected
+
+
+def test_combine_summaries_refuses_a_count_that_does_not_match() -> None:
+    from libra.training.ehp_steps import combine_summaries
+
+    with pytest.raises(RuntimeError, match=r"1 borrowed summaries for worlds of \[2\] ranks"):
+        combine_summaries([2], [{"units": 1, "sums": [], "loss_scale": 1.0}])
+
+
+class _SteppingPool(_RunningPool):
+    """A running pool that records its own steps (the fall-back's rerun) and the steps it was told of."""
+
+    def __init__(self) -> None:
+        super().__init__(BASE, TrainLayout(), group=object())
+        self.trained: list[int] = []
+        self.told: list[int] = []
+
+    def train_step(self, samples: list[Any], step: int) -> dict[str, float]:
+        self.trained.append(step)
+        return {"loss": 1.0}
+
+    def stepped(self, step: int) -> None:
+        self.told.append(step)
+
+
+@pytest.mark.parametrize("finish_ran", [False, True], ids=["finish-failed-with-the-borrowed-rank",
+                                                           "finish-had-run-before-the-failure-was-seen"])
+def test_a_fall_back_reruns_the_step_only_if_the_finish_did_not_run(monkeypatch: pytest.MonkeyPatch,
+                                                                     finish_ran: bool) -> None:
+    from libra.cluster import ehp_workers
+    from libra.cluster.training_workers import CollectiveCallError
+
+    pool = _SteppingPool()
+    session = EhpSession(pool, EhpSettings())  # type: ignore[arg-type]
+    session.worlds = [BorrowedWorld(_Group("pool-ehp0", [(0, 0, 0)], []), BASE, [(0, 0, 0)])]  # type: ignore[arg-type]
+
+    def gather(group: Any, method: str, refs: list[Any], timeout: float | None) -> list[Any]:
+        if method == "core_finish" and not finish_ran:
+            raise CollectiveCallError("pool.core_finish failed on rank 0: pool-ehp0.borrowed_forward_backward died")
+        return [{"loss": 0.5}] if method == "core_finish" else refs
+
+    monkeypatch.setattr(ehp_workers, "gather", gather)
+    failure = CollectiveCallError("pool-ehp0.borrowed_forward_backward failed on rank 0: died")
+    metrics = session._fall_back([object()], 4, ["core"], ["finish"], failure)
+    assert not session.worlds and session.last_fallback_reason == str(failure)  # detached either way
+    if finish_ran:
+        assert metrics == {"loss": 0.5} and pool.trained == [] and pool.told == [4]
+    else:
+        assert metrics == {"loss": 1.0, "ehp_fallback": 1.0} and pool.trained == [4] and pool.told == []
+
+
+def test_a_core_failure_is_raised_not_fallen_back() -> None:
+    from libra.cluster.training_workers import CollectiveCallError
+
+    pool = _SteppingPool()
+    session = EhpSession(pool, EhpSettings())  # type: ignore[arg-type]
+    session.worlds = [BorrowedWorld(_Group("pool-ehp0", [(0, 0, 0)], []), BASE, [(0, 0, 0)])]  # type: ignore[arg-type]
+    with pytest.raises(CollectiveCallError, match="pool.core_forward_backward"):
+        session._fall_back([object()], 4, ["core"], ["finish"],
+                           CollectiveCallError("pool.core_forward_backward failed on rank 1: died"))
+    assert pool.trained == [] and not session.worlds
