@@ -313,7 +313,7 @@ def ehp_runs(work: Path, shape: Shape, ray_address: str, cpu_per_gpu: float, rou
         else:
             pooled = fig.ehp_rounds([(r["without"]["rows"], r["with"]["rows"]) for r in played])
             for entry, runs in zip(pooled["rounds"], played, strict=True):
-                entry["order"] = [name for name in runs]
+                entry["order"] = list(runs)
             result.update({**first, **pooled, "first_round": first})
     except ValueError as exc:
         result["error"] = str(exc)

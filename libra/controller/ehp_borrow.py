@@ -306,11 +306,12 @@ class EhpBorrower:
                     t = time.monotonic()
                     metrics = dict(session.train_step(samples, step))
                     times["step_s"] = time.monotonic() - t
-                if metrics.get("ehp_fallback"):
+                if metrics.get("ehp_fallback") or not session.attached:  # the session detached: a rank failed
+                    after = ("the step ran on the training pool alone" if metrics.get("ehp_fallback") else
+                             "the step had finished with the borrowed replicas before the failure was seen")
                     self.events.emit("ehp_failed", f"a borrowed replica failed in step {step} "
-                                     f"({getattr(session, 'last_fallback_reason', '') or 'see the controller log'}); "
-                                     "the step ran on the training pool alone", step=step, stage="step",
-                                     instances=keys)
+                                     f"({session.last_fallback_reason or 'see the controller log'}); {after}",
+                                     step=step, stage="step", instances=keys)
                 stage = "detach"
                 park = not decision.sleep
                 with tracer.span("ehp.detach", step, parked=park):

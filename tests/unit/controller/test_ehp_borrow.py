@@ -160,7 +160,9 @@ class FakePool:
 @dataclass
 class FakeSession:
     ops: list[str]
-    fail: str = ""  # "attach" | "core" | "borrowed" (a borrowed rank fails in the step: it falls back)
+    # "attach" | "core" | "borrowed" (a borrowed rank fails in the step: it falls back) | "borrowed_after" (a
+    # borrowed rank's failure is seen once the step had finished with it: the step stands, the session detaches)
+    fail: str = ""
     pool: FakePool = field(default_factory=FakePool)
     settings: Settings = field(default_factory=Settings)
     attached_to: list[str] = field(default_factory=list)
@@ -212,9 +214,13 @@ class FakeSession:
     def train_step(self, samples: list[Any], step: int) -> dict[str, float]:
         if self.attached_to and self.fail == "core":
             raise RuntimeError("training rank 0 died")
-        if self.attached_to and self.fail == "borrowed":  # as `EhpSession._fall_back`: detached, the pool alone
-            self.last_fallback_reason = "ehp0.shard_key failed on rank 1: died"
+        if self.attached_to and self.fail in ("borrowed", "borrowed_after"):  # as `EhpSession._fall_back`
+            self.last_fallback_reason = "ehp0.borrowed_forward_backward failed on rank 1: died"
+            borrowed = len(self.attached_to)
             self.detach(clean=False)
+            if self.fail == "borrowed_after":
+                self.ops.append(f"step {step} on {borrowed} borrowed GPU(s)")
+                return {"loss": 0.5}
             self.ops.append(f"step {step} on 0 borrowed GPU(s)")
             return {"loss": 0.5, "ehp_fallback": 1.0}
         self.ops.append(f"step {step} on {len(self.attached_to)} borrowed GPU(s)")
@@ -323,14 +329,20 @@ def test_failed_lend_trains_on_the_pool_alone() -> None:
     assert not any(m.busy for m in r.tracker.members(ROLLOUT)) and serving(r.tracker) == ["rollout-0", "rollout-1"]
 
 
-def test_a_borrowed_failure_in_the_step_is_an_event_and_parks_nothing() -> None:
-    r = rig(fail="borrowed")
+@pytest.mark.parametrize(("fail", "ran_on", "after"), [
+    pytest.param("borrowed", 0, "the step ran on the training pool alone", id="fell-back-to-the-pool"),
+    pytest.param("borrowed_after", 2, "the step had finished with the borrowed replicas", id="seen-after-the-step"),
+])
+def test_a_borrowed_failure_in_the_step_is_an_event_and_parks_nothing(fail: str, ran_on: int, after: str) -> None:
+    r = rig(fail=fail)
     metrics = r.borrower.train_step([object()], step=4)
-    assert metrics["ehp_fallback"] == 1.0 and metrics["ehp_reused"] == 0.0
-    assert r.rollout.ops[-3:] == ["step 4 on 0 borrowed GPU(s)", "park", "give_back ['rollout-0', 'rollout-1']"]
+    assert bool(metrics.get("ehp_fallback")) is (fail == "borrowed")
+    assert r.rollout.ops[-3:] == [f"step 4 on {ran_on} borrowed GPU(s)", "park",
+                                  "give_back ['rollout-0', 'rollout-1']"]
     assert r.kinds() == ["ehp_borrow", "ehp_failed", "ehp_return"]
     failed = next(e for e in r.events if e["kind"] == "ehp_failed")
-    assert failed["stage"] == "step" and "ehp0.shard_key failed on rank 1" in failed["message"]
+    assert failed["stage"] == "step" and "borrowed_forward_backward failed on rank 1" in failed["message"]
+    assert after in failed["message"]
     back = next(e for e in r.events if e["kind"] == "ehp_return")
     assert back["parked"] is False and r.borrower._parked is None
     assert serving(r.tracker) == ["rollout-0", "rollout-1"] and not r.rollout.lent
