@@ -213,6 +213,12 @@ PHASE_PARTS = ("train_time_forward_backward_s", "train_time_combine_optimizer_s"
                "train_ehp_borrowed_recompute_cpu_s", "train_ehp_borrowed_forward_backward_cpu_s")
 
 
+def median_of(rows: list[dict[str, Any]], key: str) -> float | None:
+    """The median of `key` over the rows that report it (3 decimals), None when none does."""
+    values = [float(r[key]) for r in rows if isinstance(r.get(key), int | float)]
+    return round(statistics.median(values), 3) if values else None
+
+
 def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], borrowed_gpus: int,
                 warmup_steps: int = 1) -> dict[str, Any]:
     """Training-phase seconds per step (median of `time_train_s` after `warmup_steps`) of the same
@@ -229,10 +235,6 @@ def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], b
     def median_train(rows: list[dict[str, Any]]) -> float:
         return statistics.median(float(r["time_train_s"]) for r in rows[warmup_steps:])
 
-    def median_of(rows: list[dict[str, Any]], key: str) -> float | None:
-        values = [float(r[key]) for r in rows[warmup_steps:] if isinstance(r.get(key), int | float)]
-        return round(statistics.median(values), 3) if values else None
-
     borrowed = [r for r in b if float(r.get("train_ehp_replicas") or 0) > 0]
     first = borrowed[0] if borrowed else None
     slow, fast = median_train(a), median_train(b)
@@ -241,8 +243,8 @@ def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], b
         "train_phase_s_with": round(fast, 3),
         "speedup": round(slow / fast, 3) if fast > 0 else None,
         # where the phase with EHP goes: attaching the borrowed replicas, and the step itself
-        "ehp_attach_s": median_of(b, "train_ehp_attach_s"),
-        "ehp_step_s": median_of(b, "train_ehp_step_s"),
+        "ehp_attach_s": median_of(b[warmup_steps:], "train_ehp_attach_s"),
+        "ehp_step_s": median_of(b[warmup_steps:], "train_ehp_step_s"),
         "borrowed_gpus": borrowed_gpus,
         "steps": [len(a), len(b)],
         "steps_that_borrowed": len(borrowed),
@@ -260,7 +262,8 @@ def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], b
         "warmup_steps_excluded": warmup_steps,
         # where each run's training phase goes (medians after the warm-up; a part the run did not report is left
         # out), and every step's phase, so the spread the medians hide stays visible
-        "breakdown": {name: {part: value for part in PHASE_PARTS if (value := median_of(rows, part)) is not None}
+        "breakdown": {name: {part: value for part in PHASE_PARTS
+                             if (value := median_of(rows[warmup_steps:], part)) is not None}
                       for name, rows in (("without", a), ("with", b))},
         "train_phase_s_per_step": {"without": [round(float(r["time_train_s"]), 3) for r in a],
                                    "with": [round(float(r["time_train_s"]), 3) for r in b]},
@@ -288,10 +291,6 @@ def ehp_rounds(rounds: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]], 
         fast = statistics.median(float(r["time_train_s"]) for r in b[warmup_steps:])
         per_round.append({"train_phase_s_without": round(slow, 3), "train_phase_s_with": round(fast, 3),
                           "speedup": round(slow / fast, 3) if fast > 0 else None})
-
-    def median_of(rows: list[dict[str, Any]], key: str) -> float | None:
-        values = [float(r[key]) for r in rows if isinstance(r.get(key), int | float)]
-        return round(statistics.median(values), 3) if values else None
 
     without_s, with_s = median_of(pooled["without"], "time_train_s"), median_of(pooled["with"], "time_train_s")
     ratios = [r["speedup"] for r in per_round if r["speedup"] is not None]
