@@ -341,28 +341,36 @@ def test_adoption_after_controller_restart_reuses_live_servers(
     assert greedy(holder.pool)
 
 
-def test_kill9_mid_generation_retries_on_the_other_instance(
+def test_kill9_with_requests_in_flight_retries_them_on_the_other_instance(
     holder: PoolHolder, rollout_models: dict[str, tuple[str, str]]
 ) -> None:
+    """The victim is frozen (SIGSTOP of its process group) before the batch, so the requests sent to it stay in
+    flight however loaded the machine is, then killed with them: a kill timed by polling alone can land after a
+    fast instance finished its share, and nothing is retried."""
     pool = holder.pool
     victim = pool.instances()[0]
     survivor = pool.instances()[1]
+    os.killpg(victim.pid, signal.SIGSTOP)
     results: list[object] = []
     worker = threading.Thread(
         target=lambda: results.append(
             pool.generate_batch(PROMPTS * 2, n=2, max_new_tokens=100, temperature=1.0)
         )
     )
-    worker.start()
-    deadline = time.monotonic() + 60
-    while pool.stats().outstanding_by_instance.get(victim.id, 0) == 0 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    os.killpg(victim.pid, signal.SIGKILL)  # the server and its engine core die at once
+    try:
+        worker.start()
+        deadline = time.monotonic() + 60
+        while pool.stats().outstanding_by_instance.get(victim.id, 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        held = pool.stats().outstanding_by_instance.get(victim.id, 0)
+    finally:
+        os.killpg(victim.pid, signal.SIGKILL)  # the server and its engine core die at once, stopped or not
     worker.join(timeout=300)
+    assert held >= 1, "the frozen victim was sent no request"
     groups = results[0]
     assert isinstance(groups, list) and len(groups) == len(PROMPTS) * 2
     assert all(finished(c, 100) for g in groups for c in g)
-    assert pool.stats().retries >= 1
+    assert pool.stats().retries >= held
     states = {i.id: (i.state, i.healthy) for i in pool.instances()}
     assert states == {victim.id: ("failed", False), survivor.id: ("ready", True)}
 
