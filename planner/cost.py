@@ -180,23 +180,29 @@ def rollout_costs(inputs: PlannerInputs, rollout_tp: int, instances: Any, kv_cap
     prefill = prefill_tokens * forward_flops_per_token(spec, w.prompt_tokens) / (
         instances * rollout_tp * gpu.bf16_flops * cost.prefill_mfu * cost.rollout_speed_factor)
     generation = decode + prefill
+    # a batch is complete with its longest response, assumed to reach max_new_tokens: a synchronous step waits
+    # for it; under bounded staleness it is on the weight-version chain (`step_seconds`)
+    latency = np.maximum(generation, w.max_new_tokens * decode_step_s(inputs, rollout_tp, 1) + prefill)
     if not w.is_async:
-        # a synchronous step waits for its longest response, assumed to reach max_new_tokens
-        tail = w.max_new_tokens * decode_step_s(inputs, rollout_tp, 1)
-        generation = np.maximum(generation, tail + prefill)
+        generation = latency
     model_bytes = spec.total_params * inputs.rollout.weight_dtype_bytes
     reload = cost.weight_reload_inplace_s if inputs.rollout.reload_method == "inplace" else cost.weight_reload_restart_s
     sync = (reload + model_bytes / (rollout_tp * gpu.inter_node_bytes_per_s * cost.comm_efficiency)) / w.sync_interval
     return {
         "batch_per_instance": batch, "decode_step_s": step, "tokens_per_s": instances * per_instance,
         "generation_s": generation, "weight_sync_s": sync + 0.0 * instances,
+        "batch_latency_s": latency,
     }
 
 
-def step_seconds(inputs: PlannerInputs, train_side_s: Any, rollout_side_s: Any) -> Any:
+def step_seconds(inputs: PlannerInputs, train_side_s: Any, rollout_side_s: Any, chain_rollout_s: Any = 0.0) -> Any:
     """Seconds per RL step from the training side (log-prob recomputation + training) and the rollout side
-    (generation + weight sync). Synchronous: one after the other. Asynchronous (bounded staleness):
-    generation of later steps overlaps training; rollout pauses while weights reload."""
+    (generation + weight sync). Synchronous: one after the other. Asynchronous (bounded staleness s):
+    generation of later steps overlaps training; rollout pauses while weights reload; and batch k may start
+    only once the weights trained on batch k - s - 1 serve, so s + 1 steps take at least one batch's latency
+    to its longest response, one training step and one weight sync (`chain_rollout_s`: the batch latency plus
+    the weight sync; 0 leaves the chain out, as it never exceeds the training side then)."""
     if inputs.workload.is_async:
-        return np.maximum(rollout_side_s, train_side_s)
+        chain = (chain_rollout_s + train_side_s) / (1 + inputs.workload.max_head_offpolicyness)
+        return np.maximum(np.maximum(rollout_side_s, train_side_s), chain)
     return rollout_side_s + train_side_s

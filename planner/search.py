@@ -3,7 +3,9 @@
 Candidates are (training-pool size on `allocation_granularity_gpus`, training layout TP x PP x CP x EP,
 rollout instance TP). Rules that depend only on the layout prune a layout for every split; the rest are
 evaluated for all splits of a layout at once with numpy. The rollout side is independent of the training
-layout, so the best rollout TP is chosen per split first. The selection maximises RL samples per second
+layout, so it is costed once per split and rollout TP; each layout and split takes the rollout TP of the
+least step (under bounded staleness that need not be the least rollout side: `planner.cost.step_seconds`).
+The selection maximises RL samples per second
 (synchronous or bounded-staleness asynchronous step time); candidates within `THROUGHPUT_TIE_TOLERANCE` of
 the best tie and are ordered by training-memory headroom, then fewer training GPUs (`planner.plan.rank`).
 `brute_force` evaluates every candidate one by one with the scalar path; the tests check that both agree.
@@ -118,7 +120,8 @@ def evaluate(inputs: PlannerInputs, candidate: Candidate, check_thresholds: bool
     if capacity < 1:
         violations.append(Rule("rollout_memory", rollout_memory_message(inputs, r)))
     side_train = train["train_s"] + train["logprob_recompute_s"]
-    step = float(step_seconds(inputs, side_train, rollout["generation_s"] + rollout["weight_sync_s"]))
+    step = float(step_seconds(inputs, side_train, rollout["generation_s"] + rollout["weight_sync_s"],
+                              rollout["batch_latency_s"] + rollout["weight_sync_s"]))
     w = inputs.workload
     return Evaluation(candidate=candidate, train_memory=t_mem, rollout_memory=r_mem, train=train, rollout=rollout,
                       step_s=step, samples_per_s=w.samples_per_step / step,
@@ -166,11 +169,15 @@ def brute_force(inputs: PlannerInputs) -> tuple[Evaluation | None, int]:
 
 
 # ------------------------------------------------------------------------------------------ vectorized path
-def _rollout_side(inputs: PlannerInputs, splits: np.ndarray, pruned: list[Pruned]) -> tuple[np.ndarray, np.ndarray]:
-    """Per split: the least rollout-side seconds (generation + weight sync) over rollout TPs, and that TP."""
+RolloutOption = tuple[int, np.ndarray, np.ndarray]  # rollout TP, per split: rollout side (inf: not possible), chain
+
+
+def _rollout_side(inputs: PlannerInputs, splits: np.ndarray, pruned: list[Pruned]) -> list[RolloutOption]:
+    """Per allowed rollout TP: the rollout-side seconds (generation + weight sync) of every split (inf where
+    its rollout GPUs cannot hold that TP) and the rollout part of its weight-version chain (batch latency +
+    weight sync, `step_seconds`)."""
     spec, gpn, total = inputs.model, inputs.cluster.gpus_per_node, inputs.cluster.total_gpus
-    best = np.full(len(splits), np.inf)
-    best_tp = np.zeros(len(splits), dtype=np.int64)
+    options: list[RolloutOption] = []
     rollout_gpus = total - splits
     for r in sorted(set(inputs.space.allowed_rollout_tp)):
         rule = rollout_rule_violation(spec, r, gpn)
@@ -186,11 +193,37 @@ def _rollout_side(inputs: PlannerInputs, splits: np.ndarray, pruned: list[Pruned
             pruned.append(Pruned("rollout", "rollout_split", f"the rollout GPUs left are not a multiple of TP {r}",
                                  rollout_tp=r, gpus=splits[~ok]))
         costs = rollout_costs(inputs, r, np.maximum(rollout_gpus // r, 1), capacity)
-        side = np.where(ok, costs["generation_s"] + costs["weight_sync_s"], np.inf)
+        options.append((r, np.where(ok, costs["generation_s"] + costs["weight_sync_s"], np.inf),
+                        costs["batch_latency_s"] + costs["weight_sync_s"]))
+    return options
+
+
+def _least_rollout_side(splits: np.ndarray, options: list[RolloutOption]) -> np.ndarray:
+    """Per split: the rollout TP of the least rollout-side seconds (0 where none fits)."""
+    best = np.full(len(splits), np.inf)
+    best_tp = np.zeros(len(splits), dtype=np.int64)
+    for r, side, _ in options:
         better = side < best
         best = np.where(better, side, best)
         best_tp = np.where(better, r, best_tp)
-    return best, best_tp
+    return best_tp
+
+
+def _least_step(inputs: PlannerInputs, train_side: np.ndarray,
+                options: list[RolloutOption]) -> tuple[np.ndarray, np.ndarray]:
+    """Per layout and split: the least step seconds over the rollout TPs, and that TP (of equal steps, the one
+    with the least rollout side). Under bounded staleness the TP with the least rollout side need not give the
+    least step: a larger TP shortens the longest response on the weight-version chain."""
+    step = np.full(train_side.shape, np.inf)
+    rollout = np.full(train_side.shape, np.inf)
+    tp = np.zeros(train_side.shape, dtype=np.int64)
+    for r, side, chain in options:
+        candidate = step_seconds(inputs, train_side, side[None, :], chain[None, :])
+        better = (candidate < step) | ((candidate == step) & (side[None, :] < rollout))
+        step = np.where(better, candidate, step)
+        rollout = np.where(better, side[None, :], rollout)
+        tp = np.where(better, r, tp)
+    return step, tp
 
 
 _DIVISIBILITY = SPLIT_CODES.index("split_divisibility") + 1
@@ -372,13 +405,16 @@ def _search_grp(inputs: PlannerInputs) -> Plan:
     plan = Plan(inputs=inputs, strategy="grp", feasible=False, chosen=None, splits=tuple(splits.tolist()))
     if len(splits) == 0:
         return plan
-    rollout_best, rollout_tp = _rollout_side(inputs, splits, pruned)
-    layouts, train_side, train_peak, n_layouts = _train_side(inputs, splits, pruned, rollout_tp)
+    options = _rollout_side(inputs, splits, pruned)
+    # elastic hybrid parallelism lends in synchronous jobs only, where the least step is the least rollout side
+    # (no chain): their training side is priced with the ranks that TP lends
+    layouts, train_side, train_peak, n_layouts = _train_side(inputs, splits, pruned,
+                                                             _least_rollout_side(splits, options))
     plan.pruned = pruned
     plan.candidates_evaluated = (n_layouts + len(set(inputs.space.allowed_rollout_tp))) * len(splits)
     if not layouts:
         return plan
-    step = step_seconds(inputs, train_side, rollout_best[None, :])
+    step, rollout_tp = _least_step(inputs, train_side, options)
     feasible = np.isfinite(step)
     if not feasible.any():
         return plan
@@ -391,7 +427,7 @@ def _search_grp(inputs: PlannerInputs) -> Plan:
     picked: list[Evaluation] = []
     for k in order:
         t = int(splits[cols[k]])
-        candidate = Candidate(t, total - t, layouts[rows[k]], int(rollout_tp[cols[k]]))
+        candidate = Candidate(t, total - t, layouts[rows[k]], int(rollout_tp[rows[k], cols[k]]))
         picked.append(evaluate(inputs, candidate))
     plan.chosen, plan.alternatives = picked[0], picked[1:]
     plan.feasible = plan.chosen.feasible

@@ -92,12 +92,31 @@ def test_sync_generation_waits_for_the_longest_response() -> None:
     assert asyn["generation_s"] < sync
 
 
-def test_step_time_sync_adds_async_overlaps() -> None:
-    sync = inputs()
-    asyn = inputs(max_head_offpolicyness=2)
-    assert step_seconds(sync, 3.0, 5.0) == 8.0
-    assert step_seconds(asyn, 3.0, 5.0) == 5.0
-    assert step_seconds(asyn, 7.0, 5.0) == 7.0
+# (max_head_offpolicyness, training side, rollout side, weight-version chain's rollout part, step seconds)
+STEPS = [
+    ("synchronous: one after the other", 0, 3.0, 5.0, 0.0, 8.0),
+    ("synchronous: the chain is the step already", 0, 3.0, 5.0, 20.0, 8.0),
+    ("async, rollout side sets the step", 2, 3.0, 5.0, 0.0, 5.0),
+    ("async, training side sets the step", 2, 7.0, 5.0, 0.0, 7.0),
+    ("async, a short chain changes nothing", 2, 3.0, 5.0, 9.0, 5.0),
+    ("async lag 2: the chain over 3 steps", 2, 3.0, 5.0, 21.0, 8.0),
+    ("async lag 1: the chain over 2 steps", 1, 3.0, 5.0, 21.0, 12.0),
+]
+
+
+@pytest.mark.parametrize(("lag", "train", "rollout", "chain", "step"), [c[1:] for c in STEPS],
+                         ids=[c[0] for c in STEPS])
+def test_step_time(lag: int, train: float, rollout: float, chain: float, step: float) -> None:
+    assert float(step_seconds(inputs(max_head_offpolicyness=lag), train, rollout, chain)) == pytest.approx(step)
+
+
+def test_a_batch_latency_is_its_longest_response_when_that_outlasts_its_generation() -> None:
+    inp = inputs(max_new_tokens=2048, expected_response_tokens=64, max_head_offpolicyness=1)
+    costs = rollout_costs(inp, 1, 64, kv_capacity=200)
+    assert costs["batch_latency_s"] >= 2048 * decode_step_s(inp, 1, 1) > costs["generation_s"]
+    near_max = inputs(max_new_tokens=256, expected_response_tokens=200, max_head_offpolicyness=1)
+    one = rollout_costs(near_max, 1, 1, kv_capacity=200)  # one instance generates the whole batch: longer
+    assert one["batch_latency_s"] == one["generation_s"] > 256 * decode_step_s(near_max, 1, 1)
 
 
 def test_speed_factors_scale_the_predictions() -> None:

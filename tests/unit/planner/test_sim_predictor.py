@@ -65,7 +65,6 @@ def test_replay_predicts_the_engines_steady_pace(train: int, tp: int, rollout_tp
 
 @pytest.mark.parametrize("nodes, steps, start, end", [
     pytest.param(4, 60, 300, 3000, id="32-gpus-300-to-3000"),
-    pytest.param(8, 60, 200, 3500, id="64-gpus-200-to-3500"),
     pytest.param(4, 80, 150, 3800, id="32-gpus-150-to-3800"),
 ])
 def test_tail_aware_replanning_beats_the_mean_only_predictor(nodes: int, steps: int, start: int, end: int) -> None:
@@ -79,3 +78,23 @@ def test_tail_aware_replanning_beats_the_mean_only_predictor(nodes: int, steps: 
     assert runs["tail"].samples_per_s >= 0.9 * static.samples_per_s
     changes = [d for d in runs["tail"].decisions if d["change"]]
     assert len(changes) == runs["tail"].reconfigurations and all(d["predicted_gain"] >= 0.05 for d in changes)
+
+
+@pytest.mark.parametrize("nodes, start, end", [
+    pytest.param(5, 200, 3500, id="40-gpus-200-to-3500"),
+    pytest.param(6, 200, 3500, id="48-gpus-200-to-3500"),
+    pytest.param(8, 200, 3500, id="64-gpus-200-to-3500"),
+    pytest.param(8, 300, 3000, id="64-gpus-300-to-3000"),
+])
+def test_the_planner_prices_the_weight_version_chain(nodes: int, start: int, end: int) -> None:
+    """With a lag of one step and few rollout instances the longest response, not the rollout pool's
+    throughput, holds the pipeline. A planner that leaves out the chain of batch latency, training and weight
+    sync picks rollout instances of TP 2, twice as many as of TP 4 and each slower on a long response, and
+    the simulator runs that pick clearly slower than the best static split of its layout; it now runs within
+    5% of it."""
+    job = real_job(steps=60, start=start, end=end, nodes=nodes)
+    options = SimOptions(steps=60)
+    begin = planner_allocation(job.inputs)
+    picked = Engine(job, StaticPolicy(begin), options).run().samples_per_s
+    best = best_static(job, begin, options)[0]
+    assert picked >= 0.95 * best.samples_per_s, (begin.label(), best.initial)
