@@ -270,9 +270,7 @@ def borrowed_forward_backward(worker: TrainingWorker, samples: list[TrainSample]
             "pp_rank": ps.get_pipeline_model_parallel_rank(),
             "timings": pending.timings,
         }
-        grads = None if _dp_cp_rank() != 0 else [
-            {n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()} for chunk in worker.unwrapped_chunks]
-        return summary, grads
+        return summary, (_main_grads(worker) if _dp_cp_rank() == 0 else None)
 
 
 def gradients(worker: TrainingWorker) -> dict[str, Any] | None:
@@ -281,8 +279,12 @@ def gradients(worker: TrainingWorker) -> dict[str, Any] | None:
     if _dp_cp_rank() != 0:
         return None
     key = shard_key(worker)
-    grads = [{n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()} for chunk in worker.unwrapped_chunks]
-    return {"tp_rank": key[0], "pp_rank": key[1], "grads": grads, "params": export_params(worker)}
+    return {"tp_rank": key[0], "pp_rank": key[1], "grads": _main_grads(worker), "params": export_params(worker)}
+
+
+def _main_grads(worker: TrainingWorker) -> ChunkTensors:
+    """A copy of this rank's main-grad buffers, per model chunk by parameter name."""
+    return [{n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()} for chunk in worker.unwrapped_chunks]
 
 
 def shard_key(worker: TrainingWorker) -> tuple[int, int, int]:
