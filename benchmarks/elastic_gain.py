@@ -492,8 +492,8 @@ def only_ehp(args: argparse.Namespace, shape: Shape, runtime: Any, ray_tmp: str,
         runtime.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
     cores = os.cpu_count() or 1
-    loads = [x for name, run in ehp.items() if name.startswith("run_") and isinstance(run, dict)
-             for key in ("load_before", "load_after") for x in (run.get(key) or [0.0])[:1]]
+    launched = [run for name, run in ehp.items() if name.startswith("run_") and isinstance(run, dict)]
+    loads = [x for run in launched for key in ("load_before", "load_after") for x in (run.get(key) or [0.0])[:1]]
     notes = [
         "train_phase_s_without / train_phase_s_with are medians over the steps after the first: the first "
         "borrowing step starts the borrowed workers (first_attach_s, train_phase_s_with_first_step); the later "
@@ -527,8 +527,7 @@ def only_ehp(args: argparse.Namespace, shape: Shape, runtime: Any, ray_tmp: str,
     print(f"[elastic_gain] wrote {args.out}", flush=True)
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
-    ok = all(run.get("exit_code") == 0 for name, run in ehp.items() if name.startswith("run_")
-             and isinstance(run, dict)) and "error" not in ehp
+    ok = all(run.get("exit_code") == 0 for run in launched) and "error" not in ehp
     return 0 if ok else 1
 
 

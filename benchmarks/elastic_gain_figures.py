@@ -219,6 +219,11 @@ def median_of(rows: list[dict[str, Any]], key: str) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
+def median_train_s(rows: list[dict[str, Any]], warmup_steps: int) -> float:
+    """The median training-phase seconds (`time_train_s`, unrounded) of the steps after `warmup_steps`."""
+    return statistics.median(float(r["time_train_s"]) for r in rows[warmup_steps:])
+
+
 def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], borrowed_gpus: int,
                 warmup_steps: int = 1) -> dict[str, Any]:
     """Training-phase seconds per step (median of `time_train_s` after `warmup_steps`) of the same
@@ -232,12 +237,9 @@ def ehp_figures(without: list[dict[str, Any]], with_ehp: list[dict[str, Any]], b
     if len(a) <= warmup_steps or len(b) <= warmup_steps:
         raise ValueError(f"the EHP runs wrote {len(a)} and {len(b)} steps: need more than {warmup_steps} each")
 
-    def median_train(rows: list[dict[str, Any]]) -> float:
-        return statistics.median(float(r["time_train_s"]) for r in rows[warmup_steps:])
-
     borrowed = [r for r in b if float(r.get("train_ehp_replicas") or 0) > 0]
     first = borrowed[0] if borrowed else None
-    slow, fast = median_train(a), median_train(b)
+    slow, fast = median_train_s(a, warmup_steps), median_train_s(b, warmup_steps)
     return {
         "train_phase_s_without": round(slow, 3),
         "train_phase_s_with": round(fast, 3),
@@ -287,8 +289,7 @@ def ehp_rounds(rounds: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]], 
             raise ValueError(f"an EHP round wrote {len(a)} and {len(b)} steps: need more than {warmup_steps} each")
         pooled["without"] += a[warmup_steps:]
         pooled["with"] += b[warmup_steps:]
-        slow = statistics.median(float(r["time_train_s"]) for r in a[warmup_steps:])
-        fast = statistics.median(float(r["time_train_s"]) for r in b[warmup_steps:])
+        slow, fast = median_train_s(a, warmup_steps), median_train_s(b, warmup_steps)
         per_round.append({"train_phase_s_without": round(slow, 3), "train_phase_s_with": round(fast, 3),
                           "speedup": round(slow / fast, 3) if fast > 0 else None})
 
