@@ -82,6 +82,30 @@ def summarize(rows: list[dict[str, Any]], launched_at: float) -> dict[str, Any]:
     }
 
 
+def launch(config: str, run_dir: str, overrides: list[str], max_steps: int, time_limit_s: float,
+           repo: Path = REPO) -> tuple[list[dict[str, Any]], int, float, float, list[str]]:
+    """`libra launch CONFIG` on a fresh run directory, stopped (SIGINT) after `time_limit_s`: its metrics rows,
+    exit code, launch and end times and command. `repo` is the checkout whose code runs (its working
+    directory)."""
+    command = [sys.executable, "-m", "libra.cli.main", "launch", config, "--run-dir", run_dir, "--console", "plain"]
+    for override in overrides:
+        command += ["--set", override]
+    if max_steps:
+        command += ["--max-steps", str(max_steps)]
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    launched_at = time.time()
+    proc = subprocess.Popen(command, cwd=repo, env=env)
+    try:
+        returncode = proc.wait(timeout=time_limit_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        returncode = proc.wait(timeout=600)
+    finished_at = time.time()
+    metrics = Path(run_dir, "metrics.jsonl")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    return rows, returncode, launched_at, finished_at, command
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON result file")
@@ -95,23 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="libra-e2e-dev-")
     if Path(run_dir, "config.yaml").exists():
         parser.error(f"--run-dir {run_dir} already holds a run; the benchmark needs a fresh one")
-    command = [sys.executable, "-m", "libra.cli.main", "launch", args.config, "--run-dir", run_dir,
-               "--console", "plain"]
-    for override in args.overrides:
-        command += ["--set", override]
-    if args.max_steps:
-        command += ["--max-steps", str(args.max_steps)]
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    launched_at = time.time()
-    proc = subprocess.Popen(command, cwd=REPO, env=env)
-    try:
-        returncode = proc.wait(timeout=args.time_limit_s)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        returncode = proc.wait(timeout=600)
-    finished_at = time.time()
-    metrics = Path(run_dir, "metrics.jsonl")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    rows, returncode, launched_at, finished_at, command = launch(args.config, run_dir, args.overrides,
+                                                                 args.max_steps, args.time_limit_s)
     if not rows:
         print(f"the launch exited with {returncode} before finishing a training step; see {run_dir}", file=sys.stderr)
         return 1

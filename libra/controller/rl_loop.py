@@ -1,8 +1,17 @@
 """The RL loop of one controller session, on the main thread.
 
 Each step: a lag-bounded batch from the rollout producer -> advantages -> one optimizer step on the
-training pool -> weight publish every `sync_interval` steps (one reload request, validated ACK batch) ->
-evaluation and checkpoint files when due -> one metrics row -> the checkpoint marked complete. A checkpoint
+training pool -> weight publish every `sync_interval` steps (the training ranks export the weights, then one
+reload request, validated ACK batch) -> evaluation and checkpoint files when due -> one metrics row -> the
+checkpoint marked complete.
+
+Under a policy lag (`max_head_offpolicyness` >= 1) the next batch may come from the weights before a publish,
+so only the export holds the loop: the rollout servers reload on a helper thread while the next step collects
+and trains, and the loop waits for that reload's ACK batch at the next step's sync point (before the next
+export; the lag bound holds either way, as the buffer admits groups by the version the servers serve). The
+figures of a publish land in the row of the step that waited for it, with `sync_version`. A synchronous job
+(its next batch needs the new weights, and elastic hybrid parallelism lends its rollout GPUs to the next
+training step) waits for the ACKs at once. A checkpoint
 is complete only once its step's row is written, so a controller killed in between resumes from the checkpoint
 before (the step is trained again) and never after a step without a row. Resuming loads the newest complete
 checkpoint and brings the rollout servers to its weights first.
@@ -92,6 +101,8 @@ class RLLoop:
         self._loop_started: float | None = None
         self._eval_runner: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending_eval: tuple[int, concurrent.futures.Future[dict[str, float]]] | None = None
+        self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending_publish: tuple[int, concurrent.futures.Future[dict[str, Any]]] | None = None
         self.training_restarts = 0  # in this session
         self._step_in_flight = 0
         self._restarts_in_a_row = 0  # since the last checkpoint saved
@@ -261,6 +272,7 @@ class RLLoop:
                 self._commit_saved_checkpoint()
         finally:
             self._settle_pending_evaluation()
+            self._settle_pending_publish()
             self.timings["loop"] = time.monotonic() - loop_started
             self.state.train_seconds += self.timings["loop"]
             self._loop_started = None
@@ -316,6 +328,7 @@ class RLLoop:
         abandoned (its evaluation and generation go, samples are drawn again) and the loop continues from the
         newest complete checkpoint with a new producer."""
         self._settle_pending_evaluation()
+        self._settle_pending_publish()
         self.stop_producer()
         self.reporter.set_state("starting", step=self.state.step, message="restarting the training pool")
         self._load_newest(True, after=after)
@@ -365,10 +378,14 @@ class RLLoop:
             self.state.discarded_groups = self.buffer.discarded_groups
             self.state.discarded_samples = self.buffer.discarded_samples
             self.state.rollout_failures = self.producer.failures
-            sync: dict[str, Any] = {}
             t = time.monotonic()
+            sync = self._finish_publish()  # the reload started at an earlier step, when it ran behind the loop
             if number % cfg.sync_interval == 0 and number < self.end_step:
-                sync = self.publish(number, reason=f"sync_interval {cfg.sync_interval}")
+                reason = f"sync_interval {cfg.sync_interval}"
+                if self._publish_behind_the_loop:
+                    sync["export_s"] = self._start_publish(number, reason)
+                else:
+                    sync = self.publish(number, reason)
             times["sync"] = time.monotonic() - t
             t = time.monotonic()
             if cfg.task.eval_interval and (number % cfg.task.eval_interval == 0 or number == self.end_step):
@@ -426,13 +443,26 @@ class RLLoop:
         self.session.wake_reconciler()
 
     # ---- weights, evaluation, checkpoints -------------------------------------------------------------
+    @property
+    def _publish_behind_the_loop(self) -> bool:
+        """Whether the rollout servers reload while the loop goes on (see the module docstring)."""
+        return self.cfg.max_head_offpolicyness >= 1 and self.session.ehp_train_step is None
+
     def publish(self, version: int, reason: str) -> dict[str, Any]:
         """Export the trainer's weights and reload every rollout instance with them (validated ACKs)."""
-        out = self.run.weights_dir(version)
         started = time.monotonic()
+        out, checksum = self._export(version)
+        return self._reload(version, reason, out, checksum, started)
+
+    def _export(self, version: int) -> tuple[Path, str]:
+        """The training ranks write the weights of `version` as an HF folder; its checksum."""
+        out = self.run.weights_dir(version)
         # traced by the pools: weight_sync.export on the training ranks, weight_sync.publish (the flow source
         # of the instances' reloads) by the rollout pool on this process's tracer
-        checksum = self.session.training.export_hf(str(out))
+        return out, self.session.training.export_hf(str(out))
+
+    def _reload(self, version: int, reason: str, out: Path, checksum: str, started: float) -> dict[str, Any]:
+        """Every rollout instance loads the exported weights (validated ACKs); the publish's figures."""
         publish_version = version + self.session.desired.get().rollout_version_offset
         # through the controller's weight gate: no rollout membership change runs during a publish
         report = self.session.publish_weights(publish_version, str(out), checksum)
@@ -441,7 +471,43 @@ class RLLoop:
         self.run.prune_weights(keep={version})
         details = report_fields(report)
         self.events.emit("weight_sync", reason, version=version, seconds=round(seconds, 3), **details)
-        return {"total_s": round(seconds, 4), **details}
+        return {"total_s": round(seconds, 4), "version": version, **details}
+
+    def _start_publish(self, version: int, reason: str) -> float:
+        """Export now (the training ranks hold this step's weights until the next step changes them) and reload
+        the rollout servers on the publish thread; the export's seconds. The previous reload has finished
+        (`_finish_publish`), so no two publishes overlap and pruning never meets a folder being loaded."""
+        assert self._pending_publish is None, "a publish is still running"
+        started = time.monotonic()
+        out, checksum = self._export(version)
+        export_s = round(time.monotonic() - started, 4)
+        if self._publisher is None:
+            self._publisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="libra-publish")
+        self._pending_publish = (version, self._publisher.submit(self._reload, version, reason, out, checksum, started))
+        return export_s
+
+    def _finish_publish(self) -> dict[str, Any]:
+        """Wait for the reload running behind the loop (if any); its figures. Its error is raised here, as a
+        publish in the foreground raises it."""
+        if self._pending_publish is None:
+            return {}
+        _, future = self._pending_publish
+        self._pending_publish = None
+        return future.result()
+
+    def _settle_pending_publish(self) -> None:
+        """When the loop ends or goes back to a checkpoint: let a reload still running finish (the servers then
+        serve the newest published weights) and stop the publish thread; an error only reaches the event log
+        (a resume brings the servers to its checkpoint's weights)."""
+        version = self._pending_publish[0] if self._pending_publish is not None else None
+        try:
+            self._finish_publish()
+        except Exception as exc:
+            self.events.emit("warning", f"weight publish of step {version} failed: {type(exc).__name__}: {exc}",
+                             step=version)
+        if self._publisher is not None:
+            self._publisher.shutdown(wait=True)
+            self._publisher = None
 
     def _mark_rollout_version(self, version: int) -> None:
         assert self.buffer is not None
@@ -454,7 +520,17 @@ class RLLoop:
         self._take_pending_evaluation()
         if self._eval_runner is None:
             self._eval_runner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="libra-eval")
-        self._pending_eval = (number, self._eval_runner.submit(self._run_evaluation, number))
+        pending = self._pending_publish
+        publish = pending[1] if pending is not None and pending[0] == number else None
+        self._pending_eval = (number, self._eval_runner.submit(self._evaluate_when_served, number, publish))
+
+    def _evaluate_when_served(self, number: int,
+                              publish: concurrent.futures.Future[dict[str, Any]] | None) -> dict[str, float]:
+        """Evaluate policy `number` once the publish of its weights (running behind the loop) has its ACKs; a
+        failed publish fails the evaluation (and the loop, when it waits for that publish)."""
+        if publish is not None:
+            publish.result()
+        return self._run_evaluation(number)
 
     def _take_pending_evaluation(self) -> dict[str, float]:
         """The result of the evaluation started at the previous step (waiting for it), as row fields."""
