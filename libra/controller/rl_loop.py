@@ -3,7 +3,10 @@
 Each step: a lag-bounded batch from the rollout producer -> advantages -> one optimizer step on the
 training pool -> weight publish every `sync_interval` steps (the training ranks export the weights, then one
 reload request, validated ACK batch) -> evaluation and checkpoint files when due -> one metrics row -> the
-checkpoint marked complete.
+checkpoint marked complete. A checkpoint is complete only once its step's row is written, so a controller
+killed in between resumes from the checkpoint before (the step is trained again) and never after a step
+without a row. Resuming loads the newest complete checkpoint and brings the rollout servers to its weights
+first.
 
 Under a policy lag (`max_head_offpolicyness` >= 1) the next batch may come from the weights before a publish,
 so only the export holds the loop: the rollout servers reload on a helper thread while the next step collects
@@ -11,15 +14,13 @@ and trains, and the loop waits for that reload's ACK batch at the next step's sy
 export; the lag bound holds either way, as the buffer admits groups by the version the servers serve). The
 figures of a publish land in the row of the step that waited for it, with `sync_version`. A synchronous job
 (its next batch needs the new weights, and elastic hybrid parallelism lends its rollout GPUs to the next
-training step) waits for the ACKs at once. A checkpoint
-is complete only once its step's row is written, so a controller killed in between resumes from the checkpoint
-before (the step is trained again) and never after a step without a row. Resuming loads the newest complete
-checkpoint and brings the rollout servers to its weights first.
+training step) waits for the ACKs at once.
 
 Evaluation runs beside the next step's rollout: the held-out prompts go to the rollout pool right after the
-publish of step N (so they see policy N), and their result is taken before step N+1 trains, ahead of the next
-publish. The figures land in step N+1's metrics row with `eval_step: N`. The last step evaluates in the
-foreground, so its own row carries them.
+publish of step N (so they see policy N; behind the loop, once that reload has its ACKs), and their result is
+taken before step N+1 trains (under a policy lag once it has trained, so that the training overlaps the
+reload the evaluation waits for), ahead of the next publish. The figures land in step N+1's metrics row with
+`eval_step: N`. The last step evaluates in the foreground, so its own row carries them.
 
 The loop is given a `JobSession` (typed training and generation services, the desired-state store, the
 weight publish through the executor's gate, pool read-outs), never the controller itself.
@@ -366,13 +367,18 @@ class RLLoop:
                     cancelled=self.stop.event, on_timeout=self._on_collect_timeout,
                 )
             times["rollout"] = time.monotonic() - started
+            behind = self._publish_behind_the_loop
             t = time.monotonic()
-            evaluation = self._take_pending_evaluation()
+            evaluation = {} if behind else self._take_pending_evaluation()
             eval_wait = time.monotonic() - t
             samples = build_samples(groups, cfg.algorithm.advantage_norm_mode, TrainSample)
             t = time.monotonic()
             train_metrics = self._train_step(samples, number)
             times["train"] = time.monotonic() - t
+            if behind:
+                t = time.monotonic()
+                evaluation = self._take_pending_evaluation()
+                eval_wait = time.monotonic() - t
             self.state.step = number
             self.state.prompts_drawn = self.producer.prompts_drawn - self.buffer.running - self.buffer.buffered
             self.state.discarded_groups = self.buffer.discarded_groups
@@ -382,7 +388,7 @@ class RLLoop:
             sync = self._finish_publish()  # the reload started at an earlier step, when it ran behind the loop
             if number % cfg.sync_interval == 0 and number < self.end_step:
                 reason = f"sync_interval {cfg.sync_interval}"
-                if self._publish_behind_the_loop:
+                if behind:
                     sync["export_s"] = self._start_publish(number, reason)
                 else:
                     sync = self.publish(number, reason)

@@ -120,6 +120,11 @@ def metric_rows(run: RunDir) -> list[dict[str, Any]]:
     return [json.loads(line) for line in run.metrics_jsonl.read_text().splitlines()]
 
 
+def trained_during_the_reload_before(rollout: SlowReloadRollout, training: RecordingTraining) -> list[int]:
+    """The published versions v whose reload was still running when step v + 1 started training."""
+    return [v for v, (start, end) in sorted(rollout.reloads.items()) if start < training.started.get(v + 1, 0.0) < end]
+
+
 def publish_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("libra-publish")]
 
@@ -135,8 +140,7 @@ def test_the_next_step_trains_while_the_servers_reload_under_a_lag(tmp_path: Pat
     run_steps(loop)
     published = list(range(1, END_STEP))
     assert sorted(rollout.reloads) == published and rollout.version == END_STEP - 1
-    during = [v for v in published if rollout.reloads[v][0] < training.started[v + 1] < rollout.reloads[v][1]]
-    assert during == (published if behind else []), "steps that trained while the reload before them ran"
+    assert trained_during_the_reload_before(rollout, training) == (published if behind else [])
     rows = metric_rows(run)
     assert [r["step"] for r in rows] == list(range(1, END_STEP + 1))
     # a reload's figures are in the row of the step that waited for it: the next one when it ran behind
@@ -151,9 +155,12 @@ def test_the_next_step_trains_while_the_servers_reload_under_a_lag(tmp_path: Pat
 
 
 def test_an_evaluation_sees_the_policy_it_names_when_the_reload_runs_behind(tmp_path: Path) -> None:
+    """The evaluation waits for the reload of the weights it names; the next step trains meanwhile, and the
+    evaluation's result is taken after it, before the next publish."""
     rollout = SlowReloadRollout()
-    loop, run, _ = make_loop(tmp_path, 1, rollout, eval_interval=2)
+    loop, run, training = make_loop(tmp_path, 1, rollout, eval_interval=2)
     run_steps(loop)
+    assert trained_during_the_reload_before(rollout, training) == list(range(1, END_STEP))
     rows = metric_rows(run)
     evaluated = {r["eval_step"]: r["step"] for r in rows if "eval_step" in r}
     assert evaluated == {2: 3, 4: 5, 6: 6}
@@ -174,11 +181,19 @@ def test_a_failed_reload_fails_the_job_with_its_error(tmp_path: Path, lag: int) 
     assert not publish_threads()
 
 
-def test_a_loop_that_stops_lets_the_running_reload_finish(tmp_path: Path) -> None:
-    rollout = SlowReloadRollout()
+@pytest.mark.parametrize("fails", [pytest.param(False, id="reload-succeeds"), pytest.param(True, id="reload-fails")])
+def test_a_loop_that_stops_lets_the_running_reload_finish(tmp_path: Path, fails: bool) -> None:
+    """A stop after step 3: its reload, running behind the loop, ends before the loop does; its error (nothing
+    waits for that step any more) reaches the event log and the loop ends as asked."""
+    rollout = SlowReloadRollout(fail_at=3 if fails else None)
     loop, run, _ = make_loop(tmp_path, 1, rollout, stop_after=3)
     run_steps(loop)
     assert loop.state.step == 3 and [r["step"] for r in metric_rows(run)] == [1, 2, 3]
-    assert rollout.version == 3, "the publish of the last step trained reached the servers before the loop ended"
-    assert loop.rollout_version == 3 and loop.session.desired.get().weight_version == 3
+    served = 2 if fails else 3
+    assert rollout.version == served, "the publish of the last step trained ended before the loop did"
+    assert loop.rollout_version == served and loop.session.desired.get().weight_version == served
+    warnings = [e["message"] for e in map(json.loads, run.events_jsonl.read_text().splitlines())
+                if e["kind"] == "warning"]
+    assert warnings == (["weight publish of step 3 failed: RuntimeError: instance rollout-0 refused the reload of "
+                         "version 3"] if fails else [])
     assert not publish_threads()
