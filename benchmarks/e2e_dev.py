@@ -46,15 +46,25 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
+def first_step_start(rows: list[dict[str, Any]]) -> float:
+    """Wall-clock time the first step of these metrics rows started."""
+    return float(rows[0]["wall_time"]) - float(rows[0].get("time_step_s", 0.0))
+
+
+def loop_wall_s(rows: list[dict[str, Any]]) -> float:
+    """Seconds of the step loop from the first row's step start to the last row's end."""
+    return float(rows[-1]["elapsed_s"]) - (float(rows[0]["elapsed_s"]) - float(rows[0].get("time_step_s", 0.0)))
+
+
 def summarize(rows: list[dict[str, Any]], launched_at: float) -> dict[str, Any]:
     """The benchmark figures from metrics.jsonl rows of one session."""
     if not rows:
         raise ValueError("the run wrote no metrics rows")
     rewards = [float(r["reward_mean"]) for r in rows]
     smooth = moving_average(rewards, WINDOW)
-    first_start = float(rows[0]["wall_time"]) - float(rows[0].get("time_step_s", 0.0))
+    first_start = first_step_start(rows)
     reached = next((i for i, v in enumerate(smooth) if v >= TARGET and i + 1 >= min(WINDOW, len(rows))), None)
-    loop_wall = float(rows[-1]["elapsed_s"]) - (float(rows[0]["elapsed_s"]) - float(rows[0].get("time_step_s", 0)))
+    loop_wall = loop_wall_s(rows)
     phase = {p: sum(float(r.get(f"time_{p}_s", 0.0)) for r in rows) for p in ("rollout", "train", "sync", "eval",
                                                                             "checkpoint")}
     tokens = sum(float(r.get("response_tokens", 0.0)) for r in rows)

@@ -74,7 +74,7 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return round(statistics.median(values), 4) if values else None
 
     publish_s, loop_sync_s = total("sync_total_s"), total("time_sync_s")
-    loop_wall = float(rows[-1]["elapsed_s"]) - (float(rows[0]["elapsed_s"]) - float(rows[0].get("time_step_s", 0)))
+    loop_wall = e2e_dev.loop_wall_s(rows)
     return {
         "steps": len(rows),
         "publishes": sum(1 for r in rows if isinstance(r.get("sync_total_s"), int | float)),
@@ -139,8 +139,7 @@ def run_one(name: str, overrides: list[str], repo: Path, args: argparse.Namespac
     rows, code, launched_at, _, _ = e2e_dev.launch(config, run_dir, overrides, steps, args.time_limit_s, repo)
     run: dict[str, Any] = {"overrides": overrides, "max_steps": steps, "exit_code": code, "run_dir": run_dir}
     if rows:
-        first_start = float(rows[0]["wall_time"]) - float(rows[0].get("time_step_s", 0.0))
-        run.update(figures(rows), startup_s=round(first_start - launched_at, 1))
+        run.update(figures(rows), startup_s=round(e2e_dev.first_step_start(rows) - launched_at, 1))
     result["runs"][name] = run
     print(json.dumps({name: {k: run.get(k) for k in ("steps", "publishes", "wait_share", "steps_per_s")}}))
     return code != 0 or not rows
