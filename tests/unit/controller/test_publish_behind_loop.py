@@ -28,7 +28,8 @@ from libra.run_dir import RunDir
 from .test_training_restart import Completion, Prompt, Task, Tokenizer
 
 END_STEP = 6
-RELOAD_S = 0.4  # long beside a fake step (milliseconds): a step that trains during a reload shows it
+RELOAD_S = 0.4  # a reload's length where no step may train during it (long beside a fake step's milliseconds)
+NEXT_STEP_BOUND_S = 30.0  # how long a reload waits for the next step to start where one may (it starts at once)
 
 
 class EvalTask(Task):
@@ -36,12 +37,31 @@ class EvalTask(Task):
         return [Prompt([9, 9]) for _ in range(2)]
 
 
-class SlowReloadRollout:
-    """Rollout servers whose reload takes RELOAD_S; generation answers with the version served. Records when
-    each reload started and ended, the versions the evaluation's (greedy) requests met, and fails the reload
-    of `fail_at`."""
+class StepStarts:
+    """When each training step started, and an event per step that a reload can wait for."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
+    def __init__(self) -> None:
+        self.at: dict[int, float] = {}
+        self._events: dict[int, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def event(self, step: int) -> threading.Event:
+        with self._lock:
+            return self._events.setdefault(step, threading.Event())
+
+    def started(self, step: int) -> None:
+        self.at[step] = time.monotonic()
+        self.event(step).set()
+
+
+class SlowReloadRollout:
+    """Rollout servers whose reload of version v lasts until training step v + 1 starts, or `wait_s` at most
+    (timing alone would make a loaded machine's scheduling part of the result); generation answers with the
+    version served. Records when each reload started and ended, the versions the evaluation's (greedy)
+    requests met, and fails the reload of `fail_at`."""
+
+    def __init__(self, steps: StepStarts, wait_s: float, fail_at: int | None = None) -> None:
+        self.steps, self.wait_s = steps, wait_s
         self.version = 0
         self.calls = 0
         self.fail_at = fail_at
@@ -51,7 +71,8 @@ class SlowReloadRollout:
     def publish_weights(self, version: int, hf_dir: str, checksum: str) -> dict[str, Any]:
         started = time.monotonic()
         assert Path(hf_dir).is_dir(), f"the export of version {version} is gone before its reload: {hf_dir}"
-        time.sleep(RELOAD_S)
+        self.steps.event(version + 1).wait(self.wait_s)
+        time.sleep(0.01)
         if version == self.fail_at:
             raise RuntimeError(f"instance rollout-0 refused the reload of version {version}")
         self.version = version
@@ -68,13 +89,16 @@ class SlowReloadRollout:
 class RecordingTraining:
     """Training ranks that note when each step started; `stop` is requested when step `stop_after` ends."""
 
-    def __init__(self, stop: StopRequest, stop_after: int | None = None) -> None:
-        self.stop, self.stop_after = stop, stop_after
+    def __init__(self, steps: StepStarts, stop: StopRequest, stop_after: int | None = None) -> None:
+        self.steps, self.stop, self.stop_after = steps, stop, stop_after
         self.step = 0
-        self.started: dict[int, float] = {}
+
+    @property
+    def started(self) -> dict[int, float]:
+        return self.steps.at
 
     def train_step(self, samples: list[Any], step: int) -> dict[str, float]:
-        self.started[step] = time.monotonic()
+        self.steps.started(step)
         self.step = step
         if step == self.stop_after:
             self.stop.request("operator stop")
@@ -98,7 +122,7 @@ def make_loop(tmp_path: Path, lag: int, rollout: SlowReloadRollout, stop_after: 
     run = RunDir.at(tmp_path / "run").create()
     events = EventLog(run.events_jsonl)
     stop = StopRequest()
-    training = RecordingTraining(stop, stop_after)
+    training = RecordingTraining(rollout.steps, stop, stop_after)
     store = DesiredStore(None, DesiredState(rollout_instances=1, rollout_tp=1, train_gpus=1, train_layout=TrainLayout()))
     session = JobSession(training=training, generation=rollout, desired=store,  # type: ignore[arg-type]
                          publish_weights=rollout.publish_weights, served_versions=lambda: [rollout.version],
@@ -135,7 +159,7 @@ def publish_threads() -> list[threading.Thread]:
     pytest.param(2, True, id="lag-2-trains-during-the-reload"),
 ])
 def test_the_next_step_trains_while_the_servers_reload_under_a_lag(tmp_path: Path, lag: int, behind: bool) -> None:
-    rollout = SlowReloadRollout()
+    rollout = SlowReloadRollout(StepStarts(), NEXT_STEP_BOUND_S if behind else RELOAD_S)
     loop, run, training = make_loop(tmp_path, lag, rollout)
     run_steps(loop)
     published = list(range(1, END_STEP))
@@ -146,7 +170,7 @@ def test_the_next_step_trains_while_the_servers_reload_under_a_lag(tmp_path: Pat
     # a reload's figures are in the row of the step that waited for it: the next one when it ran behind
     waited_at = {r["sync_version"]: r["step"] for r in rows if "sync_version" in r}
     assert waited_at == {v: v + 1 if behind else v for v in published}
-    assert all(r["sync_total_s"] >= RELOAD_S for r in rows if "sync_version" in r)
+    assert all(r["sync_total_s"] >= 0.01 for r in rows if "sync_version" in r)
     exported = [r["step"] for r in rows if "sync_export_s" in r]
     assert exported == (published if behind else [])
     assert [r["rollout_version"] for r in rows][-1] == END_STEP - 1
@@ -157,7 +181,7 @@ def test_the_next_step_trains_while_the_servers_reload_under_a_lag(tmp_path: Pat
 def test_an_evaluation_sees_the_policy_it_names_when_the_reload_runs_behind(tmp_path: Path) -> None:
     """The evaluation waits for the reload of the weights it names; the next step trains meanwhile, and the
     evaluation's result is taken after it, before the next publish."""
-    rollout = SlowReloadRollout()
+    rollout = SlowReloadRollout(StepStarts(), NEXT_STEP_BOUND_S)
     loop, run, training = make_loop(tmp_path, 1, rollout, eval_interval=2)
     run_steps(loop)
     assert trained_during_the_reload_before(rollout, training) == list(range(1, END_STEP))
@@ -170,7 +194,7 @@ def test_an_evaluation_sees_the_policy_it_names_when_the_reload_runs_behind(tmp_
 
 @pytest.mark.parametrize("lag", [pytest.param(0, id="synchronous"), pytest.param(1, id="lag-1")])
 def test_a_failed_reload_fails_the_job_with_its_error(tmp_path: Path, lag: int) -> None:
-    rollout = SlowReloadRollout(fail_at=3)
+    rollout = SlowReloadRollout(StepStarts(), NEXT_STEP_BOUND_S if lag else RELOAD_S, fail_at=3)
     loop, run, training = make_loop(tmp_path, lag, rollout)
     with pytest.raises(RuntimeError, match="refused the reload of version 3"):
         run_steps(loop)
@@ -185,7 +209,7 @@ def test_a_failed_reload_fails_the_job_with_its_error(tmp_path: Path, lag: int) 
 def test_a_loop_that_stops_lets_the_running_reload_finish(tmp_path: Path, fails: bool) -> None:
     """A stop after step 3: its reload, running behind the loop, ends before the loop does; its error (nothing
     waits for that step any more) reaches the event log and the loop ends as asked."""
-    rollout = SlowReloadRollout(fail_at=3 if fails else None)
+    rollout = SlowReloadRollout(StepStarts(), RELOAD_S, fail_at=3 if fails else None)  # no step 4 will start
     loop, run, _ = make_loop(tmp_path, 1, rollout, stop_after=3)
     run_steps(loop)
     assert loop.state.step == 3 and [r["step"] for r in metric_rows(run)] == [1, 2, 3]
