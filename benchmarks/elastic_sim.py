@@ -79,14 +79,15 @@ NOT_COVERED = [
     "dynamics, not measurements: calibration fits the simulator's constants to the CPU runs of the measured-gain "
     "benchmark only, so it checks the simulator's dynamics and cost structure, not the GPU constants",
     "response lengths are a chosen drifting log-normal workload, not a recorded trace",
-    "a rollout batch's decode is aggregated per instance (decode.py states the approximation and its error "
-    "against the per-request simulation); requests are balanced evenly over instances",
+    "a rollout batch's decode is aggregated per instance (decode.py states the approximation; its step times "
+    "against a per-request reference of one instance are benchmarks/results/sim_fidelity.json); requests are "
+    "balanced evenly over instances",
     "failed rollout instances' in-flight requests cost no extra time; the colocated baseline has no failures",
-    "the training layout is fixed per policy (elastic resizes data parallelism only, as Libra's runtime does)",
+    "the training layout (TP, PP, CP, EP) is fixed per policy: elastic resizes training data parallelism and the "
+    "rollout pool (instances and their TP), as Libra's runtime does",
     "case_details[].oracle estimates what following the drift could gain here: each twentieth of the job run at "
-    "the pace of the static split fastest in it, switches free; it is not a strict bound (an elastic run can "
-    "beat it by a percent or two when a switch leaves the pipeline in a faster rhythm than any static run had "
-    "in that phase)",
+    "the pace of the static split fastest in it, switches free; it is an estimate, not a strict bound (a phase's "
+    "pace depends a little on the pipeline state the phase before leaves)",
     "the elastic policy's predictor replays the simulator's own cost model: it knows the costs and observes only "
     "the lengths, so its gains are what a calibrated tail-aware planner could reach in this model, not what "
     "planner.replan reaches today (elastic:replan_predictor rows)",

@@ -20,18 +20,27 @@ aggregate of `instance_generation`, which needs only a batch's count, total, lon
 - drain: the queue is empty and the last requests finish. The whole run is taken as
   max(L_max, T / C + (L_max - r) / 2) steps: the longest request starts on average half-way through its
   share of the drain (an empirical fit to `exact_instance_run` over log-normal lengths, sigma 0.5-1.0, 64 to
-  2,000 requests, 16 to 128 slots: within about +-10%, worst case about 20%); the drain steps run at the
-  step time of a half-full batch. With n <= C every request starts at once and the run is L_max steps, each
-  running the requests not yet finished: their sequence-steps add up to the T tokens, so the steps run at
-  the step time of T / L_max sequences (`drain_batch`; exact when a step's time is affine in its batch).
+  2,000 requests, 16 to 128 slots: within about +-10%, worst case about 20%). Each drain step runs the
+  requests not yet finished, so the drain's sequence-steps add up to the tokens left when the queue empties
+  (T - bulk x C, about C x r; all T when n <= C, where every request starts at once and the run is L_max
+  steps): the drain steps run at the step time of that many tokens over the drain's steps (`drain_batch`;
+  exact when a step's time is affine in its batch and the step count is right). A long tail thus drains at
+  the step time of the few requests left, not of a half-full batch.
 
 Streaming (asynchronous runs, `streaming_generation`): requests of the next steps fill the slots too (the
-admission window of `max_head_offpolicyness`), so the slots are counted over the requests of the whole window
-and a step's requests take their share of the pool's work: T / C steps, of which the last r are done while the
-next step's requests are admitted (they carry over); if admission is closed when the step's requests are all
-admitted, the drain is exposed as above.
+admission window of `max_head_offpolicyness`), and a step's requests take their share of the pool's work:
+T / C steps, of which the last r are done while the next step's requests are admitted (they carry over); if
+admission is closed when the step's requests are all admitted, the drain is exposed as above. The slots are
+counted over the part of the window that holds running responses (`streaming_window`): the runtime
+(`libra/controller/batching.py`) admits whole prompt groups and counts a group against the window from its
+admission until a training step takes it, so (a) a group whose shorter responses have finished still holds
+room for all of them until its longest finishes: over a group's life its size x `BatchStats.group_fill` of
+its responses run; (b) finished groups wait for a step to take them, a batch at a time: half a batch on
+average, so a lag of s offers s + 1/2 batches of room, not s + 1.
 
-The approximation's error against `exact_instance_run` is checked by tests/unit/planner/test_sim_decode.py.
+The aggregate's error against `exact_instance_run` is checked by tests/unit/planner/test_sim_decode.py, and
+the engine's step times against the per-request pipeline of `planner.sim.exact` by
+tests/unit/planner/test_sim_exact.py.
 """
 
 from __future__ import annotations
@@ -84,20 +93,41 @@ def exact_instance_run(lengths: Sequence[int], prompt: int, max_seqs: int, kv_to
     return ExactRun(seconds, steps, widest, preemptions)
 
 
-def slots(max_seqs: int, kv_tokens: float, prompt: float, length_biased_mean: float, requests: int) -> int:
+def slots(max_seqs: int, kv_tokens: float, prompt: float, length_biased_mean: float, requests: float) -> int:
     """Sequences an instance runs at once: vLLM's cap, the KV-cache budget at the mean live context, and the
-    requests it has."""
+    requests it has (a mean may be fractional: whole sequences)."""
     live_context = prompt + length_biased_mean / 2.0
     by_kv = math.floor(kv_tokens / live_context) if live_context > 0 else max_seqs
-    return max(1, min(max_seqs, by_kv, requests))
+    return max(1, min(max_seqs, by_kv, math.floor(requests)))
 
 
-def drain_batch(requests: int, total_tokens: float, longest: float, slot_count: int) -> float:
-    """Mean sequences a decode step runs during the drain: total / longest when every request starts at once
-    (each step runs the unfinished ones, so the steps' batches add up to the tokens), else half the slots."""
-    if requests <= slot_count and longest > 0:
-        return max(1.0, min(float(slot_count), total_tokens / longest))
-    return float(max(1, slot_count // 2))
+def streaming_window(requests: int, lag: int, group_fill: float) -> float:
+    """Responses of one instance's admission window that are running on average, under a policy lag of
+    `lag` >= 1 steps with `requests` responses per step (the module's streaming rule)."""
+    return max(1.0, requests * (lag + 0.5) * group_fill)
+
+
+def decode_steps(requests: int, total_tokens: float, longest: float, length_biased_mean: float, slot_count: int,
+                 streaming: bool = False) -> tuple[float, float]:
+    """(bulk, drain) decode steps of one instance's share of a batch (the module's formulas). Streaming: the
+    slots are counted over the admission window, so the step's own requests may be fewer than the slots."""
+    if requests <= slot_count and not streaming:
+        return 0.0, float(longest)
+    residual = length_biased_mean / 2.0
+    full = total_tokens / slot_count
+    bulk = max(0.0, full - residual)
+    return bulk, max(float(longest), full + (float(longest) - residual) / 2.0) - bulk
+
+
+def drain_batch(requests: int, total_tokens: float, longest: float, length_biased_mean: float, slot_count: int,
+                streaming: bool = False) -> float:
+    """Mean sequences a decode step runs during the drain: the tokens left when the queue empties (all of them
+    when every request starts at once) over the drain's steps, since each drain step runs the unfinished
+    requests, so the steps' batches add up to those tokens."""
+    bulk, drain = decode_steps(requests, total_tokens, longest, length_biased_mean, slot_count, streaming)
+    if drain <= 0:
+        return 1.0
+    return max(1.0, min(float(slot_count), (total_tokens - bulk * slot_count) / drain))
 
 
 @dataclass(frozen=True)
@@ -117,15 +147,9 @@ class InstanceRun:
 def instance_generation(requests: int, total_tokens: float, longest: float, length_biased_mean: float,
                         slot_count: int, step_full_s: float, step_drain_s: float) -> InstanceRun:
     """Aggregate continuous-batching decode of `requests` responses of `total_tokens` on one instance."""
-    residual = length_biased_mean / 2.0
-    if requests <= slot_count:
-        bulk, drain = 0.0, float(longest)
-        drain_work = 0.0
-    else:
-        full = total_tokens / slot_count
-        bulk = max(0.0, full - residual)
-        drain = max(float(longest), full + (float(longest) - residual) / 2.0) - bulk
-        drain_work = min(drain * step_drain_s, (full - bulk) * step_full_s)
+    bulk, drain = decode_steps(requests, total_tokens, longest, length_biased_mean, slot_count)
+    drain_work = 0.0 if requests <= slot_count else min(drain * step_drain_s,
+                                                        (total_tokens / slot_count - bulk) * step_full_s)
     return InstanceRun(slot_count, bulk, drain, bulk * step_full_s, drain * step_drain_s, drain_work)
 
 
@@ -134,8 +158,6 @@ def streaming_generation(total_tokens: float, longest: float, length_biased_mean
     """Aggregate decode of one step's `total_tokens` on one instance whose slots are kept full by the requests
     of the admission window; `drain_s` is the exposed drain (admission closed), `drain_work_s` the residual
     work that overlaps the next step otherwise."""
-    residual = length_biased_mean / 2.0
+    bulk, drain = decode_steps(0, total_tokens, longest, length_biased_mean, slot_count, streaming=True)
     full = total_tokens / slot_count
-    bulk = max(0.0, full - residual)
-    drain = max(float(longest), full + (float(longest) - residual) / 2.0) - bulk
     return InstanceRun(slot_count, bulk, drain, bulk * step_full_s, drain * step_drain_s, (full - bulk) * step_full_s)

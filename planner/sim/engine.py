@@ -12,11 +12,15 @@ Rules, each the runtime's:
 - The rollout pool generates one batch at a time. Synchronous (s = 0): a batch is a fixed set of groups and
   completes with its longest response (the drain of `planner.sim.decode`; the slots idle as it empties).
   Asynchronous (s >= 1): groups stream as in `libra/controller/batching.py` (admission bounded by the policy
-  lag; a step consumes finished groups), so when the next batch may be admitted as this one's requests are
+  lag; a step consumes finished groups; the slots are those of the part of the window that runs,
+  `planner.sim.decode.streaming_window`), so when the next batch may be admitted as this one's requests are
   all admitted, its groups take the freed slots and this batch completes after its residual work at the
-  full-batch rate; when admission is closed then, the slots idle through the drain, until the next batch is
-  admitted: its first finished groups then stand in for the stragglers, so the batch completes no later than
-  the next one would while streaming (the stragglers count towards later steps).
+  full-batch rate; when admission is closed then, the slots idle through the drain until the next batch is
+  admitted (or the drain ends): from then the next batch's groups fill the freed slots and its first finished
+  groups stand in for the stragglers, so the batch completes once the residual work its running requests
+  still held at that moment is done at the full-batch rate (the streaming rule, from the admission on; the
+  stragglers count towards later steps). How late the admission comes thus shortens the drain continuously:
+  a sync that arrives just after a batch's requests are all admitted costs little, not the whole drain.
 - Training step k starts when batch k is done and step k - 1 ended; then the weights are synced
   (`PhaseCosts.sync_timing`): the rollout pool pauses for one reload (a pause stretches whatever it is
   generating) and version k + 1 serves after the reload (x nodes when serial).
@@ -34,6 +38,9 @@ Rules, each the runtime's:
 - EHP: when a training step starts while the rollout pool waits for the weights that step produces, the
   rollout GPUs (above `ehp_min_rollout_gpus`) join the step as extra data-parallel replicas of whole model
   copies (`planner.ehp.replica_unit`), paying `ehp_join_s`; they serve again after the step.
+
+The per-batch aggregate's step times are checked against the per-request pipeline of `planner.sim.exact`
+(tests/unit/planner/test_sim_exact.py).
 
 GPU idle share = 1 - (useful GPU-seconds) / (GPUs x wall time): useful is decode at the full-batch rate plus
 prefill on rollout GPUs, and training-side seconds on training GPUs (borrowed ones included).
@@ -53,7 +60,7 @@ from planner.ehp import replica_unit
 from planner.plan import Candidate
 from planner.replan import Observation
 from planner.sim.costs import PhaseCosts
-from planner.sim.decode import drain_batch, instance_generation, slots, streaming_generation
+from planner.sim.decode import drain_batch, instance_generation, slots, streaming_generation, streaming_window
 from planner.sim.lengths import BatchStats
 from planner.workload import PlannerInputs
 
@@ -306,15 +313,18 @@ class Engine:
         b, c = self.job.batches, self.job.costs
         requests = math.ceil(int(b.count[k]) / instances)
         lbm = b.length_biased_mean(k)
-        window = requests * (1 + self.staleness)  # requests the admission window offers one instance
+        window = float(requests)
+        if self.staleness > 0:  # the admission window's room that holds running responses (planner.sim.decode)
+            window = streaming_window(requests, self.staleness, b.group_fill(k))
         slot_count = slots(c.max_seqs, c.kv_tokens(tp), c.prompt_tokens, lbm, window)
         full = c.decode_step(tp, lbm, slot_count)
         per_instance = float(b.total[k]) / instances
         if self.staleness > 0:
-            drain = c.decode_step(tp, lbm, max(1, slot_count // 2))
+            drain = c.decode_step(tp, lbm, drain_batch(requests, per_instance, float(b.longest[k]), lbm, slot_count,
+                                                       streaming=True))
             run = streaming_generation(per_instance, float(b.longest[k]), lbm, slot_count, full, drain)
         else:
-            drain = c.decode_step(tp, lbm, drain_batch(requests, per_instance, float(b.longest[k]), slot_count))
+            drain = c.decode_step(tp, lbm, drain_batch(requests, per_instance, float(b.longest[k]), lbm, slot_count))
             run = instance_generation(requests, per_instance, float(b.longest[k]), lbm, slot_count, full, drain)
         prefill = c.prefill_s(tp, instances)
         carry = 0.0
@@ -327,12 +337,12 @@ class Engine:
         self.busy_gpu_s += (prefill + float(b.total[k]) / instances / slot_count * full) * instances * tp
         self.tokens += float(b.total[k])
         self._log("rollout_start", k)
-        bulk_end = self.now + carry + prefill + run.bulk_s
-        self._push(bulk_end, "bulk", k, self.pause_total)
-        if self.staleness > 0 and k > 0 and not self.batch_done[k - 1] and self.prev_done_at > bulk_end + run.drain_work_s:
-            # a step consumes finished groups: the previous batch's stragglers are replaced by this batch's
-            # first finished groups, so it completes no later than this batch would while streaming
-            self._push(bulk_end + run.drain_work_s, "done", k - 1, self.pause_total)
+        self._push(self.now + carry + prefill + run.bulk_s, "bulk", k, self.pause_total)
+        if k > 0 and not self.batch_done[k - 1] and self.prev_done_at > self.now + carry:
+            # the previous batch drains with its slots idle: from now on this batch's groups fill them, and a
+            # step consumes finished groups, so the stragglers' count is made up once the work they still
+            # held is done at the full-batch rate, as while streaming
+            self._push(self.now + carry, "done", k - 1, self.pause_total)
 
     def _on_bulk(self, k: int, mark: float) -> None:
         if self._lazy("bulk", k, mark):

@@ -12,9 +12,11 @@ length grows roughly linearly over RL steps; DAPO, arXiv:2503.14476, Fig. 7); th
 chosen workload, not a measurement.
 
 Only per-step sufficient statistics are kept (`BatchStats`): count, sum, maximum and sum of squares of the
-lengths. The simulator needs nothing else (see `planner.sim.decode`), which keeps 10,000 GPUs x 1,000 steps
-cheap. The same seed gives the same lengths for every policy (common random numbers), so policies are
-compared on the same draws.
+lengths, and the sum of each prompt group's longest response (a group of `n_samples` responses is finished,
+and counts for a step, when its longest is). The simulator needs nothing else (see `planner.sim.decode`),
+which keeps 10,000 GPUs x 1,000 steps cheap. A group's responses are drawn independently (responses to one
+prompt are likely more alike, so a group's longest is likely shorter than drawn here). The same seed gives
+the same lengths for every policy (common random numbers), so policies are compared on the same draws.
 """
 
 from __future__ import annotations
@@ -85,12 +87,15 @@ class LengthModel:
 
 @dataclass(frozen=True)
 class BatchStats:
-    """Per-step sufficient statistics of the response lengths (arrays of length `steps`)."""
+    """Per-step sufficient statistics of the response lengths (arrays of length `steps`). `group_longest`
+    sums the longest response of each group of `group_size` (None: not known, taken as groups of one)."""
 
     count: np.ndarray
     total: np.ndarray
     longest: np.ndarray
     sum_squares: np.ndarray
+    group_size: int = 1
+    group_longest: np.ndarray | None = None
 
     @property
     def steps(self) -> int:
@@ -103,25 +108,39 @@ class BatchStats:
         """E[L^2] / E[L]: the mean length of the request a decode slot holds at a random moment."""
         return float(self.sum_squares[step] / self.total[step])
 
+    def group_fill(self, step: int) -> float:
+        """The share of a group's responses still generating, averaged over the group's lifetime: E[sum L] /
+        (size x E[longest L]) when its responses start together. A group reserves its admission room until its
+        longest finishes, so this is the share of that room that holds running responses (1: groups of one)."""
+        if self.group_longest is None or self.group_size == 1:
+            return 1.0
+        return float(min(1.0, self.total[step] / (self.group_size * self.group_longest[step])))
 
-def draw_batches(model: LengthModel, steps: int, samples_per_step: int, seed: int) -> BatchStats:
-    """The lengths of every step of the job, reduced to `BatchStats` (deterministic under `seed`)."""
+
+def draw_batches(model: LengthModel, steps: int, samples_per_step: int, seed: int, group_size: int = 1) -> BatchStats:
+    """The lengths of every step of the job, reduced to `BatchStats` (deterministic under `seed`); each step's
+    responses form groups of `group_size` consecutive draws."""
     model.validate()
     if steps < 1 or samples_per_step < 1:
         raise ValueError(f"steps {steps} and samples_per_step {samples_per_step} must be >= 1")
+    if group_size < 1 or samples_per_step % group_size:
+        raise ValueError(f"group_size {group_size}: must be >= 1 and divide samples_per_step {samples_per_step}")
     rng = np.random.default_rng(seed)
     count = np.full(steps, samples_per_step, dtype=np.int64)
     total = np.zeros(steps)
     longest = np.zeros(steps)
     squares = np.zeros(steps)
+    group_longest = np.zeros(steps)
+    chunk = max(group_size, DRAW_CHUNK // group_size * group_size)
     for k in range(steps):
         mean = model.mean_at((k + 0.5) / steps)
         left = samples_per_step
         while left:
-            n = min(left, DRAW_CHUNK)
+            n = min(left, chunk)
             lengths = model.draw(rng, mean, n)
             total[k] += lengths.sum()
             longest[k] = max(longest[k], lengths.max())
             squares[k] += np.dot(lengths, lengths)
+            group_longest[k] += lengths.reshape(-1, group_size).max(axis=1).sum()
             left -= n
-    return BatchStats(count, total, longest, squares)
+    return BatchStats(count, total, longest, squares, group_size, group_longest)

@@ -202,7 +202,7 @@ def colocated(job: SimJob, start: Candidate, options: SimOptions) -> SimResult:
         slot_count = slots(c.max_seqs, c.kv_tokens(tp), c.prompt_tokens, lbm, requests)
         full = c.decode_step(tp, lbm, slot_count)
         per_instance = float(b.total[k]) / instances
-        drain = c.decode_step(tp, lbm, drain_batch(requests, per_instance, float(b.longest[k]), slot_count))
+        drain = c.decode_step(tp, lbm, drain_batch(requests, per_instance, float(b.longest[k]), lbm, slot_count))
         run = instance_generation(requests, per_instance, float(b.longest[k]), lbm, slot_count, full, drain)
         prefill = c.prefill_s(tp, instances)
         train = c.train_side_s(layout, dp, b.mean(k))

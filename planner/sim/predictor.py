@@ -9,16 +9,15 @@ share of a step changes as lengths drift (a log-normal tail is clipped at `max_n
 grows), so the split that balances the two pools moves in a way the mean does not show.
 
 This predictor replays the engine itself on projected lengths: `outlook` continues the last window's mean
-along its linear trend and keeps the window's tail ratios (E[L^2]/E[L] and longest over mean, clipped at
-`max_new_tokens`); `replay_step_s` runs the current split for `WARM_STEPS` steps, switches to the candidate
-with the configured switch costs, lets it settle for `SETTLE_STEPS` steps, and times `MEASURED_STEPS` steps of
-it (the switch's own pause is priced by the policy, not here). Replaying the switch matters: with a policy lag
-the pipeline can settle into more than one rhythm (two batches generated back to back, then a wait for
-weights; or one batch per weight version, stretched by each reload), and which one a split runs in depends
-on where it came from and on the pause of the switch. The policy measures the current split's own pace and
-uses the replay only to grow it with the lengths ahead (`planner.sim.policies.ElasticPolicy`); the rhythm a
-candidate falls into after a real switch can still differ from the replay's, which is the predictor's main
-error (cluster_manual/simulator.md).
+along its linear trend and keeps the window's tail ratios (E[L^2]/E[L], longest over mean, clipped at
+`max_new_tokens`, and the groups' longest responses over all responses); `replay_step_s` runs the current
+split for `WARM_STEPS` steps, switches to the candidate with the configured switch costs, lets it settle for
+`SETTLE_STEPS` steps, and times `MEASURED_STEPS` steps of it (the switch's own pause is priced by the policy,
+not here). Replaying the switch matters: a switch stops pools (a re-formed training pool, restarted
+instances) and the pipeline of a few steps of policy lag refills after it. The policy measures the current split's own pace and uses the replay only to grow it with the
+lengths ahead (`planner.sim.policies.ElasticPolicy`). The replay starts from an empty pipeline, not from the
+job's: where the pipeline stands when the real switch comes (which batch is draining when a reload pauses the
+pool) shapes the steps after it, and the replay does not see that (cluster_manual/simulator.md).
 
 It uses the simulator's own cost model, so it is the predictor of a planner that knows its costs and observes
 only the lengths: what it gains bounds what a calibrated tail-aware planner could reach in this model.
@@ -60,7 +59,8 @@ class _SwitchAfterWarmUp:
 def outlook(batches: BatchStats, lo: int, hi: int, ahead: float, max_new_tokens: int) -> BatchStats:
     """The lengths of a replay whose measured steps are centred `ahead` steps past the window [lo, hi): the
     window's mean continued along its linear trend, with the window's tail ratios (E[L^2]/E[L] and the
-    longest response over the mean), all clipped at `max_new_tokens`."""
+    longest response over the mean, both clipped at `max_new_tokens`, and the sum of the groups' longest
+    responses over the sum of all)."""
     if not 0 <= lo < hi <= batches.steps:
         raise ValueError(f"window [{lo}, {hi}): must be a non-empty range of the job's {batches.steps} steps")
     count = batches.count[lo:hi]
@@ -75,7 +75,11 @@ def outlook(batches: BatchStats, lo: int, hi: int, ahead: float, max_new_tokens:
     replay_count = np.full(REPLAY_STEPS, int(count[-1]), dtype=np.int64)
     total = replay_count * mean
     biased = np.clip(mean * biased_ratio, mean, cap)
-    return BatchStats(replay_count, total, np.clip(mean * longest_ratio, mean, cap), total * biased)
+    group_longest = None
+    if batches.group_longest is not None:
+        group_longest = total * float(np.mean(batches.group_longest[lo:hi] / batches.total[lo:hi]))
+    return BatchStats(replay_count, total, np.clip(mean * longest_ratio, mean, cap), total * biased,
+                      batches.group_size, group_longest)
 
 
 def replay_step_s(job: SimJob, current: Candidate, candidate: Candidate, lengths: BatchStats,

@@ -65,7 +65,7 @@ def build_job(inputs: PlannerInputs, lengths: LengthModel, steps: int, seed: int
     if reload_method is not None:
         inputs = replace(inputs, rollout=replace(inputs.rollout, reload_method=reload_method))
     inputs.validate()
-    batches = draw_batches(lengths, steps, inputs.workload.samples_per_step, seed)
+    batches = draw_batches(lengths, steps, inputs.workload.samples_per_step, seed, inputs.workload.n_samples)
     return SimJob(inputs, batches, PhaseCosts(inputs, reload_strategy))
 
 
