@@ -48,10 +48,11 @@ prefill on rollout GPUs, and training-side seconds on training GPUs (borrowed on
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -182,6 +183,20 @@ class SimResult:
                 "strategy_fallbacks": self.strategy_fallbacks, "failures": self.failures, "outcome": self.outcome}
 
 
+@dataclass
+class _Keep:
+    """The policy of a fork: keep the split."""
+
+    ehp: bool
+    name: str = "fork"
+
+    def initial(self) -> Candidate:
+        raise AssertionError("a fork starts from its run's split")
+
+    def decide(self, engine: Engine) -> Candidate | None:
+        return None
+
+
 class Engine:
     """One run of one policy over one job. `run()` returns the `SimResult`."""
 
@@ -256,6 +271,28 @@ class Engine:
 
     def live_dp(self) -> int:
         return max(0, (self.alloc.train_gpus - self.failed_train) // self.alloc.layout.model_parallel)
+
+    def fork(self, batches: BatchStats, until_step: int) -> Engine:
+        """This run as it stands now, continued on its own: batches that have not started take their lengths
+        from `batches` (same number of steps as the job), the split is kept unless the caller reconfigures the
+        fork, no node fails, nothing is recorded, and `run()` ends once `until_step` steps have trained. For
+        predictors: the fork starts where the job's pipeline stands (batches draining, a reload in progress)."""
+        if batches.steps != self.job.batches.steps:
+            raise ValueError(f"batches: {batches.steps} steps: the job has {self.job.batches.steps}")
+        if not self.trained < until_step <= self.steps:
+            raise ValueError(f"until_step: {until_step}: must be after step {self.trained} and at most {self.steps}")
+        fork = copy.copy(self)
+        fork.job = SimJob(self.job.inputs, batches, self.job.costs)
+        fork.policy = _Keep(self.policy.ehp)
+        fork.options = replace(self.options, node_failures_per_node_hour=0.0, record_events=False)
+        fork.steps = until_step
+        fork._heap = list(self._heap)
+        fork.starting = list(self.starting)
+        for name in ("batch_done", "gen_start", "gen_wall", "bulk_end", "pool_busy_at_done", "train_s", "step_end"):
+            setattr(fork, name, getattr(self, name).copy())
+        fork.result = SimResult("fork", self.alloc.label(), until_step, 0.0, 0, 0.0, 0.0)
+        fork._failure_token += 1  # failures drawn for this run do not happen in the fork
+        return fork
 
     # ------------------------------------------------------------------------------------------ run
     def run(self) -> SimResult:

@@ -5,8 +5,8 @@
   the drift), kept for the whole job.
 - `elastic`: the planner's initial split, then every `replan_interval_steps` the split is chosen again among
   the static splits of the training layout (Libra's runtime resizes data parallelism only) by the tail-aware
-  predictor of `planner.sim.predictor` (the last interval's lengths, long tail included, projected half a
-  horizon ahead), with hysteresis `replan_min_gain` and a switch that must pay back within
+  predictor of `planner.sim.predictor` (the last interval's lengths, long tail included, projected along their
+  trend; each split run on them from where the job's pipeline stands), with hysteresis `replan_min_gain` and a switch that must pay back within
   `replan_horizon_steps` (or the steps left); a change is carried out by the reconfiguration strategy of
   `SimOptions`. `predictor="replan"` asks `planner.replan.replan` instead (calibrated cost model, mean
   response length only): the predictor the runtime uses today, kept to show what the tail changes.
@@ -34,7 +34,7 @@ from planner.replan import ReplanPolicy, replan, switch_cost_s
 from planner.sim.allocation import static_splits
 from planner.sim.decode import drain_batch, instance_generation, slots
 from planner.sim.engine import Engine, SimJob, SimOptions, SimResult
-from planner.sim.predictor import SETTLE_STEPS, outlook, replay_step_s
+from planner.sim.predictor import MIN_MEASURED_STEPS, fork_step_s, outlook
 from planner.workload import PlannerInputs
 
 POLICIES: tuple[str, ...] = ("best_static", "planner_initial", "elastic", "ehp", "colocated")
@@ -70,7 +70,6 @@ class ElasticPolicy:
     predictor: Literal["tail", "replan"] = "tail"
     decisions: list[dict[str, Any]] = field(default_factory=list)
     _splits: list[Candidate] = field(default_factory=list)
-    _failures_seen: int = 0
 
     def initial(self) -> Candidate:
         return self.start
@@ -92,17 +91,16 @@ class ElasticPolicy:
     def _tail(self, engine: Engine) -> Candidate | None:
         job, current = engine.job, engine.alloc
         lo, hi, max_new = max(0, engine.trained - self.interval), engine.trained, job.inputs.workload.max_new_tokens
-        lengths = outlook(job.batches, lo, hi, self.horizon_steps / 2.0, max_new)
-        now_s = replay_step_s(job, current, current, lengths)
-        observed = self._observed(engine, lo, hi)
-        if observed is not None:  # what the split measured, grown as the replay grows over the lengths ahead
-            since, step_s = observed
-            past = replay_step_s(job, current, current,
-                                 outlook(job.batches, since, hi, -(hi - since) / 2.0, max_new))
-            now_s = min(now_s, step_s * now_s / past)
-        strategy = engine.options.reconfigure_strategy
-        best, best_s = min(((a, replay_step_s(job, current, a, lengths, strategy)) for a in self.splits()),
-                           key=lambda p: p[1])
+        lengths = outlook(job.batches, lo, hi, max_new)
+        predicted = {a: fork_step_s(engine, a, lengths) for a in self.splits()}
+        now_s = predicted[current]
+        if now_s is None:
+            engine.result.decisions.append({
+                "step": engine.trained, "time_s": round(engine.now, 1), "change": False,
+                "reason": f"fewer than {MIN_MEASURED_STEPS} steps are left to time a split", "predicted_gain": 0.0,
+                "target": None})
+            return None
+        best, best_s = min(((a, s) for a, s in predicted.items() if s is not None), key=lambda p: p[1])
         gain = now_s / best_s - 1.0 if best_s > 0 else 0.0
         steps = min(self.horizon_steps, engine.steps - engine.trained)
         saved = steps * (now_s - best_s)
@@ -119,22 +117,10 @@ class ElasticPolicy:
         engine.result.decisions.append({
             "step": engine.trained, "time_s": round(engine.now, 1), "change": change, "reason": reason,
             "predicted_gain": round(gain, 4), "predicted_step_s": round(now_s, 2),
-            "projected_mean_response_tokens": round(float(lengths.total.sum() / lengths.count.sum()), 1),
+            "projected_mean_response_tokens": round(float(lengths.mean(min(hi + self.horizon_steps // 2,
+                                                                             lengths.steps - 1))), 1),
             "target": best.label() if change else None})
         return best if change else None
-
-    def _observed(self, engine: Engine, lo: int, hi: int) -> tuple[int, float] | None:
-        """(first step, seconds per step) the current split took over the steps since `lo` that followed its
-        last reconfiguration by `SETTLE_STEPS`, or None when fewer than 4 such steps (an even number, so a
-        two-step rhythm counts whole) ran, or a failure fell in the window (its time is not the split's pace)."""
-        failures, self._failures_seen = self._failures_seen, engine.result.failures
-        if failures != engine.result.failures or engine.failed_train or engine.failed_rollout:
-            return None
-        since = max(lo, 1, *(s["step"] + SETTLE_STEPS for s in engine.result.switches))
-        since += (hi - since) % 2
-        if hi - since < 4:
-            return None
-        return since, float(engine.step_end[hi - 1] - engine.step_end[since - 1]) / (hi - since)
 
     def _replan(self, engine: Engine) -> Candidate | None:
         obs = engine.observation(self.interval)

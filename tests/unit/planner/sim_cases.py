@@ -83,19 +83,19 @@ def split(job: SimJob, train: int, tp: int = 1, pp: int = 1, rollout_tp: int = 1
 
 
 @dataclass
-class SwitchOnce:
-    """A policy that runs `first`, then switches to `second` after step 2."""
+class Scripted:
+    """A policy that runs `first` and moves to `changes[k]` once step k has trained."""
 
     first: Candidate
-    second: Candidate
-    name: str = "switch"
+    changes: dict[int, Candidate]
+    name: str = "scripted"
     ehp: bool = False
 
     def initial(self) -> Candidate:
         return self.first
 
     def decide(self, engine: Engine) -> Candidate | None:
-        return self.second if engine.trained == 2 else None
+        return self.changes.get(engine.trained)
 
 
 SYNTHETIC_SPLITS = ((1, 7), (2, 6), (3, 5), (4, 4), (6, 2))

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 import pytest
-from sim_cases import SwitchOnce, fixed_job, real_job, split
+from sim_cases import Scripted, fixed_job, real_job, split
 
 from planner.plan import Candidate
 from planner.sim.costs import MeasuredCosts, PhaseCosts
-from planner.sim.engine import STRATEGIES, Engine, SimJob, SimOptions
+from planner.sim.engine import STRATEGIES, Engine, Policy, SimJob, SimOptions
 from planner.sim.policies import StaticPolicy
 from planner.workload import CostParams
 
@@ -71,7 +70,7 @@ def test_switch_costs_are_charged(strategy: str) -> None:
     walls = {}
     for name, cost in (("free", FREE), ("priced", PRICED)):
         job = fixed_job(steps=6, samples=64, offpolicy=1, cost=cost)
-        policy = SwitchOnce(split(job, 2), split(job, 4))
+        policy = Scripted(split(job, 2), {2: split(job, 4)})
         result = Engine(job, policy, SimOptions(steps=6, reconfigure_strategy=strategy)).run()  # type: ignore[arg-type]
         assert result.reconfigurations == 1
         assert result.splits[-1][1:] == (4, 4)
@@ -82,7 +81,7 @@ def test_switch_costs_are_charged(strategy: str) -> None:
     assert extra * 0.9 < walls["priced"] - walls["free"] <= extra + 1e-6
     if strategy in ("blue_green", "prewarm"):  # no spare GPUs: falls back to diff
         job = fixed_job(steps=6, samples=64, offpolicy=1, cost=PRICED)
-        result = Engine(job, SwitchOnce(split(job, 2), split(job, 4)),
+        result = Engine(job, Scripted(split(job, 2), {2: split(job, 4)}),
                         SimOptions(steps=6, reconfigure_strategy=strategy)).run()  # type: ignore[arg-type]
         assert result.strategy_fallbacks == 1
 
@@ -92,7 +91,7 @@ def test_restart_all_stops_the_rollout_pool_and_diff_does_not() -> None:
     walls = {}
     for strategy in ("diff", "restart_all"):
         job = fixed_job(steps=6, samples=64, offpolicy=1, cost=cost)
-        walls[strategy] = Engine(job, SwitchOnce(split(job, 4), split(job, 2)),
+        walls[strategy] = Engine(job, Scripted(split(job, 4), {2: split(job, 2)}),
                                  SimOptions(steps=6, reconfigure_strategy=strategy)).run().wall_s  # type: ignore[arg-type]
     # the pool is down for the 40 s restart; with one step of lag a little of it overlaps work done ahead
     assert 0.9 * 40.0 < walls["restart_all"] - walls["diff"] <= 40.0 + 1e-6
@@ -132,23 +131,6 @@ def test_ehp_borrows_idle_rollout_gpus_in_a_synchronous_job() -> None:
     assert plain.wall_s - lent.wall_s == pytest.approx(4 * (20.0 - 6.0))
 
 
-@dataclass
-class Detour:
-    """Runs `home`, moves to `away` after step `at` and back five steps later."""
-
-    home: Candidate
-    away: Candidate
-    at: int
-    name: str = "detour"
-    ehp: bool = False
-
-    def initial(self) -> Candidate:
-        return self.home
-
-    def decide(self, engine: Engine) -> Candidate | None:
-        return self.away if engine.trained == self.at else self.home if engine.trained == self.at + 5 else None
-
-
 @pytest.mark.parametrize("lag, train_s, sync_s", [
     pytest.param(1, 20.0, 5.0, id="lag-1"),
     pytest.param(2, 5.0, 10.0, id="lag-2-long-reload"),
@@ -166,13 +148,14 @@ def test_a_detour_leaves_no_lasting_rhythm(lag: int, train_s: float, sync_s: flo
     job = SimJob(inputs, base.batches, PhaseCosts(inputs, measured=costs))
     home = split(job, 16)
 
-    def late_step_s(policy: Any) -> float:
+    def late_step_s(policy: Policy) -> float:
         ends = Engine(job, policy, SimOptions(steps=80)).run().step_end_s
         return float(ends[-1] - ends[-21]) / 20
 
     static = late_step_s(StaticPolicy(home))
     for away, at in ((8, 10), (24, 20), (8, 30)):
-        assert late_step_s(Detour(home, split(job, away), at)) == pytest.approx(static, rel=0.002)
+        detour = Scripted(home, {at: split(job, away), at + 5: home})
+        assert late_step_s(detour) == pytest.approx(static, rel=0.002)
 
 
 def test_same_seed_same_run() -> None:

@@ -3,21 +3,17 @@ chooses better splits than the mean-only predictor of `planner.replan` on drifti
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
+
 import numpy as np
 import pytest
 from sim_cases import real_job, split
 
+from planner.plan import Candidate
 from planner.sim.engine import Engine, SimOptions
 from planner.sim.lengths import BatchStats
 from planner.sim.policies import ElasticPolicy, StaticPolicy, best_static, planner_allocation
-from planner.sim.predictor import (
-    MEASURED_STEPS,
-    REPLAY_STEPS,
-    SETTLE_STEPS,
-    WARM_STEPS,
-    outlook,
-    replay_step_s,
-)
+from planner.sim.predictor import MEASURED_STEPS, MIN_MEASURED_STEPS, SETTLE_STEPS, fork_step_s, outlook
 
 
 def linear_batches(steps: int, first: float, slope: float, samples: int = 100) -> BatchStats:
@@ -28,39 +24,75 @@ def linear_batches(steps: int, first: float, slope: float, samples: int = 100) -
     return BatchStats(count, total, 5.0 * mean, total * 2.0 * mean)
 
 
-@pytest.mark.parametrize("ahead, cap", [pytest.param(0.0, 10_000, id="now"),
-                                        pytest.param(25.0, 10_000, id="25-steps-ahead"),
-                                        pytest.param(400.0, 4_000, id="clipped-at-max-new-tokens")])
-def test_outlook_continues_the_trend_and_keeps_the_tail(ahead: float, cap: int) -> None:
-    batches = linear_batches(40, 500.0, 10.0)
-    lengths = outlook(batches, 30, 40, ahead, cap)
-    assert lengths.steps == REPLAY_STEPS
-    measured = np.arange(WARM_STEPS + SETTLE_STEPS, WARM_STEPS + SETTLE_STEPS + MEASURED_STEPS)
+@pytest.mark.parametrize("cap", [pytest.param(100_000, id="unclipped"),
+                                 pytest.param(1_500, id="clipped-at-max-new-tokens")])
+def test_outlook_continues_the_trend_and_keeps_the_tail(cap: int) -> None:
+    batches = linear_batches(120, 500.0, 10.0)
+    lengths = outlook(batches, 30, 40, cap)
+    assert lengths.steps == batches.steps
+    assert list(lengths.total[:40]) == list(batches.total[:40])  # the steps trained keep their own
+    ahead = np.arange(40, 120)
+    expected = np.clip(500.0 + 10.0 * ahead, 1, cap)
     means = lengths.total / lengths.count
-    # the window's last step is 39 (mean 890); the measured span is centred `ahead` steps later
-    expected = np.clip(890.0 + 10.0 * (ahead + measured + 0.5 - (WARM_STEPS + SETTLE_STEPS + MEASURED_STEPS / 2)),
-                       1, cap)
-    assert means[measured] == pytest.approx(expected)
-    assert lengths.longest[measured] == pytest.approx(np.minimum(5.0 * expected, cap))
-    assert (lengths.sum_squares / lengths.total)[measured] == pytest.approx(np.minimum(2.0 * expected, cap))
+    assert means[ahead] == pytest.approx(expected)
+    assert lengths.longest[ahead] == pytest.approx(np.minimum(5.0 * expected, cap))
+    assert (lengths.sum_squares / lengths.total)[ahead] == pytest.approx(np.minimum(2.0 * expected, cap))
 
 
 def test_outlook_refuses_an_empty_window() -> None:
     with pytest.raises(ValueError, match=r"window \[5, 5\)"):
-        outlook(linear_batches(10, 100.0, 0.0), 5, 5, 0.0, 1000)
+        outlook(linear_batches(10, 100.0, 0.0), 5, 5, 1000)
 
 
-@pytest.mark.parametrize("train, tp, rollout_tp", [pytest.param(8, 2, 1, id="train-8"),
-                                                   pytest.param(16, 2, 1, id="train-16"),
-                                                   pytest.param(16, 4, 2, id="train-16-rollout-tp2"),
-                                                   pytest.param(24, 4, 4, id="train-24-rollout-tp4")])
-def test_replay_predicts_the_engines_steady_pace(train: int, tp: int, rollout_tp: int) -> None:
-    job = real_job(steps=40, start=1200, end=1200, drift=False)
-    allocation = split(job, train, tp=tp, rollout_tp=rollout_tp)
-    ends = Engine(job, StaticPolicy(allocation), SimOptions(steps=40)).run().step_end_s
-    measured = float(ends[37] - ends[13]) / 24
-    predicted = replay_step_s(job, allocation, allocation, outlook(job.batches, 20, 30, 0.0, 4096))
-    assert predicted == pytest.approx(measured, rel=0.1)
+@dataclass
+class ForkAt:
+    """Runs `first`; at step `at` records `fork_step_s` of `candidate` on the job's own lengths, then moves to
+    `candidate` itself (or stays, when it is `first`)."""
+
+    first: Candidate
+    candidate: Candidate
+    at: int
+    predicted: list[float | None] = field(default_factory=list)
+    name: str = "fork-at"
+    ehp: bool = False
+
+    def initial(self) -> Candidate:
+        return self.first
+
+    def decide(self, engine: Engine) -> Candidate | None:
+        if engine.trained != self.at:
+            return None
+        self.predicted.append(fork_step_s(engine, self.candidate, engine.job.batches))
+        return self.candidate if self.candidate != self.first else None
+
+
+@pytest.mark.parametrize("lag, first, candidate", [
+    pytest.param(1, (8, 2, 1), (8, 2, 1), id="stay"),
+    pytest.param(1, (8, 2, 1), (16, 2, 1), id="grow-training"),
+    pytest.param(1, (16, 4, 2), (16, 4, 1), id="change-rollout-tp"),
+    pytest.param(0, (16, 2, 1), (24, 4, 4), id="synchronous"),
+])
+def test_a_fork_on_the_jobs_own_lengths_is_what_the_job_then_does(
+        lag: int, first: tuple[int, int, int], candidate: tuple[int, int, int]) -> None:
+    # the fork starts from the live engine (batches draining, a reload in progress), so on the lengths the job
+    # really draws it predicts exactly the steps the job runs after the same switch
+    job = real_job(steps=50, start=300, end=2500)
+    job = replace(job, inputs=replace(job.inputs, workload=replace(job.inputs.workload, max_head_offpolicyness=lag)))
+    a, b = split(job, first[0], tp=first[1], rollout_tp=first[2]), split(job, candidate[0], tp=candidate[1],
+                                                                          rollout_tp=candidate[2])
+    policy = ForkAt(a, b, at=12)
+    ends = Engine(job, policy, SimOptions(steps=50)).run().step_end_s
+    start = 12 + SETTLE_STEPS
+    assert policy.predicted[0] == pytest.approx(float(ends[start + MEASURED_STEPS - 1] - ends[start - 1])
+                                                / MEASURED_STEPS, rel=1e-12)
+
+
+def test_no_prediction_when_too_few_steps_are_left() -> None:
+    job = real_job(steps=30, drift=False)
+    allocation = split(job, 8, tp=2)
+    policy = ForkAt(allocation, allocation, at=30 - SETTLE_STEPS - MIN_MEASURED_STEPS)
+    Engine(job, policy, SimOptions(steps=30)).run()
+    assert policy.predicted == [None]
 
 
 @pytest.mark.parametrize("nodes, steps, start, end", [

@@ -4,7 +4,7 @@ reconfigurations paid."""
 from __future__ import annotations
 
 import pytest
-from sim_cases import SwitchOnce, fixed_job, split
+from sim_cases import Scripted, fixed_job, split
 
 from planner.sim.engine import Engine, SimOptions
 from planner.sim.policies import StaticPolicy
@@ -27,7 +27,7 @@ def test_synchronous_run_by_hand() -> None:
                                                pytest.param(6, 0, id="one-row")])
 def test_switch_is_counted_where_it_was_paid(every: int, switch_row: int) -> None:
     job = fixed_job(steps=6, samples=64, offpolicy=1, cost=CostParams(rollout_restart_s=30.0, train_restart_s=50.0))
-    result = Engine(job, SwitchOnce(split(job, 2), split(job, 4)), SimOptions(steps=6)).run()
+    result = Engine(job, Scripted(split(job, 2), {2: split(job, 4)}), SimOptions(steps=6)).run()
     rows = intervals(result, every)
     assert sum(r["step_s"] * (r["steps"][1] - r["steps"][0]) for r in rows) == pytest.approx(result.wall_s, abs=0.05)
     assert [r["switches"] for r in rows] == [int(i == switch_row) for i in range(len(rows))]
