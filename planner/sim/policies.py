@@ -4,11 +4,11 @@
 - `planner_initial`: the split `planner.grp.plan` chooses from the job's declared inputs (it does not know
   the drift), kept for the whole job.
 - `elastic`: the planner's initial split, then every `replan_interval_steps` the split is chosen again among
-  the static splits of the training layout (Libra's runtime resizes data parallelism only) by the tail-aware
-  predictor of `planner.sim.predictor` (the last interval's lengths, long tail included, projected along their
-  trend; each split run on them from where the job's pipeline stands), with hysteresis `replan_min_gain` and a switch that must pay back within
-  `replan_horizon_steps` (or the steps left); a change is carried out by the reconfiguration strategy of
-  `SimOptions`. `predictor="replan"` asks `planner.replan.replan` instead (calibrated cost model, mean
+  the static splits of the training layout (Libra's runtime resizes data parallelism and the rollout pool, not
+  the training layout) by the tail-aware predictor of `planner.sim.predictor` (the last interval's lengths,
+  long tail included, projected along their trend; each split run on them from where the job's pipeline
+  stands), with hysteresis `replan_min_gain` and a switch that must pay back within `replan_horizon_steps` (or
+  the steps left); a change is carried out by the reconfiguration strategy of `SimOptions`. `predictor="replan"` asks `planner.replan.replan` instead (calibrated cost model, mean
   response length only): the predictor the runtime uses today, kept to show what the tail changes.
 - `ehp`: the planner's initial split with elastic hybrid parallelism (`planner.sim.engine`).
 - `colocated`: every GPU both generates and trains, one after the other (time-shared, synchronous, as
