@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +46,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e_dev  # noqa: E402
 
-RUNS: dict[str, list[str]] = {
-    "sync_inplace": ["max_head_offpolicyness=0", "rollout_weight_reload_method=inplace"],
-    "lag1_inplace": ["max_head_offpolicyness=1", "rollout_weight_reload_method=inplace"],
-    "lag1_restart": ["max_head_offpolicyness=1", "rollout_weight_reload_method=restart"],
+
+@dataclass(frozen=True)
+class Run:
+    """One launch of the dev job: its overrides, whether its reloads restart the server (it then runs
+    `--restart-steps` steps, else `--inplace-steps`), and whether `--baseline-commit` runs it too."""
+
+    overrides: tuple[str, ...]
+    restart_reload: bool
+    with_baseline: bool
+
+
+RUNS: dict[str, Run] = {
+    "sync_inplace": Run(("max_head_offpolicyness=0", "rollout_weight_reload_method=inplace"), False, False),
+    "lag1_inplace": Run(("max_head_offpolicyness=1", "rollout_weight_reload_method=inplace"), False, True),
+    "lag1_restart": Run(("max_head_offpolicyness=1", "rollout_weight_reload_method=restart"), True, True),
 }
 NOT_COVERED = [
     "Logical GPUs are not metered here: the reload running behind the loop and the training step share the "
@@ -103,11 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     result: dict[str, Any] = {"config": "configs/dev.yaml", "runs": {}}
     baseline = Path(tempfile.mkdtemp(prefix="libra-publish-baseline-")) / "repo" if args.baseline_commit else None
-    plan: list[tuple[str, list[str], Path]] = []
-    for name, overrides in RUNS.items():  # each baseline run right after its own, so that both meet the same load
-        plan.append((name, overrides, e2e_dev.REPO))
-        if baseline is not None and name.startswith("lag"):
-            plan.append((f"{name}_baseline", overrides, baseline))
+    plan = planned_runs(baseline)
     if baseline is not None:
         rev = subprocess.run(["git", "rev-parse", args.baseline_commit], cwd=e2e_dev.REPO, check=True,
                              capture_output=True, text=True).stdout.strip()
@@ -115,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         result["baseline_commit"] = rev
     failed = False
     try:
-        for name, overrides, repo in plan:
-            failed = run_one(name, overrides, repo, args, result) or failed
+        for name, run, repo in plan:
+            steps = args.restart_steps if run.restart_reload else args.inplace_steps
+            failed = run_one(name, list(run.overrides), steps, repo, args, result) or failed
     finally:
         if baseline is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=e2e_dev.REPO, check=False)
@@ -131,9 +140,21 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def run_one(name: str, overrides: list[str], repo: Path, args: argparse.Namespace, result: dict[str, Any]) -> bool:
-    """One launch of the dev job with `overrides` on `repo`'s code, its figures into `result`; True if it failed."""
-    steps = args.restart_steps if name.startswith("lag1_restart") else args.inplace_steps
+def planned_runs(baseline: Path | None) -> list[tuple[str, Run, Path]]:
+    """(name, run, repository) in launch order: each baseline run right after its own, so that both meet the
+    same load."""
+    plan = []
+    for name, run in RUNS.items():
+        plan.append((name, run, e2e_dev.REPO))
+        if baseline is not None and run.with_baseline:
+            plan.append((f"{name}_baseline", run, baseline))
+    return plan
+
+
+def run_one(name: str, overrides: list[str], steps: int, repo: Path, args: argparse.Namespace,
+            result: dict[str, Any]) -> bool:
+    """One launch of the dev job with `overrides` for `steps` steps on `repo`'s code, its figures into `result`;
+    True if it failed."""
     run_dir = tempfile.mkdtemp(prefix=f"libra-publish-{name}-")
     config = str(repo / "configs" / "dev.yaml")
     rows, code, launched_at, _, _ = e2e_dev.launch(config, run_dir, overrides, steps, args.time_limit_s, repo)
