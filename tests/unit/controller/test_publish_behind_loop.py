@@ -145,8 +145,10 @@ def metric_rows(run: RunDir) -> list[dict[str, Any]]:
 
 
 def trained_during_the_reload_before(rollout: SlowReloadRollout, training: RecordingTraining) -> list[int]:
-    """The published versions v whose reload was still running when step v + 1 started training."""
-    return [v for v, (start, end) in sorted(rollout.reloads.items()) if start < training.started.get(v + 1, 0.0) < end]
+    """The published versions v whose reload had not ended when step v + 1 started training: the step did not
+    wait for the ACKs. (Whether the reload's thread got to run before the step started is the scheduler's
+    business, so when it started is not asked.)"""
+    return [v for v, (_, end) in sorted(rollout.reloads.items()) if training.started.get(v + 1, end) < end]
 
 
 def publish_threads() -> list[threading.Thread]:
