@@ -79,9 +79,11 @@ NOT_COVERED = [
     "dynamics, not measurements: calibration fits the simulator's constants to the CPU runs of the measured-gain "
     "benchmark only, so it checks the simulator's dynamics and cost structure, not the GPU constants",
     "response lengths are a chosen drifting log-normal workload, not a recorded trace",
-    "a rollout batch's decode is aggregated per instance (decode.py states the approximation; its step times "
-    "against a per-request reference of one instance are benchmarks/results/sim_fidelity.json); requests are "
-    "balanced evenly over instances",
+    "a rollout batch's decode is aggregated per instance and its requests are balanced evenly over instances "
+    "(decode.py states the approximation; its step times against a per-request reference of one instance and "
+    "of pools of 2 and 4 that routes whole groups as the runtime does, with in-place reload pauses only, are "
+    "benchmarks/results/sim_fidelity.json); a restart reload is taken as a pause of the pool, not as the loss of "
+    "its requests in flight",
     "failed rollout instances' in-flight requests cost no extra time; the colocated baseline has no failures",
     "the training layout (TP, PP, CP, EP) is fixed per policy: elastic resizes training data parallelism and the "
     "rollout pool (instances and their TP), as Libra's runtime does",

@@ -10,9 +10,9 @@ Modules, each with one job:
   policy may choose from.
 - `costs`: phase times from the planner's cost model (training per layout, weight sync per method and
   strategy, switch costs per reconfiguration strategy), cached.
-- `exact`: a per-request reference of a job on one rollout instance (every response, every decode step, the
-  runtime's admission rule), against which the engine's per-batch aggregate is tested.
-- `fidelity`: one job of one rollout instance run by the engine and by `exact`, for the tests and
+- `exact`: a per-request reference of a job on a rollout pool (every response, every decode step, the
+  runtime's admission and routing rules), against which the engine's per-batch aggregate is tested.
+- `fidelity`: one job of one rollout instance or a pool run by the engine and by `exact`, for the tests and
   `benchmarks/sim_fidelity.py`.
 - `engine`: the event loop: rollout batches, training steps, weight syncs, reconfigurations, node
   failures and repairs; it records a timeline and the totals.

@@ -27,7 +27,7 @@ aggregate of `instance_generation`, which needs only a batch's count, total, lon
   exact when a step's time is affine in its batch and the step count is right). A long tail thus drains at
   the step time of the few requests left, not of a half-full batch.
 
-Streaming (asynchronous runs, `streaming_generation`): requests of the next steps fill the slots too (the
+Streaming (asynchronous runs, `instance_generation(..., streaming=True)`): requests of the next steps fill the slots too (the
 admission window of `max_head_offpolicyness`), and a step's requests take their share of the pool's work:
 T / C steps, of which the last r are done while the next step's requests are admitted (they carry over); if
 admission is closed when the step's requests are all admitted, the drain is exposed as above. The slots are
@@ -36,7 +36,11 @@ counted over the part of the window that holds running responses (`streaming_win
 admission until a training step takes it, so (a) a group whose shorter responses have finished still holds
 room for all of them until its longest finishes: over a group's life its size x `BatchStats.group_fill` of
 its responses run; (b) finished groups wait for a step to take them, a batch at a time: half a batch on
-average, so a lag of s offers s + 1/2 batches of room, not s + 1.
+average, so a lag of s offers s + 1/2 batches of room, not s + 1; (c) from a training step's start until the
+weights it makes serve, the step has taken its groups and the version has not moved, so the window is one
+batch smaller: that share of the time (the engine takes it from the step before) an instance has s - 1/2
+batches of room, the rest s + 1/2, each phase capped by the slots on its own (`streaming_slots`), since a
+window that binds only while training still costs throughput there.
 
 The aggregate's error against `exact_instance_run` is checked by tests/unit/planner/test_sim_decode.py, and
 the engine's step times against the per-request pipeline of `planner.sim.exact` by
@@ -107,6 +111,20 @@ def streaming_window(requests: int, lag: int, group_fill: float) -> float:
     return max(1.0, requests * (lag + 0.5) * group_fill)
 
 
+def streaming_slots(max_seqs: int, kv_tokens: float, prompt: float, length_biased_mean: float, requests: int,
+                    lag: int, group_fill: float, training_share: float) -> int:
+    """Sequences an instance runs at once on average under a policy lag of `lag` >= 1: the room of the window
+    that runs is one batch smaller while a training step and its reload are in progress (the step has taken
+    its groups, the weights it makes do not serve yet), `training_share` of the time, and each phase is capped
+    by the slots on its own (so a window that binds only while training still costs throughput)."""
+    def phase(batches: int) -> int:
+        return slots(max_seqs, kv_tokens, prompt, length_biased_mean, streaming_window(requests, batches, group_fill))
+
+    if training_share <= 0.0:
+        return phase(lag)
+    return max(1, round(training_share * phase(lag - 1) + (1.0 - training_share) * phase(lag)))
+
+
 def decode_steps(requests: int, total_tokens: float, longest: float, length_biased_mean: float, slot_count: int,
                  streaming: bool = False) -> tuple[float, float]:
     """(bulk, drain) decode steps of one instance's share of a batch (the module's formulas). Streaming: the
@@ -119,45 +137,43 @@ def decode_steps(requests: int, total_tokens: float, longest: float, length_bias
     return bulk, max(float(longest), full + (float(longest) - residual) / 2.0) - bulk
 
 
-def drain_batch(requests: int, total_tokens: float, longest: float, length_biased_mean: float, slot_count: int,
-                streaming: bool = False) -> float:
+def drain_batch(total_tokens: float, slot_count: int, bulk_steps: float, drain_steps: float) -> float:
     """Mean sequences a decode step runs during the drain: the tokens left when the queue empties (all of them
     when every request starts at once) over the drain's steps, since each drain step runs the unfinished
     requests, so the steps' batches add up to those tokens."""
-    bulk, drain = decode_steps(requests, total_tokens, longest, length_biased_mean, slot_count, streaming)
-    if drain <= 0:
+    if drain_steps <= 0:
         return 1.0
-    return max(1.0, min(float(slot_count), (total_tokens - bulk * slot_count) / drain))
+    return max(1.0, min(float(slot_count), (total_tokens - bulk_steps * slot_count) / drain_steps))
 
 
 @dataclass(frozen=True)
 class InstanceRun:
     """Aggregate decode of one step's requests on one instance. `drain_work_s` is the part of the drain a
-    full batch would do (the running requests' residual tokens), which the next step's requests can overlap
-    when they may start."""
+    full batch would do (the running requests' residual tokens), which the next step's requests overlap when
+    they may start (streaming: `drain_s` is then the drain exposed when admission is closed)."""
 
     slots: int
     bulk_steps: float
     drain_steps: float
+    drain_batch: float
+    step_full_s: float
     bulk_s: float
     drain_s: float
     drain_work_s: float
 
 
 def instance_generation(requests: int, total_tokens: float, longest: float, length_biased_mean: float,
-                        slot_count: int, step_full_s: float, step_drain_s: float) -> InstanceRun:
-    """Aggregate continuous-batching decode of `requests` responses of `total_tokens` on one instance."""
-    bulk, drain = decode_steps(requests, total_tokens, longest, length_biased_mean, slot_count)
-    drain_work = 0.0 if requests <= slot_count else min(drain * step_drain_s,
-                                                        (total_tokens / slot_count - bulk) * step_full_s)
-    return InstanceRun(slot_count, bulk, drain, bulk * step_full_s, drain * step_drain_s, drain_work)
-
-
-def streaming_generation(total_tokens: float, longest: float, length_biased_mean: float, slot_count: int,
-                         step_full_s: float, step_drain_s: float) -> InstanceRun:
-    """Aggregate decode of one step's `total_tokens` on one instance whose slots are kept full by the requests
-    of the admission window; `drain_s` is the exposed drain (admission closed), `drain_work_s` the residual
-    work that overlaps the next step otherwise."""
-    bulk, drain = decode_steps(0, total_tokens, longest, length_biased_mean, slot_count, streaming=True)
-    full = total_tokens / slot_count
-    return InstanceRun(slot_count, bulk, drain, bulk * step_full_s, drain * step_drain_s, (full - bulk) * step_full_s)
+                        slot_count: int, step_s: Callable[[float], float], streaming: bool = False) -> InstanceRun:
+    """Aggregate continuous-batching decode of `requests` responses of `total_tokens` on one instance, a
+    decode step at n running sequences taking `step_s(n)` seconds. Streaming: the slots are kept full by the
+    requests of the admission window (the module's streaming rule)."""
+    bulk, drain = decode_steps(requests, total_tokens, longest, length_biased_mean, slot_count, streaming)
+    batch = drain_batch(total_tokens, slot_count, bulk, drain)
+    step_full_s, step_drain_s = step_s(slot_count), step_s(batch)
+    residual_work = (total_tokens / slot_count - bulk) * step_full_s
+    if streaming:
+        drain_work = residual_work
+    else:
+        drain_work = 0.0 if requests <= slot_count else min(drain * step_drain_s, residual_work)
+    return InstanceRun(slot_count, bulk, drain, batch, step_full_s, bulk * step_full_s, drain * step_drain_s,
+                       drain_work)

@@ -12,8 +12,8 @@ Rules, each the runtime's:
 - The rollout pool generates one batch at a time. Synchronous (s = 0): a batch is a fixed set of groups and
   completes with its longest response (the drain of `planner.sim.decode`; the slots idle as it empties).
   Asynchronous (s >= 1): groups stream as in `libra/controller/batching.py` (admission bounded by the policy
-  lag; a step consumes finished groups; the slots are those of the part of the window that runs,
-  `planner.sim.decode.streaming_window`), so when the next batch may be admitted as this one's requests are
+  lag; a step consumes finished groups; the slots are those of the part of the window that runs, a batch
+  narrower from a training step's start until its weights serve, `planner.sim.decode.streaming_slots`), so when the next batch may be admitted as this one's requests are
   all admitted, its groups take the freed slots and this batch completes after its residual work at the
   full-batch rate; when admission is closed then, the slots idle through the drain until the next batch is
   admitted (or the drain ends): from then the next batch's groups fill the freed slots and its first finished
@@ -53,6 +53,7 @@ import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -61,7 +62,7 @@ from planner.ehp import replica_unit
 from planner.plan import Candidate
 from planner.replan import Observation
 from planner.sim.costs import PhaseCosts
-from planner.sim.decode import drain_batch, instance_generation, slots, streaming_generation, streaming_window
+from planner.sim.decode import instance_generation, slots, streaming_slots
 from planner.sim.lengths import BatchStats
 from planner.workload import PlannerInputs
 
@@ -241,6 +242,10 @@ class Engine:
         self.pool_busy_until = 0.0
         self.pool_busy_at_done = np.zeros(self.steps)
         self.train_s = np.zeros(self.steps)
+        self.train_start = np.full(self.steps, np.nan)
+        # the share of the last step's cycle (training start to training start) from its training start to its
+        # weights serving, while which the admission window is one batch smaller (planner.sim.decode)
+        self.training_share = 0.0
         self.step_end = np.zeros(self.steps)
         self.busy_gpu_s = 0.0
         self.tokens = 0.0
@@ -350,19 +355,13 @@ class Engine:
         b, c = self.job.batches, self.job.costs
         requests = math.ceil(int(b.count[k]) / instances)
         lbm = b.length_biased_mean(k)
-        window = float(requests)
         if self.staleness > 0:  # the admission window's room that holds running responses (planner.sim.decode)
-            window = streaming_window(requests, self.staleness, b.group_fill(k))
-        slot_count = slots(c.max_seqs, c.kv_tokens(tp), c.prompt_tokens, lbm, window)
-        full = c.decode_step(tp, lbm, slot_count)
-        per_instance = float(b.total[k]) / instances
-        if self.staleness > 0:
-            drain = c.decode_step(tp, lbm, drain_batch(requests, per_instance, float(b.longest[k]), lbm, slot_count,
-                                                       streaming=True))
-            run = streaming_generation(per_instance, float(b.longest[k]), lbm, slot_count, full, drain)
+            slot_count = streaming_slots(c.max_seqs, c.kv_tokens(tp), c.prompt_tokens, lbm, requests,
+                                         self.staleness, b.group_fill(k), self.training_share)
         else:
-            drain = c.decode_step(tp, lbm, drain_batch(requests, per_instance, float(b.longest[k]), lbm, slot_count))
-            run = instance_generation(requests, per_instance, float(b.longest[k]), lbm, slot_count, full, drain)
+            slot_count = slots(c.max_seqs, c.kv_tokens(tp), c.prompt_tokens, lbm, requests)
+        run = instance_generation(requests, float(b.total[k]) / instances, float(b.longest[k]), lbm, slot_count,
+                                  partial(c.decode_step, tp, lbm), streaming=self.staleness > 0)
         prefill = c.prefill_s(tp, instances)
         carry = 0.0
         if self.prev_done_at > self.now and self.prev_drain_s > 0:
@@ -371,7 +370,7 @@ class Engine:
         self.in_bulk = True
         self.next_batch += 1
         self._pending = (run.drain_s, run.drain_work_s)
-        self.busy_gpu_s += (prefill + float(b.total[k]) / instances / slot_count * full) * instances * tp
+        self.busy_gpu_s += (prefill + float(b.total[k]) / instances / slot_count * run.step_full_s) * instances * tp
         self.tokens += float(b.total[k])
         self._log("rollout_start", k)
         self._push(self.now + carry + prefill + run.bulk_s, "bulk", k, self.pause_total)
@@ -407,6 +406,11 @@ class Engine:
         self._try_train()
 
     def _on_sync(self, version: int) -> None:
+        k = version - 1
+        if version > self.version and k >= 1:
+            cycle = self.train_start[k] - self.train_start[k - 1]
+            if cycle > 0:
+                self.training_share = min(1.0, (self.now - self.train_start[k]) / cycle)
         self.version = max(self.version, version)
         self._log("sync", version)
         self._try_rollout()
@@ -453,6 +457,7 @@ class Engine:
                     self._log("ehp_borrow", k)
         self.busy_gpu_s += (seconds - (self.options.ehp_join_s if gpus > dp * layout.model_parallel else 0.0)) * gpus
         self.training = True
+        self.train_start[k] = self.now
         self.train_token += 1
         self._log("train_start", k)
         self._push(self.now + seconds, "train", k, self.train_token)

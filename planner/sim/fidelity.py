@@ -1,9 +1,9 @@
 """The engine's per-batch aggregate against the per-request reference of `planner.sim.exact`, on jobs of one
-rollout instance: `PipelineCase` runs one job both ways and returns their seconds per step, for the tests
+rollout pool: `PipelineCase` runs one job both ways and returns their seconds per step, for the tests
 (tests/unit/planner/test_sim_exact.py) and the benchmark (benchmarks/sim_fidelity.py).
 
-A case: the given model on one node of 8 H100 (7 training GPUs, one rollout instance at TP 1, in-place
-reload), a step of `groups` prompt groups of `group_size` responses drawn from a drifting log-normal
+A case: the given model on one node of 8 H100 (`instances` rollout instances at TP 1, the other GPUs
+training, in-place reload), a step of `groups` prompt groups of `group_size` responses drawn from a drifting log-normal
 (`LengthModel`), phase times of the measured form (`MeasuredCosts`: a decode step of n sequences costs
 `decode_fixed_s + decode_per_seq_s x n`, a training step `train_s`, a weight sync pauses the instance for
 `sync_s`). The engine gets the lengths' sufficient statistics, the reference every length. Step seconds are
@@ -49,6 +49,7 @@ class PipelineCase:
     seed: int = 0
     max_new_tokens: int = 2048
     max_model_len: int = 4096
+    instances: int = 1
 
     def inputs(self, model: ModelSpec) -> PlannerInputs:
         workload = Workload(batch_size=self.groups, n_samples=self.group_size, max_model_len=self.max_model_len,
@@ -69,22 +70,20 @@ class PipelineCase:
         """(engine, reference) seconds per step."""
         inputs = self.inputs(model)
         lengths = self.lengths()
-        f = lengths.astype(float)
-        per_step = self.groups * self.group_size
-        stats = BatchStats(np.full(self.steps, per_step, dtype=np.int64), f.sum(1), f.max(1), (f * f).sum(1),
-                           self.group_size, f.reshape(self.steps, -1, self.group_size).max(2).sum(1))
+        stats = BatchStats.of_lengths(lengths, self.group_size)
         measured = MeasuredCosts(self.decode_fixed_s, self.decode_per_seq_s, self.train_s, 0.0, self.sync_s)
         job = SimJob(inputs, stats, PhaseCosts(inputs, measured=measured))
-        one_instance = Candidate(NODE_GPUS - 1, 1, TrainLayout(), 1)
-        engine = Engine(job, StaticPolicy(one_instance), SimOptions(steps=self.steps)).run().step_end_s
+        split = Candidate(NODE_GPUS - self.instances, self.instances, TrainLayout(), 1)
+        engine = Engine(job, StaticPolicy(split), SimOptions(steps=self.steps)).run().step_end_s
         reference = exact_pipeline_run(list(lengths), self.group_size, self.lag, job.costs.max_seqs,
                                        inputs.workload.rollouts_in_flight,
                                        lambda n: self.decode_fixed_s + self.decode_per_seq_s * n,
-                                       self.train_s, self.sync_s)
+                                       self.train_s, self.sync_s, self.instances)
         lo, hi = self.steps // 4, self.steps - 2
         return (float(engine[hi] - engine[lo]) / (hi - lo), float(reference[hi] - reference[lo]) / (hi - lo))
 
     def label(self) -> str:
-        return (f"lag {self.lag}, {self.groups} x {self.group_size}, mean {self.start_mean:g}->{self.end_mean:g} "
+        pool = f"{self.instances} instances, " if self.instances > 1 else ""
+        return (f"{pool}lag {self.lag}, {self.groups} x {self.group_size}, mean {self.start_mean:g}->{self.end_mean:g} "
                 f"sigma {self.sigma:g}, train {self.train_s:g} s, sync {self.sync_s:g} s, decode "
                 f"{self.decode_fixed_s:g} + {self.decode_per_seq_s:g} n s, seed {self.seed}")

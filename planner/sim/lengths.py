@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -97,6 +98,17 @@ class BatchStats:
     group_size: int = 1
     group_longest: np.ndarray | None = None
 
+    @classmethod
+    def of_lengths(cls, lengths: np.ndarray, group_size: int = 1) -> BatchStats:
+        """The statistics of known lengths: one row per step, groups of `group_size` consecutive entries."""
+        rows = np.asarray(lengths)
+        if group_size < 1 or rows.ndim != 2 or rows.shape[1] % group_size:
+            raise ValueError(f"lengths of shape {rows.shape}: need one row per step, a multiple of group_size "
+                             f"{group_size} long")
+        total, longest, squares, group_longest = _sums(rows, group_size)
+        return cls(np.full(len(rows), rows.shape[1], dtype=np.int64), total, longest, squares, group_size,
+                   group_longest)
+
     @property
     def steps(self) -> int:
         return len(self.count)
@@ -115,6 +127,13 @@ class BatchStats:
         if self.group_longest is None or self.group_size == 1:
             return 1.0
         return float(min(1.0, self.total[step] / (self.group_size * self.group_longest[step])))
+
+
+def _sums(lengths: np.ndarray, group_size: int) -> tuple[Any, Any, Any, Any]:
+    """Along the last axis: the sum, the longest, the sum of squares, and the sum of each group's longest."""
+    f = np.asarray(lengths, dtype=float)
+    return (f.sum(axis=-1), f.max(axis=-1), (f * f).sum(axis=-1),
+            f.reshape(*f.shape[:-1], -1, group_size).max(axis=-1).sum(axis=-1))
 
 
 def draw_batches(model: LengthModel, steps: int, samples_per_step: int, seed: int, group_size: int = 1) -> BatchStats:
@@ -137,10 +156,10 @@ def draw_batches(model: LengthModel, steps: int, samples_per_step: int, seed: in
         left = samples_per_step
         while left:
             n = min(left, chunk)
-            lengths = model.draw(rng, mean, n)
-            total[k] += lengths.sum()
-            longest[k] = max(longest[k], lengths.max())
-            squares[k] += np.dot(lengths, lengths)
-            group_longest[k] += lengths.reshape(-1, group_size).max(axis=1).sum()
+            chunk_total, chunk_longest, chunk_squares, chunk_group_longest = _sums(model.draw(rng, mean, n), group_size)
+            total[k] += chunk_total
+            longest[k] = max(longest[k], chunk_longest)
+            squares[k] += chunk_squares
+            group_longest[k] += chunk_group_longest
             left -= n
     return BatchStats(count, total, longest, squares, group_size, group_longest)

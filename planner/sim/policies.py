@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -32,7 +33,7 @@ from planner.grp import plan
 from planner.plan import Candidate
 from planner.replan import ReplanPolicy, replan, switch_cost_s
 from planner.sim.allocation import static_splits
-from planner.sim.decode import drain_batch, instance_generation, slots
+from planner.sim.decode import instance_generation, slots
 from planner.sim.engine import Engine, SimJob, SimOptions, SimResult
 from planner.sim.predictor import MIN_MEASURED_STEPS, fork_step_s, outlook
 from planner.workload import PlannerInputs
@@ -186,14 +187,12 @@ def colocated(job: SimJob, start: Candidate, options: SimOptions) -> SimResult:
         requests = math.ceil(int(b.count[k]) / instances)
         lbm = b.length_biased_mean(k)
         slot_count = slots(c.max_seqs, c.kv_tokens(tp), c.prompt_tokens, lbm, requests)
-        full = c.decode_step(tp, lbm, slot_count)
-        per_instance = float(b.total[k]) / instances
-        drain = c.decode_step(tp, lbm, drain_batch(requests, per_instance, float(b.longest[k]), lbm, slot_count))
-        run = instance_generation(requests, per_instance, float(b.longest[k]), lbm, slot_count, full, drain)
+        run = instance_generation(requests, float(b.total[k]) / instances, float(b.longest[k]), lbm, slot_count,
+                                  partial(c.decode_step, tp, lbm))
         prefill = c.prefill_s(tp, instances)
         train = c.train_side_s(layout, dp, b.mean(k))
         now += prefill + run.bulk_s + run.drain_s + switch + train + inputs.cost.weight_reload_inplace_s
-        busy += (prefill + float(b.total[k]) / instances / slot_count * full) * instances * tp
+        busy += (prefill + float(b.total[k]) / instances / slot_count * run.step_full_s) * instances * tp
         busy += train * dp * layout.model_parallel
         tokens += float(b.total[k])
         ends.append(now)

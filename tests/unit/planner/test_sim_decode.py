@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 
 from planner.sim.decode import (
-    drain_batch,
     exact_instance_run,
     instance_generation,
     slots,
-    streaming_generation,
+    streaming_slots,
     streaming_window,
 )
 
@@ -63,19 +62,21 @@ def test_aggregate_decode_is_close_to_the_exact_run() -> None:
             exact = exact_instance_run(lengths.tolist(), 20, c, 10**9, lambda b: 1.0)
             lbm = float((lengths**2).sum() / lengths.sum())
             agg = instance_generation(n, float(lengths.sum()), float(lengths.max()), lbm,
-                                      slots(c, 10**9, 20, lbm, n), 1.0, 1.0)
+                                      slots(c, 10**9, 20, lbm, n), lambda b: 1.0)
             errors.append((agg.bulk_steps + agg.drain_steps) / exact.steps - 1.0)
     assert max(abs(e) for e in errors) < 0.25, errors
     assert abs(float(np.mean(errors))) < 0.08, errors
 
 
 def test_all_requests_fit_means_the_longest_decides() -> None:
-    run = instance_generation(8, 8 * 50.0, 120.0, 80.0, 16, 0.01, 0.005)
-    assert (run.bulk_steps, run.drain_steps, run.drain_s) == (0.0, 120.0, 0.6)
+    run = instance_generation(8, 8 * 50.0, 120.0, 80.0, 16, lambda b: 0.001 * b)
+    assert (run.bulk_steps, run.drain_steps) == (0.0, 120.0)
+    # every step runs the requests not yet finished: 400 sequence-steps over 120 steps
+    assert (run.drain_batch, run.drain_s) == (pytest.approx(400.0 / 120.0), pytest.approx(0.4))
 
 
 def test_streaming_conserves_work() -> None:
-    run = streaming_generation(10_000.0, 500.0, 300.0, 50, 0.02, 0.01)
+    run = instance_generation(20, 10_000.0, 500.0, 300.0, 50, lambda b: 0.0004 * b, streaming=True)
     # the step's work at the full-batch rate is bulk + the residual the next step overlaps
     assert run.bulk_s + run.drain_work_s == pytest.approx(10_000 / 50 * 0.02)
     assert run.drain_steps >= 500.0 - run.bulk_steps
@@ -91,9 +92,8 @@ def test_when_every_request_fits_the_drain_is_exact_for_an_affine_step(lengths: 
     fixed, per_seq = 0.02, 0.001
     exact = exact_instance_run(lengths, prompt=10, max_seqs=256, kv_tokens=10**9, step_s=lambda b: fixed + per_seq * b)
     n, total, longest = len(lengths), float(sum(lengths)), float(max(lengths))
-    batch = drain_batch(n, total, longest, total / n, n)
-    run = instance_generation(n, total, longest, total / n, n, fixed + per_seq * n, fixed + per_seq * batch)
-    assert batch == pytest.approx(total / longest)
+    run = instance_generation(n, total, longest, total / n, n, lambda b: fixed + per_seq * b)
+    assert run.drain_batch == pytest.approx(total / longest)
     assert run.bulk_s + run.drain_s == pytest.approx(exact.seconds, rel=1e-12)
 
 
@@ -105,7 +105,8 @@ def test_when_every_request_fits_the_drain_is_exact_for_an_affine_step(lengths: 
     pytest.param(100, 4000.0, 1, 1.0, id="one-slot"),
 ])
 def test_drain_batch(requests: int, total: float, slot_count: int, expected: float) -> None:
-    assert drain_batch(requests, total, 120.0, 60.0, slot_count) == pytest.approx(expected)
+    assert instance_generation(requests, total, 120.0, 60.0, slot_count, lambda b: 1.0).drain_batch == pytest.approx(
+        expected)
 
 
 def test_a_queued_batch_takes_the_exact_runs_seconds_for_an_affine_step() -> None:
@@ -121,9 +122,8 @@ def test_a_queued_batch_takes_the_exact_runs_seconds_for_an_affine_step() -> Non
             total, longest = float(lengths.sum()), float(lengths.max())
             lbm = float((lengths**2).sum()) / total
             slot_count = slots(c, 10**9, 20, lbm, n)
-            drain = drain_batch(n, total, longest, lbm, slot_count)
-            run = instance_generation(n, total, longest, lbm, slot_count, fixed + per_seq * slot_count,
-                                      fixed + per_seq * drain)
+            run = instance_generation(n, total, longest, lbm, slot_count,
+                                      lambda b, fixed=fixed, per_seq=per_seq: fixed + per_seq * b)
             errors.append((run.bulk_s + run.drain_s) / exact.seconds - 1.0)
     assert max(abs(e) for e in errors) < 0.12, errors
     assert float(np.mean(np.abs(errors))) < 0.06, errors
@@ -136,3 +136,13 @@ def test_a_queued_batch_takes_the_exact_runs_seconds_for_an_affine_step() -> Non
 ])
 def test_streaming_window(requests: int, lag: int, fill: float, expected: float) -> None:
     assert streaming_window(requests, lag, fill) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("requests, fill, share, expected", [
+    pytest.param(512, 0.5, 0.0, 256, id="no-training-share-is-the-window-rule"),
+    pytest.param(512, 0.5, 0.5, 192, id="window-binds-while-training"),  # 512 x 1/2 x 1/2 = 128, then 256
+    pytest.param(512, 0.5, 1.0, 128, id="always-training"),
+    pytest.param(2048, 0.5, 0.5, 256, id="cap-binds-in-both-phases"),
+])
+def test_streaming_slots(requests: int, fill: float, share: float, expected: int) -> None:
+    assert streaming_slots(256, 1e9, 50.0, 200.0, requests, 1, fill, share) == expected

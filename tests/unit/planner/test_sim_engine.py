@@ -93,8 +93,9 @@ def test_restart_all_stops_the_rollout_pool_and_diff_does_not() -> None:
         job = fixed_job(steps=6, samples=64, offpolicy=1, cost=cost)
         walls[strategy] = Engine(job, Scripted(split(job, 4), {2: split(job, 2)}),
                                  SimOptions(steps=6, reconfigure_strategy=strategy)).run().wall_s  # type: ignore[arg-type]
-    # the pool is down for the 40 s restart; with one step of lag a little of it overlaps work done ahead
-    assert 0.9 * 40.0 < walls["restart_all"] - walls["diff"] <= 40.0 + 1e-6
+    # the pool is down for the 40 s restart; with one step of lag a little of it overlaps work done ahead, and
+    # the longer cycle it makes narrows the next batch's window a little (the training share, planner.sim.decode)
+    assert 0.9 * 40.0 < walls["restart_all"] - walls["diff"] <= 40.0 * 1.005
 
 
 @pytest.mark.parametrize("rate", [pytest.param(5.0, id="5-per-node-hour"), pytest.param(8.0, id="8-per-node-hour")])

@@ -1,6 +1,7 @@
 """The per-request reference pipeline (`planner.sim.exact`): runs computed by hand, and the engine's per-batch
-aggregate checked against it over a table of jobs on one rollout instance (policy lag 0 to 3, prompt groups
-of 1 to 16, rollout- and training-bound, fixed and drifting long-tailed lengths, two shapes of decode cost)."""
+aggregate checked against it over a table of jobs (one rollout instance or a pool of 2 to 4, policy lag 0 to 3,
+prompt groups of 1 to 16, rollout- and training-bound, fixed and drifting long-tailed lengths, two shapes of
+decode cost)."""
 
 from __future__ import annotations
 
@@ -42,10 +43,39 @@ def test_a_group_counts_once_its_longest_response_has_finished() -> None:
     assert list(ends) == [5.0]
 
 
+def test_a_response_admitted_mid_step_joins_at_the_next_step_boundary() -> None:
+    # lag 1, two slots, one response per step of lengths 1, 3, 1: responses 0 and 1 start at 0; step 0 trains
+    # 1-1.5 (no reload pause), so response 2 is admitted at 1.5, inside the decode step 1-2, and joins at 2;
+    # response 1 ends at 3 (the step in progress was not lost), response 2 at 3; steps 1 and 2 train 3-4
+    ends = exact_pipeline_run([np.array([1]), np.array([3]), np.array([1])], group_size=1, lag=1, slots=2,
+                              max_concurrent=2, step_s=one_second, train_s=0.5, sync_s=0.0)
+    assert list(ends) == [1.5, 3.5, 4.0]
+
+
+@pytest.mark.parametrize("instances, ends", [
+    pytest.param(1, [5.0], id="one-instance-decodes-them-in-turn"),
+    pytest.param(2, [4.0], id="two-instances-decode-them-side-by-side"),
+])
+def test_groups_spread_over_the_instances(instances: int, ends: list[float]) -> None:
+    # two groups of one response (3 and 1 tokens), one slot per instance; training takes 1 s
+    got = exact_pipeline_run([np.array([3, 1])], group_size=1, lag=0, slots=1, max_concurrent=2,
+                             step_s=one_second, train_s=1.0, sync_s=0.0, instances=instances)
+    assert list(got) == ends
+
+
+def test_a_group_goes_to_the_instance_with_the_fewest_in_flight() -> None:
+    # responses of 4, 1 and 1 tokens, a window of two: the third is admitted when the second ends (t = 1) and
+    # goes to the idle instance (1-2), not behind the first (which would end it at 5); training 4-5
+    ends = exact_pipeline_run([np.array([4, 1, 1])], group_size=1, lag=0, slots=1, max_concurrent=2,
+                              step_s=one_second, train_s=1.0, sync_s=0.0, instances=2)
+    assert list(ends) == [5.0]
+
+
 @pytest.mark.parametrize("kwargs, problem", [
     pytest.param({"group_size": 3, "max_concurrent": 6}, "a multiple of group_size 3", id="groups-do-not-divide-a-step"),
     pytest.param({"slots": 0}, "slots 0: must be >= 1", id="no-slot"),
     pytest.param({"max_concurrent": 1}, "max_concurrent 1: must be >= group_size 2", id="window-below-a-group"),
+    pytest.param({"instances": 0}, "instances 0: must be >= 1", id="no-instance"),
 ])
 def test_bad_arguments_are_named(kwargs: dict[str, int], problem: str) -> None:
     arguments = {"group_size": 2, "lag": 0, "slots": 2, "max_concurrent": 2, **kwargs}
@@ -76,6 +106,13 @@ CASES = [
     pytest.param(PipelineCase(2, 4, 16, 300, 300, 1.0, 0.2, sigma=1.1, decode_fixed_s=0.03,
                               decode_per_seq_s=0.0001, seed=5), id="lag2-groups-of-16-fixed-cost"),
     pytest.param(PipelineCase(2, 12, 16, 150, 1200, 25.0, 3.0, sigma=0.5, seed=5), id="lag2-narrow-tail"),
+    pytest.param(PipelineCase(0, 128, 8, 100, 800, 2.0, 0.5, instances=2), id="pool-2-sync-drift"),
+    pytest.param(PipelineCase(0, 16, 4, 200, 200, 10.0, 2.0, instances=4), id="pool-4-sync-few-groups"),
+    pytest.param(PipelineCase(1, 128, 8, 200, 200, 2.0, 0.5, instances=4), id="pool-4-lag1-rollout-bound"),
+    pytest.param(PipelineCase(1, 64, 8, 100, 800, 40.0, 5.0, instances=2), id="pool-2-lag1-train-bound"),
+    pytest.param(PipelineCase(2, 64, 8, 100, 800, 2.0, 0.5, instances=4), id="pool-4-lag2-drift"),
+    pytest.param(PipelineCase(1, 24, 2, 150, 1200, 6.0, 1.0, sigma=1.1, decode_fixed_s=0.005,
+                              decode_per_seq_s=0.001, seed=5, instances=3), id="pool-3-lag1-pairs-drift"),
 ]
 TOLERANCE = 0.25  # benchmarks/results/sim_fidelity.json: the worst error over its grid, with some room
 

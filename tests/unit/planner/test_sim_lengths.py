@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner.sim.lengths import DriftCurve, LengthModel, draw_batches
+from planner.sim.lengths import BatchStats, DriftCurve, LengthModel, draw_batches
 
 
 @pytest.mark.parametrize("curve, progress, value", [
@@ -57,3 +57,30 @@ def test_bad_models_name_the_field(kwargs: dict[str, float], field: str) -> None
     values = {"start_mean": 100.0, "end_mean": 200.0, "max_new_tokens": 1000, **kwargs}
     with pytest.raises(ValueError, match=field):
         draw_batches(LengthModel(**values), 2, 10, 0)  # type: ignore[arg-type]
+
+
+def test_stats_of_known_lengths() -> None:
+    stats = BatchStats.of_lengths(np.array([[1, 3, 2, 2], [4, 1, 1, 1]]), group_size=2)
+    assert stats.count.tolist() == [4, 4] and stats.total.tolist() == [8.0, 7.0]
+    assert stats.longest.tolist() == [3.0, 4.0] and stats.sum_squares.tolist() == [18.0, 19.0]
+    assert stats.group_longest is not None and stats.group_longest.tolist() == [5.0, 5.0]
+    assert stats.group_fill(0) == pytest.approx(8 / (2 * 5))
+
+
+def test_drawn_batches_are_the_stats_of_their_draws() -> None:
+    model, steps, per_step, group = LengthModel(300, 900, 2048), 4, 60, 4
+    rng = np.random.default_rng(7)
+    lengths = np.array([model.draw(rng, model.mean_at((k + 0.5) / steps), per_step) for k in range(steps)])
+    drawn, known = draw_batches(model, steps, per_step, seed=7, group_size=group), BatchStats.of_lengths(lengths, group)
+    for field in ("count", "total", "longest", "sum_squares", "group_longest"):
+        assert np.array_equal(getattr(drawn, field), getattr(known, field)), field
+
+
+@pytest.mark.parametrize("lengths, group_size", [
+    pytest.param(np.ones(6), 2, id="one-row-not-a-table"),
+    pytest.param(np.ones((2, 6)), 4, id="rows-not-whole-groups"),
+    pytest.param(np.ones((2, 6)), 0, id="group-size-zero"),
+])
+def test_stats_of_lengths_refuse_a_bad_shape(lengths: np.ndarray, group_size: int) -> None:
+    with pytest.raises(ValueError, match="group_size"):
+        BatchStats.of_lengths(lengths, group_size)
