@@ -27,8 +27,8 @@ aggregate of `instance_generation`, which needs only a batch's count, total, lon
   exact when a step's time is affine in its batch and the step count is right). A long tail thus drains at
   the step time of the few requests left, not of a half-full batch.
 
-Streaming (asynchronous runs, `instance_generation(..., streaming=True)`): requests of the next steps fill the slots too (the
-admission window of `max_head_offpolicyness`), and a step's requests take their share of the pool's work:
+Streaming (asynchronous runs, `instance_generation(..., streaming=True)`): requests of the next steps fill
+the slots too (the admission window of `max_head_offpolicyness`), and a step's requests take their share of the pool's work:
 T / C steps, of which the last r are done while the next step's requests are admitted (they carry over); if
 admission is closed when the step's requests are all admitted, the drain is exposed as above. The slots are
 counted over the part of the window that holds running responses (`streaming_window`): the runtime

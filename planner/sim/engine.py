@@ -13,9 +13,9 @@ Rules, each the runtime's:
   completes with its longest response (the drain of `planner.sim.decode`; the slots idle as it empties).
   Asynchronous (s >= 1): groups stream as in `libra/controller/batching.py` (admission bounded by the policy
   lag; a step consumes finished groups; the slots are those of the part of the window that runs, a batch
-  narrower from a training step's start until its weights serve, `planner.sim.decode.streaming_slots`), so when the next batch may be admitted as this one's requests are
-  all admitted, its groups take the freed slots and this batch completes after its residual work at the
-  full-batch rate; when admission is closed then, the slots idle through the drain until the next batch is
+  narrower from a training step's start until its weights serve, `planner.sim.decode.streaming_slots`), so
+  when the next batch may be admitted as this one's requests are all admitted, its groups take the freed
+  slots and this batch completes after its residual work at the full-batch rate; when admission is closed then, the slots idle through the drain until the next batch is
   admitted (or the drain ends): from then the next batch's groups fill the freed slots and its first finished
   groups stand in for the stragglers, so the batch completes once the residual work its running requests
   still held at that moment is done at the full-batch rate (the streaming rule, from the admission on; the
@@ -293,7 +293,8 @@ class Engine:
         fork.steps = until_step
         fork._heap = list(self._heap)
         fork.starting = list(self.starting)
-        for name in ("batch_done", "gen_start", "gen_wall", "bulk_end", "pool_busy_at_done", "train_s", "step_end"):
+        for name in ("batch_done", "gen_start", "gen_wall", "bulk_end", "pool_busy_at_done", "train_s", "train_start",
+                     "step_end"):
             setattr(fork, name, getattr(self, name).copy())
         fork.result = SimResult("fork", self.alloc.label(), until_step, 0.0, 0, 0.0, 0.0)
         fork._failure_token += 1  # failures drawn for this run do not happen in the fork

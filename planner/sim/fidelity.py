@@ -3,10 +3,10 @@ rollout pool: `PipelineCase` runs one job both ways and returns their seconds pe
 (tests/unit/planner/test_sim_exact.py) and the benchmark (benchmarks/sim_fidelity.py).
 
 A case: the given model on one node of 8 H100 (`instances` rollout instances at TP 1, the other GPUs
-training, in-place reload), a step of `groups` prompt groups of `group_size` responses drawn from a drifting log-normal
-(`LengthModel`), phase times of the measured form (`MeasuredCosts`: a decode step of n sequences costs
-`decode_fixed_s + decode_per_seq_s x n`, a training step `train_s`, a weight sync pauses the instance for
-`sync_s`). The engine gets the lengths' sufficient statistics, the reference every length. Step seconds are
+training, in-place reload), a step of `groups` prompt groups of `group_size` responses drawn from a drifting
+log-normal (`LengthModel`), phase times of the measured form (`MeasuredCosts`: a decode step of n sequences
+costs `decode_fixed_s + decode_per_seq_s x n`, a training step `train_s`, a weight sync pauses every instance
+for `sync_s`). The engine gets the lengths' sufficient statistics, the reference every length. Step seconds are
 timed from the first quarter of the run to its last step but one (the last batch drains with nothing behind
 it, the same in both, and would weigh on a short run's average).
 """

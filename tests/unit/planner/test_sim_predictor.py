@@ -53,6 +53,7 @@ class ForkAt:
     candidate: Candidate
     at: int
     predicted: list[float | None] = field(default_factory=list)
+    changed_by_the_fork: list[list[str]] = field(default_factory=list)
     name: str = "fork-at"
     ehp: bool = False
 
@@ -62,8 +63,17 @@ class ForkAt:
     def decide(self, engine: Engine) -> Candidate | None:
         if engine.trained != self.at:
             return None
+        before = arrays(engine)
         self.predicted.append(fork_step_s(engine, self.candidate, engine.job.batches))
+        after = arrays(engine)
+        self.changed_by_the_fork.append(sorted(name for name in before
+                                               if not np.array_equal(before[name], after[name], equal_nan=True)))
         return self.candidate if self.candidate != self.first else None
+
+
+def arrays(engine: Engine) -> dict[str, np.ndarray]:
+    """Copies of the engine's per-step records (what a fork must not write into)."""
+    return {name: value.copy() for name, value in vars(engine).items() if isinstance(value, np.ndarray)}
 
 
 @pytest.mark.parametrize("lag, first, candidate", [
@@ -85,6 +95,7 @@ def test_a_fork_on_the_jobs_own_lengths_is_what_the_job_then_does(
     start = 12 + SETTLE_STEPS
     assert policy.predicted[0] == pytest.approx(float(ends[start + MEASURED_STEPS - 1] - ends[start - 1])
                                                 / MEASURED_STEPS, rel=1e-12)
+    assert policy.changed_by_the_fork == [[]], "the fork wrote into the job's own records"
 
 
 def test_no_prediction_when_too_few_steps_are_left() -> None:
