@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from libra.config.context import Finding, RuleContext
+from libra.config.context import Finding, RuleContext, divisors
 
 GRP = "global_resource_planner"
 
@@ -40,7 +40,7 @@ def recompute_micro_batch(c: RuleContext) -> Iterator[Finding]:
         return
     per_dp = cfg.samples_per_step // dp
     if per_dp % cfg.recompute_micro_batch_size:
-        choices = [d for d in range(1, per_dp + 1) if per_dp % d == 0]
+        choices = divisors(per_dp)
         yield Finding("recompute_micro_batch_size",
                       f"must divide the per-DP batch (batch_size x n_samples / DP = {cfg.samples_per_step}/{dp}"
                       f"={per_dp})", f"choose from {{{', '.join(map(str, choices))}}}")

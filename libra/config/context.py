@@ -86,12 +86,20 @@ def value_at(cfg: Any, path: str) -> Any:
     return obj
 
 
+DIVISOR_SEARCH = 1 << 16  # candidates tried by `divisors`: complete for n up to 2^32, bounded work for any n
+
+
 def divisors(n: int, limit: int | None = None) -> list[int]:
-    """Positive divisors of n (up to `limit`)."""
+    """Positive divisors of n (up to `limit`), ascending. Found in pairs (d, n // d) with d up to sqrt(n), and d
+    at most `DIVISOR_SEARCH`, so a value far beyond any cluster (a typo, fuzzed input) costs no more than a
+    realistic one: above 2^32 the list holds the divisors up to 2^16 and their cofactors only."""
     if n <= 0:
         return []
-    found = [d for d in range(1, n + 1) if n % d == 0]
-    return [d for d in found if limit is None or d <= limit]
+    found: set[int] = set()
+    for d in range(1, min(math.isqrt(n), DIVISOR_SEARCH) + 1):
+        if n % d == 0:
+            found.update((d, n // d))
+    return sorted(d for d in found if limit is None or d <= limit)
 
 
 def common_divisors(*values: int, limit: int | None = None) -> list[int]:
