@@ -76,13 +76,20 @@ def summary(errors: list[float]) -> dict[str, Any]:
                 (a <= WITHIN).mean()), 4), "mean_rel_error": round(float(np.mean(errors)), 4)}
 
 
+def grouped(keys: list[int], errors: list[float]) -> dict[str, dict[str, Any]]:
+    """The summary of the errors of each key, in ascending key order."""
+    groups: dict[int, list[float]] = {}
+    for key, error in zip(keys, errors, strict=True):
+        groups.setdefault(key, []).append(error)
+    return {str(key): summary(group) for key, group in sorted(groups.items())}
+
+
 def run_grid(cases: Iterator[PipelineCase]) -> tuple[dict[str, Any], list[float]]:
     """The grid's result and its jobs' relative errors (unrounded: every summary is taken from these)."""
     spec = load_model_spec(MODEL)
     jobs: list[dict[str, Any]] = []
     errors: list[float] = []
-    by_lag: dict[int, list[float]] = {}
-    by_instances: dict[int, list[float]] = {}
+    keys: list[tuple[int, int]] = []  # (lag, instances) of each job
     for case in cases:
         engine_s, reference_s = case.step_seconds(spec)
         error = engine_s / reference_s - 1.0
@@ -90,12 +97,9 @@ def run_grid(cases: Iterator[PipelineCase]) -> tuple[dict[str, Any], list[float]
                      "engine_step_s": round(engine_s, 4),
                      "reference_step_s": round(reference_s, 4), "rel_error": round(error, 4)})
         errors.append(error)
-        by_lag.setdefault(case.lag, []).append(error)
-        by_instances.setdefault(case.instances, []).append(error)
-    grid = {"summary": summary(errors),
-            "by_lag": {str(lag): summary(lag_errors) for lag, lag_errors in sorted(by_lag.items())},
-            "by_instances": {str(n): summary(n_errors) for n, n_errors in sorted(by_instances.items())},
-            "jobs": jobs}
+        keys.append((case.lag, case.instances))
+    grid = {"summary": summary(errors), "by_lag": grouped([k[0] for k in keys], errors),
+            "by_instances": grouped([k[1] for k in keys], errors), "jobs": jobs}
     return grid, errors
 
 

@@ -8,8 +8,8 @@
   the training layout) by the tail-aware predictor of `planner.sim.predictor` (the last interval's lengths,
   long tail included, projected along their trend; each split run on them from where the job's pipeline
   stands), with hysteresis `replan_min_gain` and a switch that must pay back within `replan_horizon_steps` (or
-  the steps left); a change is carried out by the reconfiguration strategy of `SimOptions`. `predictor="replan"` asks `planner.replan.replan` instead (calibrated cost model, mean
-  response length only): the predictor the runtime uses today, kept to show what the tail changes.
+  the steps left); a change is carried out by the reconfiguration strategy of `SimOptions`.
+  `predictor="replan"` asks `planner.replan.replan` instead (calibrated cost model, mean response length only): the predictor the runtime uses today, kept to show what the tail changes.
 - `ehp`: the planner's initial split with elastic hybrid parallelism (`planner.sim.engine`).
 - `colocated`: every GPU both generates and trains, one after the other (time-shared, synchronous, as
   colocated RL systems run): generation on all GPUs, a switch (rollout weights and the training state moved
