@@ -15,10 +15,12 @@ the example's reload method, and `gains` lists every one.
 
 Evidence for the gain (`case_details[]`): the elastic policy's decisions, the seconds of switches it paid, a
 per-interval split of best static and elastic runs (`planner.sim.report.intervals`: split, seconds per step,
-rollout and training busy shares), the elastic policy with the mean-only predictor of `planner.replan`
-(`elastic:replan_predictor`), and the phase oracle: the job cut into 20 runs of steps, each run at the pace of
-the static split fastest in it, switches free (`gain_bound_512` / `gain_bound_4096`: the largest over the
-cases of that size with the example's reload method).
+rollout and training busy shares, also of the planner's initial split and of the runtime's re-planner), the
+runtime's re-planner replayed (`elastic:replan_predictor`: `planner.replan.replan` with the running job's
+policy on what the runtime measures; its changes in `replan_predictor_changes`), and the phase oracle: the
+job cut into 20 runs of steps, each run at the pace of the static split fastest in it, switches free
+(`gain_bound_512` / `gain_bound_4096`: the largest over the cases of that size with the example's reload
+method).
 
 Calibration: computed from benchmarks/results/elastic_gain.json when it exists, else null with the reason. The
 measured runs are replayed on their job's configuration (the document's `config`, else `--gain-config`) at the
@@ -92,7 +94,8 @@ NOT_COVERED = [
     "pace depends a little on the pipeline state the phase before leaves)",
     "the elastic policy's predictor replays the simulator's own cost model: it knows the costs and observes only "
     "the lengths, so its gains are what a calibrated tail-aware planner could reach in this model, not what "
-    "planner.replan reaches today (elastic:replan_predictor rows)",
+    "the runtime's re-planner reaches today (elastic:replan_predictor rows: planner.replan.replan with the running "
+    "job's policy on the figures the runtime measures)",
     "sim_10k_gpus_1000_steps_s is CPU time of one process (numpy single-threaded) on the shared machine",
 ]
 
@@ -142,7 +145,10 @@ def run_case(model: str, config: str, gpus: int, steps: int | None, reload: Relo
             "elastic_switch_pause_s": round(sum(max(s["train_pause_s"], s["rollout_pause_s"])
                                                 for s in elastic.switches), 1),
             "gain_with_replan_predictor": round(mean_only.samples_per_s / comparison.results["best_static"].samples_per_s, 4),
-            "intervals": {name: intervals(comparison.results[name], INTERVAL_STEPS) for name in ("best_static", "elastic")}}
+            "replan_predictor_changes": [d for d in mean_only.decisions if d["change"]],
+            "intervals": {**{name: intervals(comparison.results[name], INTERVAL_STEPS)
+                             for name in ("best_static", "planner_initial", "elastic")},
+                          "elastic:replan_predictor": intervals(mean_only, INTERVAL_STEPS)}}
 
 
 def elastic_policy(job: Any, start: Candidate, options: SimOptions, predictor: Literal["tail", "replan"] = "tail") -> ElasticPolicy:
@@ -343,7 +349,8 @@ def main() -> int:
                 details.append({k: out[k] for k in ("samples_per_step", "steps", "mean_response_early",
                                                     "mean_response_late", "best_static", "oracle",
                                                     "elastic_changes", "elastic_switch_pause_s",
-                                                    "gain_with_replan_predictor", "intervals")}
+                                                    "gain_with_replan_predictor", "replan_predictor_changes",
+                                                    "intervals")}
                                | {"model": model, "gpus": gpus, "reload": label,
                                   "sim_cpu_s": round(out["sim_cpu_s"], 2)})
                 print(f"{model} {gpus} GPUs reload {label}: elastic/best static {out['gain']:.3f} "

@@ -49,7 +49,22 @@ class ReplanPolicy:
     horizon_steps: int = 50
     allow_train_layout_change: bool = True
     allow_train_resize: bool = True
+    allow_rollout_tp_change: bool = True
     projection_steps: int = 0  # steps ahead the response-length trend is projected (0: half the horizon)
+
+    @classmethod
+    def of_running_job(cls, step: int, total_steps: int, interval_steps: int, min_gain: float,
+                       allow_train_resize: bool) -> ReplanPolicy:
+        """The policy of a job's online re-planning after `step` of `total_steps` (the runtime's re-planner,
+        and the simulator's replay of it): a switch must pay back within the steps left; the response-length
+        trend is projected one interval ahead (from the middle of this window to the middle of the next); the
+        training layout and the rollout TP are kept: only the current layout's step time and the current TP's
+        generation rate are measured, so another's would be the model's guess alone (the calibration scales
+        one speed factor per pool, which a TP change does not carry over: a job moved to another TP saw the
+        old TP predicted faster again one interval later and moved back)."""
+        return cls(min_gain=min_gain, horizon_steps=max(1, total_steps - step), allow_train_layout_change=False,
+                   allow_train_resize=allow_train_resize, allow_rollout_tp_change=False,
+                   projection_steps=interval_steps)
 
 
 @dataclass(frozen=True)
@@ -138,6 +153,8 @@ def _restricted(inputs: PlannerInputs, current: Candidate, policy: ReplanPolicy)
     lay = current.layout
     if not policy.allow_train_layout_change:
         s = replace(s, allowed_tp=(lay.tp,), allowed_pp=(lay.pp,), allowed_cp=(lay.cp,), allowed_ep=(lay.ep,))
+    if not policy.allow_rollout_tp_change:
+        s = replace(s, allowed_rollout_tp=(current.rollout_tp,))
     if not policy.allow_train_resize:
         s = replace(s, allocation_granularity_gpus=current.train_gpus, min_train_gpus=current.train_gpus,
                     min_rollout_gpus=inputs.cluster.total_gpus - current.train_gpus)

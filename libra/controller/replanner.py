@@ -165,13 +165,9 @@ class ReplanSettings:
         return cls(gpr.replan_interval_steps, gpr.replan_min_gain, cfg.total_steps, gpr.runtime_reconfigure_training)
 
     def policy(self, step: int) -> ReplanPolicy:
-        """A switch must pay back within the job's remaining steps; the response-length trend is projected
-        one interval ahead (from the middle of this window to the middle of the next). The training layout is
-        kept: only the current layout's step time is measured, so another layout's would be the model's guess
-        alone."""
-        return ReplanPolicy(min_gain=self.min_gain, horizon_steps=max(1, self.total_steps - step),
-                            allow_train_layout_change=False, allow_train_resize=self.reconfigure_training,
-                            projection_steps=self.interval_steps)
+        """`planner.replan.ReplanPolicy.of_running_job` for this job after `step`."""
+        return ReplanPolicy.of_running_job(step, self.total_steps, self.interval_steps, self.min_gain,
+                                           allow_train_resize=self.reconfigure_training)
 
 
 class Replanner:

@@ -243,6 +243,7 @@ class Engine:
         self.pool_busy_at_done = np.zeros(self.steps)
         self.train_s = np.zeros(self.steps)
         self.train_start = np.full(self.steps, np.nan)
+        self.sync_s = np.zeros(self.steps)  # seconds from each step's end until its weights serve everywhere
         # the share of the last step's cycle (training start to training start) from its training start to its
         # weights serving, while which the admission window is one batch smaller (planner.sim.decode)
         self.training_share = 0.0
@@ -294,7 +295,7 @@ class Engine:
         fork._heap = list(self._heap)
         fork.starting = list(self.starting)
         for name in ("batch_done", "gen_start", "gen_wall", "bulk_end", "pool_busy_at_done", "train_s", "train_start",
-                     "step_end"):
+                     "sync_s", "step_end"):
             setattr(fork, name, getattr(self, name).copy())
         fork.result = SimResult("fork", self.alloc.label(), until_step, 0.0, 0, 0.0, 0.0)
         fork._failure_token += 1  # failures drawn for this run do not happen in the fork
@@ -472,6 +473,7 @@ class Engine:
         self._log("train_done", k)
         self._refresh()
         pause, ready = self.job.costs.sync_timing(self.serving_tp, max(self.serving_gpus, 1))
+        self.sync_s[k] = ready
         self.pause_total += pause
         self.rollout_available_at = max(self.rollout_available_at, self.now + pause)
         self._push(self.now + ready, "sync", k + 1)
@@ -595,16 +597,26 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ for policies
     def observation(self, window: int) -> Observation:
-        """What the runtime measures over the last `window` steps (the inputs of `planner.replan.replan`)."""
+        """What the runtime measures over the last `window` steps, as `libra.controller.replanner` turns its
+        metric rows into the inputs of `planner.replan.replan`: the pool's generation rate (tokens over the time
+        it was generating), training seconds per step, the response lengths' mean and trend, each pool's idle
+        share of the window and the seconds of a weight publish."""
         hi = self.trained
         lo = max(0, hi - window)
         b = self.job.batches
+        if hi <= lo:
+            return Observation(rollout_tokens_per_s=0.0, train_step_s=0.0, mean_response_tokens=0.0)
         tokens = float(b.total[lo:hi].sum())
-        # the pool's generation rate: tokens over the time it was generating (batches overlap in their drains)
-        wall = float(self.pool_busy_at_done[hi - 1] - (self.pool_busy_at_done[lo - 1] if lo else 0.0)) if hi else 0.0
+        # batches overlap in their drains, so the busy time is the union of their generation (between the
+        # completions of the window's first and last batch: about one step ahead of the window's steps)
+        busy = float(self.pool_busy_at_done[hi - 1] - (self.pool_busy_at_done[lo - 1] if lo else 0.0))
+        wall = float(self.step_end[hi - 1] - (self.step_end[lo - 1] if lo else 0.0))
         means = b.total[lo:hi] / b.count[lo:hi]
         trend = float(np.polyfit(np.arange(len(means)), means, 1)[0]) if len(means) >= 3 else 0.0
-        return Observation(rollout_tokens_per_s=tokens / wall if wall > 0 else 0.0,
-                           train_step_s=float(self.train_s[lo:hi].mean()) if hi > lo else 0.0,
-                           mean_response_tokens=float(means.mean()) if hi > lo else 0.0,
-                           response_tokens_per_step=trend)
+        training = min(wall, float(self.train_s[lo:hi].sum()))
+        return Observation(rollout_tokens_per_s=tokens / busy if busy > 0 else 0.0,
+                           train_step_s=float(self.train_s[lo:hi].mean()),
+                           mean_response_tokens=float(means.mean()), response_tokens_per_step=trend,
+                           rollout_idle_share=1.0 - min(wall, busy) / wall if wall > 0 else None,
+                           train_idle_share=1.0 - training / wall if wall > 0 else None,
+                           weight_sync_s=float(self.sync_s[lo:hi].mean()))

@@ -9,7 +9,9 @@
   long tail included, projected along their trend; each split run on them from where the job's pipeline
   stands), with hysteresis `replan_min_gain` and a switch that must pay back within `replan_horizon_steps` (or
   the steps left); a change is carried out by the reconfiguration strategy of `SimOptions`.
-  `predictor="replan"` asks `planner.replan.replan` instead (calibrated cost model, mean response length only): the predictor the runtime uses today, kept to show what the tail changes.
+  `predictor="replan"` replays the runtime's re-planner instead: `planner.replan.replan` (calibrated cost model,
+  mean response length only) with the running job's policy (`ReplanPolicy.of_running_job`) on what the runtime
+  measures (`Engine.observation`), to show what the tail changes.
 - `ehp`: the planner's initial split with elastic hybrid parallelism (`planner.sim.engine`).
 - `colocated`: every GPU both generates and trains, one after the other (time-shared, synchronous, as
   colocated RL systems run): generation on all GPUs, a switch (rollout weights and the training state moved
@@ -125,14 +127,16 @@ class ElasticPolicy:
 
     def _replan(self, engine: Engine) -> Candidate | None:
         obs = engine.observation(self.interval)
-        policy = ReplanPolicy(min_gain=self.min_gain, horizon_steps=self.horizon_steps,
-                              allow_train_layout_change=False)
+        policy = ReplanPolicy.of_running_job(engine.trained, engine.steps, self.interval, self.min_gain,
+                                             allow_train_resize=True)
         decision = replan(self.inputs, engine.alloc, obs, policy)
         target = decision.target.candidate if decision.change else None
         engine.result.decisions.append({
             "step": engine.trained, "time_s": round(engine.now, 1), "change": decision.change,
             "reason": decision.reason, "predicted_gain": round(decision.predicted_gain, 4),
             "mean_response_tokens": round(obs.mean_response_tokens, 1),
+            "rollout_idle_share": None if obs.rollout_idle_share is None else round(obs.rollout_idle_share, 3),
+            "train_idle_share": None if obs.train_idle_share is None else round(obs.train_idle_share, 3),
             "target": target.label() if target else None})
         return target
 

@@ -102,6 +102,33 @@ def test_fixed_training_pool_only_changes_the_rollout_side() -> None:
     assert decision.target.candidate.layout == POOR.layout
 
 
+@pytest.mark.parametrize(("step", "total", "interval", "resize", "horizon"), [
+    pytest.param(10, 100, 5, True, 90, id="steps-left"),
+    pytest.param(99, 100, 3, False, 1, id="last-step-one-step-left"),
+    pytest.param(120, 100, 4, True, 1, id="past-the-end-at-least-one"),
+])
+def test_the_running_jobs_policy(step: int, total: int, interval: int, resize: bool, horizon: int) -> None:
+    """A switch pays back within the steps left, the trend is projected one interval ahead, and the training
+    layout and the rollout TP are kept (only their own speeds are measured)."""
+    policy = ReplanPolicy.of_running_job(step, total, interval, 0.07, allow_train_resize=resize)
+    assert (policy.horizon_steps, policy.projection_steps, policy.min_gain) == (horizon, interval, 0.07)
+    assert policy.allow_train_resize is resize
+    assert not policy.allow_train_layout_change and not policy.allow_rollout_tp_change
+
+
+def test_a_running_job_keeps_its_rollout_tp() -> None:
+    """A rollout pool measured slow at its TP: the search over every TP may prefer another one (whose speed
+    the calibration only guesses); the running job's policy changes the split at the measured TP only."""
+    inp, _ = _setup()
+    obs = _observe_prediction(inp, POOR, slow_rollout=3.0)
+    free = replan(inp, POOR, obs, ReplanPolicy(min_gain=0.0, horizon_steps=1000, allow_train_layout_change=False))
+    kept = replan(inp, POOR, obs, ReplanPolicy.of_running_job(0, 1000, 10, 0.0, allow_train_resize=True))
+    assert free.best is not None and kept.best is not None
+    assert free.best.candidate.rollout_tp != POOR.rollout_tp, "the case needs a search that leaves the TP"
+    assert kept.best.candidate.rollout_tp == POOR.rollout_tp
+    assert kept.best.candidate.layout == POOR.layout
+
+
 def test_switch_cost_counts_the_slower_pool_change() -> None:
     inp, chosen = _setup()
     c = chosen.candidate

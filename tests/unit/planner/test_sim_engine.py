@@ -36,6 +36,29 @@ def test_tiny_synchronous_run_matches_hand_computation() -> None:
     assert engine.result.samples_per_s == pytest.approx(16 / 5.0)
 
 
+@pytest.mark.parametrize(("window", "expected"), [
+    # the run above: generation 0-1 and 3-4, training 1-2 and 4-5, each step's weights serve 1 s after it
+    pytest.param(2, dict(rollout_tokens_per_s=800.0, train_step_s=1.0, rollout_idle_share=0.6, train_idle_share=0.6,
+                         weight_sync_s=1.0), id="both-steps"),
+    pytest.param(1, dict(rollout_tokens_per_s=800.0, train_step_s=1.0, rollout_idle_share=2 / 3,
+                         train_idle_share=2 / 3, weight_sync_s=1.0), id="last-step"),
+])
+def test_observation_is_what_the_runtime_measures(window: int, expected: dict[str, float]) -> None:
+    """The re-planner's inputs over the last `window` steps, as the runtime computes them from its metric
+    rows: tokens over the time generating, each pool's idle share of the steps' wall time, publish seconds."""
+    engine = run(fixed_job(steps=2), split(fixed_job(steps=2), 2))
+    obs = engine.observation(window)
+    assert {k: getattr(obs, k) for k in expected} == pytest.approx(expected)
+    assert (obs.mean_response_tokens, obs.response_tokens_per_step) == (100.0, 0.0)
+
+
+def test_observation_of_no_step_is_empty() -> None:
+    job = fixed_job(steps=2)
+    engine = Engine(job, StaticPolicy(split(job, 2)), SimOptions(steps=2))
+    obs = engine.observation(5)
+    assert (obs.rollout_tokens_per_s, obs.train_step_s, obs.rollout_idle_share) == (0.0, 0.0, None)
+
+
 @pytest.mark.parametrize("offpolicy", [pytest.param(0, id="sync"), pytest.param(1, id="lag-1"),
                                        pytest.param(2, id="lag-2")])
 def test_event_order_respects_the_staleness_bound(offpolicy: int) -> None:

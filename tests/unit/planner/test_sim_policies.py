@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 from sim_cases import real_job
 
+from planner.plan import Candidate
+from planner.replan import ReplanPolicy, replan
 from planner.sim.allocation import static_splits
-from planner.sim.engine import SimOptions
-from planner.sim.policies import POLICIES, best_static, planner_allocation
+from planner.sim.engine import Engine, SimOptions
+from planner.sim.policies import POLICIES, ElasticPolicy, best_static, planner_allocation, run_policy
 from planner.sim.scenario import compare, nearest_smooth, scaled_inputs
 
 
@@ -49,6 +51,37 @@ def test_every_policy_runs_on_the_same_draws() -> None:
     assert result.results["colocated"].initial.startswith(f"all {job.total_gpus} GPUs")
     oracle = result.phase_oracle()
     assert oracle["gain_over_best_static"] >= 1.0 - 1e-9 and len(oracle["phases"]) == 5
+
+
+def test_the_replan_predictor_decides_as_the_running_job_does() -> None:
+    """`predictor="replan"` replays the runtime's re-planner: at every decision, `planner.replan.replan` with
+    the running job's policy (`ReplanPolicy.of_running_job`) on the engine's observation; a change keeps the
+    training layout and the rollout TP (here: a job started with its training pool starved)."""
+    job = real_job(steps=30)
+    options = SimOptions(steps=30, replan_interval_steps=5)
+    planned = planner_allocation(job.inputs)
+    start = Candidate(8, job.total_gpus - 8, planned.layout, planned.rollout_tp)  # starved training: one change
+    policy = ElasticPolicy(job.inputs, start, 5, 0.05, 50, predictor="replan")
+    seen: list[tuple[int, bool, Candidate | None]] = []
+
+    class Recording(ElasticPolicy):
+        def decide(self, engine: Engine) -> Candidate | None:
+            before = engine.alloc
+            target = policy.decide(engine)
+            if not engine.trained % 5:
+                obs = engine.observation(5)
+                own = replan(job.inputs, before, obs, ReplanPolicy.of_running_job(
+                    engine.trained, engine.steps, 5, 0.05, allow_train_resize=True))
+                seen.append((engine.trained, own.change, own.target.candidate if own.change else None))
+                assert target == (own.target.candidate if own.change else None)
+            return target
+
+    result = run_policy(job, Recording(job.inputs, start, 5, 0.05, 50), options)
+    assert [s for s, _, _ in seen] == [5, 10, 15, 20, 25]
+    assert [d["change"] for d in result.decisions] == [c for _, c, _ in seen]
+    assert any(c for _, c, _ in seen), "the case needs a change to replay"
+    for _, _, target in seen:
+        assert target is None or (target.layout, target.rollout_tp) == (start.layout, start.rollout_tp)
 
 
 def test_unknown_policy_is_refused() -> None:
