@@ -126,8 +126,9 @@ def test_dry_run_plans_what_the_reconciler_then_does(served: tuple) -> None:
     job.settle()
     assert job.store.get().reconfiguring == ""
     done = [op for op in job.rollout.ops[1:] if op[0] in ("start", "stop")]
-    assert [(k, m) for k, m in planned if k in ("StartRolloutInstance", "StopRolloutInstance")] == [
-        ("StartRolloutInstance" if op == "start" else "StopRolloutInstance", member) for op, member in done]
+    # the same actions; the executor runs the stops of one tick at once, so they may end in either order
+    assert sorted((k, m) for k, m in planned if k in ("StartRolloutInstance", "StopRolloutInstance")) == sorted(
+        ("StartRolloutInstance" if op == "start" else "StopRolloutInstance", member) for op, member in done)
 
 
 def test_reconfigure_applies_and_status_shows_it(served: tuple) -> None:

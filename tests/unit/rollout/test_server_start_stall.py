@@ -37,16 +37,18 @@ def grows_within(pgid: int, since: int, within_s: float) -> bool:
 
 
 def member_started_within(pgid: int, code: str, within_s: float) -> bool:
-    """Whether a member of the group runs `code` (its interpreter has been executed) within `within_s`. A
-    member that only sleeps may have started on less CPU than one clock tick, so its count need not grow."""
+    """Whether a member of the group is the interpreter running `code` within `within_s` (executed, not the
+    shell's fork before it, whose command line is the shell's and holds `code` too). A member that only sleeps
+    may have started on less CPU than one clock tick, so its count need not grow."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         for pid in group_stat_fields(pgid):
             try:
-                if pid != pgid and code in " ".join(psutil.Process(pid).cmdline()):
-                    return True
+                argv = psutil.Process(pid).cmdline()
             except psutil.Error:
-                pass
+                continue
+            if pid != pgid and argv[:1] == [sys.executable] and code in argv:
+                return True
         time.sleep(0.1)
     return False
 
