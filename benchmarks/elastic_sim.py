@@ -16,8 +16,10 @@ the example's reload method, and `gains` lists every one.
 Evidence for the gain (`case_details[]`): the elastic policy's decisions, the seconds of switches it paid, a
 per-interval split of best static and elastic runs (`planner.sim.report.intervals`: split, seconds per step,
 rollout and training busy shares, also of the planner's initial split and of the runtime's re-planner), the
-runtime's re-planner replayed (`elastic:replan_predictor`: `planner.replan.replan` with the running job's
-policy on what the runtime measures; its changes in `replan_predictor_changes`), and the phase oracle: the
+runtime's re-planner replayed (`elastic:replan_predictor`: `planner.replan_review.OnlineReplanning`, which
+reviews each change on what the new split measured and undoes one that did not deliver, then calls
+`planner.replan.replan`, with the running job's policy on the window the runtime judges; its changes and
+undos in `replan_predictor_changes`), and the phase oracle: the
 job cut into 20 runs of steps, each run at the pace of the static split fastest in it, switches free
 (`gain_bound_512` / `gain_bound_4096`: the largest over the cases of that size with the example's reload
 method).
@@ -88,14 +90,16 @@ NOT_COVERED = [
     "its requests in flight",
     "failed rollout instances' in-flight requests cost no extra time; the colocated baseline has no failures",
     "the training layout (TP, PP, CP, EP) is fixed per policy: elastic resizes training data parallelism and the "
-    "rollout pool (instances and their TP), as Libra's runtime does",
+    "rollout pool (instances and their TP); Libra's runtime re-planner (elastic:replan_predictor) also keeps the "
+    "rollout TP, which only an operator's reconfiguration changes",
     "case_details[].oracle estimates what following the drift could gain here: each twentieth of the job run at "
     "the pace of the static split fastest in it, switches free; it is an estimate, not a strict bound (a phase's "
     "pace depends a little on the pipeline state the phase before leaves)",
     "the elastic policy's predictor replays the simulator's own cost model: it knows the costs and observes only "
     "the lengths, so its gains are what a calibrated tail-aware planner could reach in this model, not what "
-    "the runtime's re-planner reaches today (elastic:replan_predictor rows: planner.replan.replan with the running "
-    "job's policy on the figures the runtime measures)",
+    "the runtime's re-planner reaches today (elastic:replan_predictor rows: planner.replan_review.OnlineReplanning "
+    "with the running job's policy on the figures the runtime measures, each change reviewed on the new split's "
+    "second window and undone when its steps ran slower than the old split's expected)",
     "sim_10k_gpus_1000_steps_s is CPU time of one process (numpy single-threaded) on the shared machine",
 ]
 

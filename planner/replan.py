@@ -37,6 +37,7 @@ class Observation:
     rollout_idle_share: float | None = None  # share of the window no generation was in flight (None: unknown)
     train_idle_share: float | None = None  # share of the window the training pool was not stepping
     weight_sync_s: float | None = None  # seconds of one weight publish to the rollout pool (None: not measured)
+    step_wall_s: float | None = None  # wall seconds per step over the window (None: not measured)
 
 IDLE_EVIDENCE_MARGIN = 0.1  # idle shares closer than this say nothing about which pool held the step back
 
@@ -81,6 +82,7 @@ class ReplanDecision:
     time_saved_s: float
     calibrated: PlannerInputs
     best: Evaluation | None = None
+    undo: bool = False  # the change undoes the last one, which did not deliver (`planner.replan_review`)
 
 
 def calibrate(inputs: PlannerInputs, current: Candidate, obs: Observation, horizon_steps: int,

@@ -27,8 +27,11 @@ log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 60.0
 PLACEMENT_POLL_S = 1.0  # how often a placement wait checks whether the cluster lost GPUs meanwhile
 # Ray gives a starting node 30 s (not configurable) to register with its GCS; on a loaded machine that can
-# run out. A failed start leaves its processes behind, so they are stopped before the next attempt.
-STARTUP_ATTEMPTS = 3
+# run out (three attempts in a row did, when a test suite's lanes, its type checker and the first job all
+# started at once). A failed start leaves its processes behind, so they are stopped before the next attempt,
+# which waits a little longer each time for the load to pass.
+STARTUP_ATTEMPTS = 4
+STARTUP_RETRY_PAUSE_S = 10.0  # before the second attempt; twice that before the third, and so on
 # Ray's startup timeouts on a loaded machine: a node that did not register with its GCS in time, and the GCS
 # that did not write its port file in time
 _STARTUP_TIMEOUT_TEXTS = ("timed out during startup", "Timed out waiting for file")
@@ -80,9 +83,11 @@ def stop_processes_under(tmp_dir: str) -> list[int]:
     return killed
 
 
-def start_with_retries(start: Callable[[], T], tmp_dir: str, attempts: int = STARTUP_ATTEMPTS) -> T:
-    """`start()`, again (after stopping what the failed attempt left under `tmp_dir`) when Ray reports a
-    startup timeout; any other error, or the last timeout, is raised."""
+def start_with_retries(start: Callable[[], T], tmp_dir: str, attempts: int = STARTUP_ATTEMPTS,
+                       pause_s: float = STARTUP_RETRY_PAUSE_S, sleep: Callable[[float], None] = time.sleep) -> T:
+    """`start()`, again (after stopping what the failed attempt left under `tmp_dir`, and `pause_s` times the
+    attempt's number later) when Ray reports a startup timeout; any other error, or the last timeout, is
+    raised."""
     for attempt in range(1, attempts + 1):
         try:
             return start()
@@ -91,7 +96,8 @@ def start_with_retries(start: Callable[[], T], tmp_dir: str, attempts: int = STA
                 raise
             killed = stop_processes_under(tmp_dir)
             log.warning("Ray did not start in time (attempt %d of %d: %s); stopped %d leftover process(es), "
-                        "starting again", attempt, attempts, exc, len(killed))
+                        "starting again in %.0f s", attempt, attempts, exc, len(killed), pause_s * attempt)
+            sleep(pause_s * attempt)
     raise AssertionError("unreachable")
 
 

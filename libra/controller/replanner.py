@@ -2,18 +2,20 @@
 
 Every `replan_interval_steps` steps, at the step boundary, the re-planner turns the metric rows the RL loop
 recorded since the pools last changed into a `planner.replan.Observation` (rollout tokens/s while generating,
-training seconds per step, weight-publish seconds, queue depth, response-length mean and trend, each pool's
-idle share), asks
-`planner.replan.replan` for the best alternative split (cost model calibrated on those figures, switch cost as
-measured for this job when it has switched before, the planner's estimate otherwise, paid back over the
+training seconds per step, weight-publish seconds, wall seconds per step, queue depth, response-length mean
+and trend, each pool's idle share) and decides through `planner.replan_review.OnlineReplanning`: it first
+reviews the last change on what the new split measured (undoing one that did not deliver), then asks
+`planner.replan.replan` for the best alternative split (cost model calibrated on those figures, switch cost
+as measured for this job when it has switched before, the planner's estimate otherwise, paid back over the
 job's remaining steps) and, when the predicted gain passes `replan_min_gain`, requests the reconfiguration
 through `Controller.request_reconfigure`, the same path an operator request takes (configured strategy; the
 training pool only with `runtime_reconfigure_training`; with `runtime_training_pool_plan_only` the change is
 recorded and nothing moves).
 
-It never flaps: the planner's hysteresis band, no decision while a reconfiguration runs, and a window that
-holds only steps run on the current split (right after a change there is nothing to judge yet). Every
-decision, taken or not, is a `replan_decision` event with its numbers and a `replan.decide` span.
+It never flaps: the planner's hysteresis band, no decision while a reconfiguration runs, a window that
+holds only steps run on the current split (right after a change there is nothing to judge yet), an undo that
+is never itself reviewed, and growing a pool barred after growing it did not deliver, until the lengths
+move. Every decision, taken or not, is a `replan_decision` event with its numbers and a `replan.decide` span.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from libra.controller.state import DesiredState
 from libra.controller.switch_costs import SwitchCostLog, read_switch_costs
 from libra.observability.phase_trace import get_tracer
 from planner.plan import Candidate, Evaluation
-from planner.replan import Observation, ReplanDecision, ReplanPolicy, replan
+from planner.replan import Observation, ReplanDecision, ReplanPolicy
+from planner.replan_review import OnlineReplanning
 from planner.workload import PlannerInputs
 
 EVENT = "replan_decision"
@@ -65,7 +68,7 @@ class WindowFigures:
                            mean_response_tokens=self.mean_response_tokens,
                            response_tokens_per_step=self.response_tokens_per_step, queue_depth=self.queue_depth,
                            rollout_idle_share=self.rollout_idle_share, train_idle_share=self.train_idle_share,
-                           weight_sync_s=self.weight_sync_s)
+                           weight_sync_s=self.weight_sync_s, step_wall_s=self.wall_s / self.steps)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
@@ -183,6 +186,7 @@ class Replanner:
         self.events = events
         self.switch_costs_path = switch_costs_path
         self.last_decision: dict[str, Any] | None = None
+        self.online = OnlineReplanning(inputs)  # the last change, to review, and the bars in force
         self._rollout_switch_s: float | None = None
         # steps up to this one ran while the pools were changing: no window reaches back to them
         self._settled_after = 0
@@ -238,9 +242,11 @@ class Replanner:
                              f"change, {needed} needed to judge it"}
         inputs, cost_source = self.switch_costs().apply(self.inputs)
         policy = self.settings.policy(step)
-        decision = replan(inputs, current, figures.observation(), policy)
+        decision = self.online.decide(step, current, figures.observation(), policy, inputs)
         record |= _numbers(decision) | {"horizon_steps": policy.horizon_steps, "switch_cost_source": cost_source,
                                         "window": figures.to_dict()}
+        if decision.undo:
+            record["undo"] = True
         if not decision.change:
             return record | {"action": "kept", "reason": decision.reason}
         target = target_for(current, decision.target.candidate)

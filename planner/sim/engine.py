@@ -600,7 +600,7 @@ class Engine:
         """What the runtime measures over the last `window` steps, as `libra.controller.replanner` turns its
         metric rows into the inputs of `planner.replan.replan`: the pool's generation rate (tokens over the time
         it was generating), training seconds per step, the response lengths' mean and trend, each pool's idle
-        share of the window and the seconds of a weight publish."""
+        share of the window, the seconds of a weight publish and the wall seconds per step."""
         hi = self.trained
         lo = max(0, hi - window)
         b = self.job.batches
@@ -619,4 +619,9 @@ class Engine:
                            mean_response_tokens=float(means.mean()), response_tokens_per_step=trend,
                            rollout_idle_share=1.0 - min(wall, busy) / wall if wall > 0 else None,
                            train_idle_share=1.0 - training / wall if wall > 0 else None,
-                           weight_sync_s=float(self.sync_s[lo:hi].mean()))
+                           weight_sync_s=float(self.sync_s[lo:hi].mean()), step_wall_s=wall / (hi - lo))
+
+    def steps_begun_since(self, time_s: float) -> int:
+        """How many of the trained steps began (the step before them ended) at `time_s` or later."""
+        began = np.concatenate(([0.0], self.step_end[: max(0, self.trained - 1)]))
+        return int(np.count_nonzero(began >= time_s))

@@ -33,7 +33,8 @@ import numpy as np
 
 from planner.grp import plan
 from planner.plan import Candidate
-from planner.replan import ReplanPolicy, replan, switch_cost_s
+from planner.replan import ReplanPolicy, switch_cost_s
+from planner.replan_review import OnlineReplanning
 from planner.sim.allocation import static_splits
 from planner.sim.decode import instance_generation, slots
 from planner.sim.engine import Engine, SimJob, SimOptions, SimResult
@@ -73,6 +74,8 @@ class ElasticPolicy:
     predictor: Literal["tail", "replan"] = "tail"
     decisions: list[dict[str, Any]] = field(default_factory=list)
     _splits: list[Candidate] = field(default_factory=list)
+    _online: OnlineReplanning | None = None  # predictor "replan": the running job's memory between decisions
+    _switch_done_s: float = 0.0
 
     def initial(self) -> Candidate:
         return self.start
@@ -126,15 +129,30 @@ class ElasticPolicy:
         return best if change else None
 
     def _replan(self, engine: Engine) -> Candidate | None:
-        obs = engine.observation(self.interval)
+        # as the runtime: a window holds only steps begun after the last switch was done, half an interval
+        # at least
+        window = min(self.interval, engine.steps_begun_since(self._switch_done_s))
+        needed = max(1, self.interval // 2)
+        record: dict[str, Any] = {"step": engine.trained, "time_s": round(engine.now, 1)}
+        if window < needed:
+            engine.result.decisions.append(record | {
+                "change": False, "predicted_gain": 0.0, "target": None,
+                "reason": f"{window} step(s) on the current split since the last change, {needed} needed"})
+            return None
+        obs = engine.observation(window)
         policy = ReplanPolicy.of_running_job(engine.trained, engine.steps, self.interval, self.min_gain,
                                              allow_train_resize=True)
-        decision = replan(self.inputs, engine.alloc, obs, policy)
+        if self._online is None:
+            self._online = OnlineReplanning(self.inputs)
+        decision = self._online.decide(engine.trained, engine.alloc, obs, policy)
         target = decision.target.candidate if decision.change else None
-        engine.result.decisions.append({
-            "step": engine.trained, "time_s": round(engine.now, 1), "change": decision.change,
+        if target is not None:
+            self._switch_done_s = engine.now + switch_cost_s(self.inputs, engine.alloc, target)
+        engine.result.decisions.append(record | {
+            "change": decision.change, "undo": decision.undo,
             "reason": decision.reason, "predicted_gain": round(decision.predicted_gain, 4),
             "mean_response_tokens": round(obs.mean_response_tokens, 1),
+            "step_wall_s": round(obs.step_wall_s or 0.0, 2),
             "rollout_idle_share": None if obs.rollout_idle_share is None else round(obs.rollout_idle_share, 3),
             "train_idle_share": None if obs.train_idle_share is None else round(obs.train_idle_share, 3),
             "target": target.label() if target else None})

@@ -175,9 +175,24 @@ def shrink(rig: Rig, instances: int, drain: bool) -> dict[str, Any]:
     observed = rig.tracker.snapshot(time.time(), take_errors=False)
     rig.store.change(lambda d: plan_reconfigure(d, ReconfigureTarget(instances, None), "diff", limits, observed))
     assert rig.loop.wait_until(lambda: not rig.store.get().reconfiguring, 120), rig.events.recent(15)
-    stops = [e for e in rig.events.recent(60) if e["kind"] == "action" and "drain" in e]
+    stops = [e for e in rig.events.recent(60) if e["kind"] == "action" and "drain" in e
+             and "desired instances" in e.get("message", "")]  # the diff's stop, not a failed member's repair
     assert stops, rig.events.recent(30)
     return stops[-1]
+
+
+def abort_report(stream: Stream, aborted: dict[str, Any], recent: list[dict[str, Any]]) -> str:
+    """Why no request failed at the abort: the requests around it and the pool's events (a flaky failure's
+    evidence)."""
+    at = aborted["ts"]
+    around = [f"  #{c.index} {c.started - at:+.2f}..{(c.ended - at) if c.ended else float('nan'):+.2f} s "
+              f"{c.instance or '-'} {c.error[:50]}" for c in stream.calls if c.started < at + 2 and (
+                  not c.ended or c.ended > at - 2)]
+    kinds = [f"  {e['ts'] - at:+.2f} s {e['kind']}: {e.get('message', '')} "
+             f"{ {k: v for k, v in e.items() if k in ('member_id', 'drain', 'state', 'action')} }"
+             for e in recent if abs(e["ts"] - at) < 30]
+    return "\n".join([f"no request was in flight on the aborted instance {aborted.get('member_id')}; requests "
+                      "within 2 s of the abort (start..end relative to it):", *around, "events:", *kinds])
 
 
 def test_drain_finishes_and_abort_requeues_without_losing_a_sample(drain_rig: Rig) -> None:
@@ -208,7 +223,7 @@ def test_drain_finishes_and_abort_requeues_without_losing_a_sample(drain_rig: Ri
     assert not [c for c in stream.calls if c.error and c.ended < published_at], "a drain must not fail a request"
     # abort: requests of the stopped instance failed and their prompts were generated again elsewhere
     failed = [c for c in stream.calls if c.error]
-    assert failed, "no request was in flight on the aborted instance"
+    assert failed, abort_report(stream, aborted, rig.events.recent(60))
     assert all(c.started >= published_at for c in failed)
     assert stream.producer.failures == len(failed)
     retried = {c.index for c in failed}

@@ -4,7 +4,9 @@ The job starts on a split that is clearly bad: training holds 2 GPUs, the rollou
 fourth GPU is left unused, while the drift task asks for long answers from the first step and the instance's KV
 cache holds a quarter of the sequences in flight, so generation holds every step back. Every 3 steps the re-planner calibrates the planner on what the job measured; its first
 judged decision must request the spare GPU for a second rollout instance (`diff`), the change must complete
-while the job keeps training, and the decisions after it run on the new split. Every decision is in
+while the job keeps training, and the decisions after it run on the new split; the review of the change on the
+new split's second window may undo it (the logical GPUs are not metered here, so a second instance adds no
+compute), and nothing is requested after that. Every decision is in
 events.jsonl and, as a `replan.decide` span, in the controller's phase trace; `libra status --json` shows the
 last one.
 """
@@ -122,8 +124,13 @@ def test_replanning_requests_the_spare_gpu_and_the_change_completes(workspace: d
 
     made = decisions(run_dir)
     requested = [d for d in made if d["action"] == "requested"]
-    assert len(requested) == 1, made  # no flapping: one change, then the new split is kept
-    first = requested[0]
+    # no flapping: one change, then at most its undo (the review on the new split's second window: on unmetered
+    # logical GPUs a second instance adds no compute, so its steps may measure slower), then nothing
+    first, *undone = requested
+    assert len(undone) <= 1, made
+    for undo in undone:
+        assert undo.get("undo") is True and f"undo the change at step {first['step']}" in undo["message"], undo
+        assert (undo["current"], undo["best"]) == (first["best"], first["current"])
     assert "rollout 1 GPUs (1 x tp=1)" in first["current"] and "rollout 2 GPUs (2 x tp=1)" in first["best"]
     assert first["best_samples_per_s"] > first["current_samples_per_s"] and first["gain"] >= MIN_GAIN
     assert first["time_saved_s"] > first["switch_cost_s"] and first["switch_cost_source"] == "planner estimate"
@@ -133,12 +140,14 @@ def test_replanning_requests_the_spare_gpu_and_the_change_completes(workspace: d
     for decision in made:
         assert decision["step"] % 3 == 0 and decision["message"]
         assert {"current", "action"} <= decision.keys()
-    [started] = [e for e in events(run_dir) if e["kind"] == "reconfigure_requested"]  # the decision's request
-    assert started["generation"] == first["generation"] and started["strategy"] == "diff"
-    after = [d for d in made if d["step"] > done_step + 3 and d["action"] != "skipped"]
+    started = [e for e in events(run_dir) if e["kind"] == "reconfigure_requested"]  # the decisions' requests
+    assert [e["generation"] for e in started] == [d["generation"] for d in requested]
+    assert started[0]["strategy"] == "diff"
+    undone_at = undone[0]["step"] if undone else float("inf")
+    after = [d for d in made if done_step + 3 < d["step"] <= undone_at and d["action"] != "skipped"]
     assert after and all("rollout 2 GPUs (2 x tp=1)" in d["current"] for d in after), after
     rows = metric_rows(run_dir)
-    assert rows[-1]["rollout_instances"] == 2 and all(r.get("rollout_busy_s") is not None for r in rows)
+    assert any(r["rollout_instances"] == 2 for r in rows) and all(r.get("rollout_busy_s") is not None for r in rows)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # training went on through the change
     assert len(trace_spans(run_dir, "replan.decide")) == len(made)
     assert status.returncode == 0, status.stderr

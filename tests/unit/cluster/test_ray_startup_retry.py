@@ -51,8 +51,10 @@ def test_a_timed_out_start_is_retried_after_its_processes_are_stopped(tmp_path: 
             assert all(p.poll() is not None for p in leftovers), "a failed attempt's processes still run"
             return "started"
 
-        assert start_with_retries(start, str(tmp_path), attempts=3) == "started"
+        pauses: list[float] = []
+        assert start_with_retries(start, str(tmp_path), attempts=3, pause_s=0.5, sleep=pauses.append) == "started"
         assert len(leftovers) == 2
+        assert pauses == [0.5, 1.0]  # each retry waits longer for the load to pass
         assert unrelated.poll() is None  # only what names this start's directory is stopped
     finally:
         for proc in [*leftovers, unrelated]:
@@ -68,7 +70,7 @@ def test_the_last_timeout_and_other_errors_are_raised(tmp_path: Path) -> None:
         raise RAY_TIMEOUT
 
     with pytest.raises(Exception, match="timed out during startup"):
-        start_with_retries(always_times_out, str(tmp_path), attempts=2)
+        start_with_retries(always_times_out, str(tmp_path), attempts=2, pause_s=0.0)
     assert len(calls) == 2
 
     def bad_argument() -> None:

@@ -225,6 +225,31 @@ def test_steps_run_during_a_change_are_not_judged(tmp_path: Path) -> None:
     assert len(job.requests) == 1
 
 
+def test_a_change_that_did_not_deliver_is_undone_and_not_tried_again(tmp_path: Path) -> None:
+    """The second instance was predicted to speed the step up; on its second window the steps measured longer
+    (30 s against 22 s at the same lengths): the change is undone through the same request path, and growing
+    the rollout pool is then declined while the lengths stay."""
+    job = Job(tmp_path)
+    slower = [row(s, instances=2, busy=25.0, interval=30.0) for s in range(4, 10)]
+    back = [row(s, busy=20.0, interval=22.0) for s in range(10, 16)]
+    rows = ROLLOUT_BOUND + slower + back
+    decided = []
+    for i in range(1, len(rows) + 1):
+        if i in (4, 10):  # each change is done while the step after its request runs
+            job.desired = dataclasses.replace(job.desired, reconfiguring="")
+        record = job.replanner.after_step(rows[:i])
+        if record is not None:
+            decided.append(record)
+    assert [(d["step"], d["action"]) for d in decided] == [
+        (3, "requested"), (6, "kept"), (9, "requested"), (12, "kept"), (15, "kept")], [d["reason"] for d in decided]
+    undo = decided[2]
+    assert undo.get("undo") is True and "undo the change at step 3" in undo["reason"], undo["reason"]
+    assert job.requests == [ReconfigureTarget(rollout_instances=2, rollout_tp=1),
+                            ReconfigureTarget(rollout_instances=1, rollout_tp=1)]
+    assert all("barred since step 9" in d["reason"] for d in decided[3:]), [d["reason"] for d in decided[3:]]
+    assert [e.get("undo") for e in job.logged() if e["action"] == "requested"] == [None, True]
+
+
 def test_training_changes_need_runtime_reconfigure_training(tmp_path: Path) -> None:
     """With a training pool that may change, the search may move GPUs to training (here the model wants
     the spare GPU for the rollout side either way); the target is one plan_reconfigure accepts."""

@@ -3,11 +3,14 @@ split, online re-planning decisions, EHP and the colocated baseline, and the com
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 from sim_cases import real_job
 
 from planner.plan import Candidate
-from planner.replan import ReplanPolicy, replan
+from planner.replan import ReplanPolicy, switch_cost_s
+from planner.replan_review import OnlineReplanning
 from planner.sim.allocation import static_splits
 from planner.sim.engine import Engine, SimOptions
 from planner.sim.policies import POLICIES, ElasticPolicy, best_static, planner_allocation, run_policy
@@ -53,34 +56,63 @@ def test_every_policy_runs_on_the_same_draws() -> None:
     assert oracle["gain_over_best_static"] >= 1.0 - 1e-9 and len(oracle["phases"]) == 5
 
 
+@dataclass
+class Replayed:
+    """The replay policy, checked at every decision against the runtime's `OnlineReplanning` fed by the test
+    with the window the runtime would judge: steps begun after the last switch was done, at most an interval,
+    at least half of one."""
+
+    inner: ElasticPolicy
+    own: OnlineReplanning
+    interval: int
+    name: str = "elastic"
+    ehp: bool = False
+    seen: list[tuple[int, str, Candidate | None]] = field(default_factory=list)
+    windows: list[int] = field(default_factory=list)
+    switch_done_s: float = 0.0
+
+    def initial(self) -> Candidate:
+        return self.inner.initial()
+
+    def decide(self, engine: Engine) -> Candidate | None:
+        before, now = engine.alloc, engine.now
+        target = self.inner.decide(engine)
+        if engine.trained % self.interval:
+            return target
+        window = min(self.interval, engine.steps_begun_since(self.switch_done_s))
+        self.windows.append(window)
+        if window < self.interval // 2:
+            self.seen.append((engine.trained, "skipped", None))
+            assert target is None
+            return target
+        policy = ReplanPolicy.of_running_job(engine.trained, engine.steps, self.interval, 0.05, allow_train_resize=True)
+        own = self.own.decide(engine.trained, before, engine.observation(window), policy)
+        expected = own.target.candidate if own.change else None
+        assert target == expected
+        self.seen.append((engine.trained, "undo" if own.undo else "change" if own.change else "kept", expected))
+        if expected is not None:
+            self.switch_done_s = now + switch_cost_s(engine.job.inputs, before, expected)
+        return target
+
+
 def test_the_replan_predictor_decides_as_the_running_job_does() -> None:
-    """`predictor="replan"` replays the runtime's re-planner: at every decision, `planner.replan.replan` with
-    the running job's policy (`ReplanPolicy.of_running_job`) on the engine's observation; a change keeps the
-    training layout and the rollout TP (here: a job started with its training pool starved)."""
+    """`predictor="replan"` replays the runtime's re-planner: at every decision, `OnlineReplanning.decide`
+    with the running job's policy (`ReplanPolicy.of_running_job`) on the engine's observation of the steps
+    begun after the last switch was done (too few: the decision is skipped, as the runtime skips it); a
+    change keeps the training layout and the rollout TP (here: a job started with its training pool
+    starved)."""
     job = real_job(steps=30)
     options = SimOptions(steps=30, replan_interval_steps=5)
     planned = planner_allocation(job.inputs)
     start = Candidate(8, job.total_gpus - 8, planned.layout, planned.rollout_tp)  # starved training: one change
-    policy = ElasticPolicy(job.inputs, start, 5, 0.05, 50, predictor="replan")
-    seen: list[tuple[int, bool, Candidate | None]] = []
-
-    class Recording(ElasticPolicy):
-        def decide(self, engine: Engine) -> Candidate | None:
-            before = engine.alloc
-            target = policy.decide(engine)
-            if not engine.trained % 5:
-                obs = engine.observation(5)
-                own = replan(job.inputs, before, obs, ReplanPolicy.of_running_job(
-                    engine.trained, engine.steps, 5, 0.05, allow_train_resize=True))
-                seen.append((engine.trained, own.change, own.target.candidate if own.change else None))
-                assert target == (own.target.candidate if own.change else None)
-            return target
-
-    result = run_policy(job, Recording(job.inputs, start, 5, 0.05, 50), options)
-    assert [s for s, _, _ in seen] == [5, 10, 15, 20, 25]
-    assert [d["change"] for d in result.decisions] == [c for _, c, _ in seen]
-    assert any(c for _, c, _ in seen), "the case needs a change to replay"
-    for _, _, target in seen:
+    replayed = Replayed(ElasticPolicy(job.inputs, start, 5, 0.05, 50, predictor="replan"),
+                        OnlineReplanning(job.inputs), 5)
+    result = run_policy(job, replayed, options)
+    assert [s for s, _, _ in replayed.seen] == [5, 10, 15, 20, 25]
+    assert [d["change"] for d in result.decisions] == [a in ("change", "undo") for _, a, _ in replayed.seen]
+    assert "change" in [a for _, a, _ in replayed.seen], "the case needs a change to replay"
+    assert replayed.windows == [5, 4, 5, 5, 5], "the window after the switch leaves out the step it paused"
+    for _, _, target in replayed.seen:
         assert target is None or (target.layout, target.rollout_tp) == (start.layout, start.rollout_tp)
 
 

@@ -1,0 +1,140 @@
+"""The running job's re-planning across decisions: a change is judged on what the new split measured, one
+that did not deliver is undone, and growing the pool it grew is barred until the lengths move."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from planner_cases import inputs
+
+from planner.layout import TrainLayout
+from planner.plan import Candidate
+from planner.replan import Observation, ReplanPolicy
+from planner.replan_review import BAR_LIFT_SHARE, Bar, Change, OnlineReplanning, review
+from planner.search import evaluate, search
+from planner.workload import PlannerInputs
+
+POOR = Candidate(train_gpus=8, rollout_gpus=24, layout=TrainLayout(tp=1, pp=2), rollout_tp=2)
+POLICY = ReplanPolicy(min_gain=0.05, horizon_steps=200)
+
+
+def _setup() -> tuple[PlannerInputs, Candidate]:
+    inp = inputs("qwen2.5-7b", nodes=4, allocation_granularity_gpus=8, max_head_offpolicyness=1,
+                 expected_response_tokens=1024, max_new_tokens=2048, batch_size=48)
+    inp = replace(inp, rollout=replace(inp.rollout, reload_method="inplace"))
+    plan = search(inp)
+    assert plan.chosen is not None
+    return inp, plan.chosen.candidate
+
+
+def _measured(inp: PlannerInputs, candidate: Candidate, wall_factor: float = 1.0,
+              response: float | None = None) -> Observation:
+    """A window that ran as the model predicts `candidate` at `response` tokens, its steps `wall_factor`
+    times as long as predicted."""
+    tokens = response if response is not None else inp.workload.response_tokens
+    at = replace(inp, workload=replace(inp.workload, expected_response_tokens=int(tokens)))
+    ev = evaluate(at, candidate, check_thresholds=False)
+    return Observation(rollout_tokens_per_s=ev.rollout["tokens_per_s"], train_step_s=ev.train_side_s,
+                       mean_response_tokens=tokens, step_wall_s=ev.step_s * wall_factor)
+
+
+def _after_a_change() -> tuple[PlannerInputs, Candidate, OnlineReplanning]:
+    """A job started on POOR whose re-planner moved it to the planner's split at step 10."""
+    inp, chosen = _setup()
+    online = OnlineReplanning(inp)
+    moved = online.decide(10, POOR, _measured(inp, POOR), POLICY)
+    assert moved.change and moved.target.candidate == chosen, moved.reason
+    assert online.last_change is not None and online.last_change.source == POOR
+    return inp, chosen, online
+
+
+def _poor_wall(inp: PlannerInputs) -> float:
+    return float(_measured(inp, POOR).step_wall_s or 0.0)
+
+
+@pytest.mark.parametrize(("wall_of_poor", "horizon", "undo", "reason"), [
+    pytest.param(0.5, 200, False, "delivered", id="faster-than-keeping-delivered"),
+    pytest.param(1.01, 200, False, "delivered", id="inside-the-undo-margin"),
+    pytest.param(1.3, 200, True, "undo the change at step 10", id="slower-undone"),
+    pytest.param(1.3, 1, False, "costs more", id="slower-but-a-switch-back-does-not-pay"),
+])
+def test_a_change_is_judged_on_what_the_new_split_measured(wall_of_poor: float, horizon: int, undo: bool,
+                                                           reason: str) -> None:
+    inp, chosen, online = _after_a_change()
+    change = online.last_change
+    assert change is not None
+    obs = replace(_measured(inp, chosen), step_wall_s=_poor_wall(inp) * wall_of_poor)
+    verdict = review(change, obs, replace(POLICY, horizon_steps=horizon))
+    assert verdict.kept_step_s == pytest.approx(_poor_wall(inp))  # same lengths: the old split's measurement
+    assert verdict.shortfall == pytest.approx(wall_of_poor - 1.0)
+    assert verdict.undo is undo
+    assert reason in verdict.reason
+
+
+def test_the_old_split_is_expected_at_the_lengths_now_measured() -> None:
+    """Lengths grew by half since the change: the old split's measured seconds per step are scaled by its
+    calibrated model's step time at the new lengths over the old."""
+    inp, chosen, online = _after_a_change()
+    change = online.last_change
+    assert change is not None
+    longer = 1.5 * inp.workload.response_tokens
+    obs = _measured(inp, chosen, response=longer)
+    verdict = review(change, obs, POLICY)
+    scaled = [evaluate(replace(change.calibrated, workload=replace(change.calibrated.workload,
+                                                                   expected_response_tokens=int(t))),
+                       POOR, check_thresholds=False).step_s for t in (inp.workload.response_tokens, longer)]
+    assert scaled[1] > scaled[0]
+    assert verdict.kept_step_s == pytest.approx(_poor_wall(inp) * scaled[1] / scaled[0])
+
+
+def test_a_change_is_reviewed_on_the_second_window_and_undone_once() -> None:
+    inp, chosen, online = _after_a_change()
+    slower = replace(_measured(inp, chosen), step_wall_s=1.3 * _poor_wall(inp))
+    first = online.decide(20, chosen, slower, POLICY)  # the catch-up window after the pause: not judged
+    assert not first.undo and not online.reviews
+    undone = online.decide(30, chosen, slower, POLICY)
+    assert undone.change and undone.undo and undone.target.candidate == POOR, undone.reason
+    assert [b.pool for b in online.bars] == ["training"]
+    assert online.last_change is None  # an undo is not itself reviewed
+
+
+def test_growing_the_pool_again_is_barred_until_the_lengths_move() -> None:
+    inp, chosen, online = _after_a_change()
+    slower = replace(_measured(inp, chosen), step_wall_s=1.3 * _poor_wall(inp))
+    online.decide(20, chosen, slower, POLICY)
+    assert online.decide(30, chosen, slower, POLICY).undo
+    barred = online.decide(40, POOR, _measured(inp, POOR), POLICY)
+    assert not barred.change and "barred since step 30" in barred.reason
+    assert barred.target.candidate == POOR and barred.predicted_gain >= POLICY.min_gain
+    moved = inp.workload.response_tokens * (1.0 + BAR_LIFT_SHARE + 0.05)
+    lifted = online.decide(50, POOR, _measured(inp, POOR, response=moved), POLICY)
+    assert not online.bars
+    assert lifted.change and lifted.target.candidate.train_gpus > POOR.train_gpus, lifted.reason
+
+
+def test_a_change_that_was_not_carried_out_is_not_reviewed() -> None:
+    """Refused, recorded only, or overridden by an operator: the split is not the change's target."""
+    inp, chosen, online = _after_a_change()
+    other = Candidate(train_gpus=16, rollout_gpus=16, layout=chosen.layout, rollout_tp=chosen.rollout_tp)
+    online.decide(20, other, replace(_measured(inp, other), step_wall_s=10 * _poor_wall(inp)), POLICY)
+    assert not online.reviews
+
+
+@pytest.mark.parametrize(("response", "holds"), [
+    pytest.param(1000.0, True, id="same"),
+    pytest.param(1000.0 * (1 + BAR_LIFT_SHARE), True, id="at-the-edge"),
+    pytest.param(1000.0 * (1 + BAR_LIFT_SHARE) + 1, False, id="longer"),
+    pytest.param(1000.0 * (1 - BAR_LIFT_SHARE) - 1, False, id="shorter"),
+])
+def test_a_bar_holds_while_the_lengths_stay(response: float, holds: bool) -> None:
+    assert Bar("rollout", 10, 1000.0, "why").holds(response) is holds
+
+
+def test_a_change_records_what_it_is_judged_against() -> None:
+    inp, chosen, online = _after_a_change()
+    change = online.last_change
+    assert isinstance(change, Change)
+    assert (change.step, change.target, change.windows_seen) == (10, chosen, 0)
+    assert change.source_step_wall_s == pytest.approx(_poor_wall(inp))
+    assert change.source_response_tokens == inp.workload.response_tokens
