@@ -3,13 +3,14 @@ measured, one that did not deliver is undone, and the direction it moved is barr
 
 `planner.replan.replan` judges one window at a time with a calibrated cost model that sees the mean response
 length only; a change it recommends can lose (more rollout instances do not shorten a long tail). The review
-is measured, not modelled: once the new split has run a window of its own (steps run while the pools changed
-left out), its wall seconds per step are compared with what the old split would have taken at the lengths
-now measured, which is the old split's measured seconds per step scaled by the old split's calibrated model
-from the lengths then to the lengths now (the drift is the model's, the level is the measurement's). When
-the new split is slower by more than `replan_min_gain` and the difference over the steps left pays for a
-switch back, the change is undone and growing the pool it grew is barred until the mean response length has
-moved `BAR_LIFT_SHARE` from where the bar was set. An undo is not itself reviewed (no ping-pong).
+is measured, not modelled: on the new split's second window (steps run while the pools changed left out; the
+first window holds the catch-up after the switch's pause), its wall seconds per step are compared with what
+the old split would have taken at the lengths now measured, which is the old split's measured seconds per
+step scaled by the old split's calibrated model from the lengths then to the lengths now (the drift is the
+model's, the level is the measurement's). When the new split is slower by more than `UNDO_SHORTFALL_SHARE`
+of `replan_min_gain` and the difference over the steps left pays for a switch back, the change is undone and
+growing the pool it grew is barred until the mean response length has moved `BAR_LIFT_SHARE` from where the
+bar was set. An undo is not itself reviewed (no ping-pong).
 
 `libra.controller.replanner` (the runtime) and `planner.sim.policies` (its replay) both decide through
 `OnlineReplanning.decide`.
@@ -36,7 +37,7 @@ Pool = Literal["rollout", "training"]
 
 @dataclass(frozen=True)
 class Change:
-    """A change the re-planner made, kept until the new split has run a window."""
+    """A change the re-planner made, kept until the new split has run `REVIEW_WINDOW` windows."""
 
     step: int
     source: Candidate
@@ -82,10 +83,12 @@ def grown_pool(current: Candidate, target: Candidate) -> Pool | None:
     return None
 
 
+def _tokens(inputs: PlannerInputs, response_tokens: float) -> int:
+    return int(round(min(float(inputs.workload.max_new_tokens), max(1.0, response_tokens))))
+
+
 def _step_s_at(inputs: PlannerInputs, candidate: Candidate, response_tokens: float) -> float:
-    w = inputs.workload
-    tokens = int(round(min(float(w.max_new_tokens), max(1.0, response_tokens))))
-    at = replace(inputs, workload=replace(w, expected_response_tokens=tokens))
+    at = replace(inputs, workload=replace(inputs.workload, expected_response_tokens=_tokens(inputs, response_tokens)))
     return evaluate(at, candidate, check_thresholds=False).step_s
 
 
@@ -159,7 +162,9 @@ class OnlineReplanning:
             self.bars = [b for b in self.bars if b.pool != grows]
             self.bars.append(Bar(grows, step, obs.mean_response_tokens,
                                  f"growing it at step {change.step} made steps {verdict.shortfall:.1%} slower"))
-        calibrated = change.calibrated
+        # the source window's calibration at the lengths now measured (the record's predicted figures)
+        calibrated = replace(change.calibrated, workload=replace(
+            change.calibrated.workload, expected_response_tokens=_tokens(change.calibrated, obs.mean_response_tokens)))
         now = evaluate(calibrated, current, check_thresholds=False)
         back = evaluate(calibrated, change.source, check_thresholds=False)
         gain = verdict.measured_step_s / verdict.kept_step_s - 1.0 if verdict.kept_step_s > 0 else 0.0

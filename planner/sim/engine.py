@@ -623,5 +623,7 @@ class Engine:
 
     def steps_begun_since(self, time_s: float) -> int:
         """How many of the trained steps began (the step before them ended) at `time_s` or later."""
-        began = np.concatenate(([0.0], self.step_end[: max(0, self.trained - 1)]))
+        if self.trained == 0:
+            return 0
+        began = np.concatenate(([0.0], self.step_end[: self.trained - 1]))
         return int(np.count_nonzero(began >= time_s))

@@ -9,9 +9,10 @@
   long tail included, projected along their trend; each split run on them from where the job's pipeline
   stands), with hysteresis `replan_min_gain` and a switch that must pay back within `replan_horizon_steps` (or
   the steps left); a change is carried out by the reconfiguration strategy of `SimOptions`.
-  `predictor="replan"` replays the runtime's re-planner instead: `planner.replan.replan` (calibrated cost model,
-  mean response length only) with the running job's policy (`ReplanPolicy.of_running_job`) on what the runtime
-  measures (`Engine.observation`), to show what the tail changes.
+  `predictor="replan"` replays the runtime's re-planner instead: `planner.replan_review.OnlineReplanning` (its
+  review of the last change, then `planner.replan.replan`: calibrated cost model, mean response length only)
+  with the running job's policy (`ReplanPolicy.of_running_job`) on what the runtime measures
+  (`Engine.observation` of the steps begun after the last switch was done), to show what the tail changes.
 - `ehp`: the planner's initial split with elastic hybrid parallelism (`planner.sim.engine`).
 - `colocated`: every GPU both generates and trains, one after the other (time-shared, synchronous, as
   colocated RL systems run): generation on all GPUs, a switch (rollout weights and the training state moved

@@ -138,3 +138,14 @@ def test_a_change_records_what_it_is_judged_against() -> None:
     assert (change.step, change.target, change.windows_seen) == (10, chosen, 0)
     assert change.source_step_wall_s == pytest.approx(_poor_wall(inp))
     assert change.source_response_tokens == inp.workload.response_tokens
+
+
+def test_an_undo_is_priced_at_the_lengths_now_measured() -> None:
+    inp, chosen, online = _after_a_change()
+    longer = 1.5 * inp.workload.response_tokens
+    slower = replace(_measured(inp, chosen, response=longer), step_wall_s=3.0 * _poor_wall(inp))
+    online.decide(20, chosen, slower, POLICY)
+    undone = online.decide(30, chosen, slower, POLICY)
+    assert undone.undo, undone.reason
+    assert undone.calibrated.workload.expected_response_tokens == int(longer)
+    assert undone.target.candidate == POOR and undone.current.candidate == chosen

@@ -39,9 +39,9 @@ def test_tiny_synchronous_run_matches_hand_computation() -> None:
 @pytest.mark.parametrize(("window", "expected"), [
     # the run above: generation 0-1 and 3-4, training 1-2 and 4-5, each step's weights serve 1 s after it
     pytest.param(2, dict(rollout_tokens_per_s=800.0, train_step_s=1.0, rollout_idle_share=0.6, train_idle_share=0.6,
-                         weight_sync_s=1.0), id="both-steps"),
+                         weight_sync_s=1.0, step_wall_s=2.5), id="both-steps"),
     pytest.param(1, dict(rollout_tokens_per_s=800.0, train_step_s=1.0, rollout_idle_share=2 / 3,
-                         train_idle_share=2 / 3, weight_sync_s=1.0), id="last-step"),
+                         train_idle_share=2 / 3, weight_sync_s=1.0, step_wall_s=3.0), id="last-step"),
 ])
 def test_observation_is_what_the_runtime_measures(window: int, expected: dict[str, float]) -> None:
     """The re-planner's inputs over the last `window` steps, as the runtime computes them from its metric
@@ -50,6 +50,16 @@ def test_observation_is_what_the_runtime_measures(window: int, expected: dict[st
     obs = engine.observation(window)
     assert {k: getattr(obs, k) for k in expected} == pytest.approx(expected)
     assert (obs.mean_response_tokens, obs.response_tokens_per_step) == (100.0, 0.0)
+
+
+@pytest.mark.parametrize(("since", "steps"), [pytest.param(0.0, 2, id="from-the-start"),
+                                              pytest.param(2.0, 1, id="the-second-began-at-2"),
+                                              pytest.param(2.5, 0, id="none-after")])
+def test_steps_begun_since(since: float, steps: int) -> None:
+    """The run above: step 0 began at 0, step 1 when step 0 ended (2.0 s)."""
+    assert run(fixed_job(steps=2), split(fixed_job(steps=2), 2)).steps_begun_since(since) == steps
+    job = fixed_job(steps=2)
+    assert Engine(job, StaticPolicy(split(job, 2)), SimOptions(steps=2)).steps_begun_since(since) == 0
 
 
 def test_observation_of_no_step_is_empty() -> None:
