@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # the heavy modules load when the command runs, not when `lib
 
 EXIT_OK = 0
 EXIT_INVALID = 2
-POLICY_CHOICES = ("best_static", "planner_initial", "elastic", "ehp", "colocated")
+# planner.sim.policies.ALL_POLICIES, spelled out so that building the parser does not load the simulator
+POLICY_CHOICES = ("best_static", "planner_initial", "elastic", "ehp", "colocated", "online_replanning")
 STRATEGY_CHOICES = ("diff", "restart_all", "blue_green", "prewarm", "cluster_swap")
 DEFAULT_START_FRACTION = 0.1  # of max_new_tokens: mean response length at the start of the job
 DEFAULT_END_FRACTION = 0.8  # ... and at its end (before truncation at max_new_tokens)
@@ -154,10 +155,14 @@ def render(result: Comparison, console: Any, source: str) -> None:
     for name, r in result.results.items():
         if r.outcome != "completed":
             console.print(f"{name}: ended early ({r.outcome}): {r.outcome_detail}")
-    elastic = result.results.get("elastic")
-    if elastic and elastic.decisions:
-        changes = [d for d in elastic.decisions if d["change"]]
-        console.print(f"elastic: {len(elastic.decisions)} re-planning decisions, {len(changes)} changes")
+    for name in ("elastic", "online_replanning"):
+        replanned = result.results.get(name)
+        if replanned is None or not replanned.decisions:
+            continue
+        changes = [d for d in replanned.decisions if d["change"]]
+        undone = sum(1 for d in changes if d.get("undo"))
+        console.print(f"{name}: {len(replanned.decisions)} re-planning decisions, {len(changes)} changes"
+                      + (f" ({undone} of them undoing the one before)" if undone else ""))
         for d in changes[:10]:
             console.print(f"  step {d['step']}: {d['target']} ({d['reason']})")
 

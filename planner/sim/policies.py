@@ -13,6 +13,9 @@
   review of the last change, then `planner.replan.replan`: calibrated cost model, mean response length only)
   with the running job's policy (`ReplanPolicy.of_running_job`) on what the runtime measures
   (`Engine.observation` of the steps begun after the last switch was done), to show what the tail changes.
+- `online_replanning`: the planner's initial split, re-planned as Libra's runtime does it (`elastic` with
+  `predictor="replan"`); `libra simulate` runs it, the default comparison of `POLICIES` does not (the
+  simulator benchmark runs it beside as `elastic:replan_predictor`).
 - `ehp`: the planner's initial split with elastic hybrid parallelism (`planner.sim.engine`).
 - `colocated`: every GPU both generates and trains, one after the other (time-shared, synchronous, as
   colocated RL systems run): generation on all GPUs, a switch (rollout weights and the training state moved
@@ -43,6 +46,8 @@ from planner.sim.predictor import MIN_MEASURED_STEPS, fork_step_s, outlook
 from planner.workload import PlannerInputs
 
 POLICIES: tuple[str, ...] = ("best_static", "planner_initial", "elastic", "ehp", "colocated")
+ONLINE_REPLANNING = "online_replanning"  # the runtime's re-planner replayed (`ElasticPolicy(predictor="replan")`)
+ALL_POLICIES: tuple[str, ...] = (*POLICIES, ONLINE_REPLANNING)  # what `libra simulate --policy` may name
 
 
 @dataclass

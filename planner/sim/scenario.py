@@ -22,6 +22,8 @@ from planner.sim.costs import PhaseCosts, ReloadMethod, ReloadStrategy
 from planner.sim.engine import SimJob, SimOptions, SimResult
 from planner.sim.lengths import LengthModel, draw_batches
 from planner.sim.policies import (
+    ALL_POLICIES,
+    ONLINE_REPLANNING,
     POLICIES,
     ElasticPolicy,
     StaticPolicy,
@@ -108,9 +110,9 @@ class Comparison:
 
 def compare(job: SimJob, options: SimOptions, policies: Sequence[str] = POLICIES) -> Comparison:
     """Run each of `policies` on `job` (same lengths, same seed)."""
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in policies if p not in ALL_POLICIES]
     if unknown:
-        raise ValueError(f"policy: {', '.join(unknown)}: choose from {', '.join(POLICIES)}")
+        raise ValueError(f"policy: {', '.join(unknown)}: choose from {', '.join(ALL_POLICIES)}")
     start = planner_allocation(job.inputs)
     out = Comparison(job, start)
     for name in policies:
@@ -121,9 +123,10 @@ def compare(job: SimJob, options: SimOptions, policies: Sequence[str] = POLICIES
             out.results[name] = run_policy(job, StaticPolicy(start, name="planner_initial"), options)
         elif name == "ehp":
             out.results[name] = run_policy(job, StaticPolicy(start, name="ehp", ehp=True), options)
-        elif name == "elastic":
+        elif name in ("elastic", ONLINE_REPLANNING):
             policy = ElasticPolicy(job.inputs, start, options.replan_interval_steps, options.replan_min_gain,
-                                   options.replan_horizon_steps)
+                                   options.replan_horizon_steps, name=name,
+                                   predictor="tail" if name == "elastic" else "replan")
             out.results[name] = run_policy(job, policy, options)
         else:
             out.results[name] = colocated(job, start, options)

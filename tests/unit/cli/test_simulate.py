@@ -29,6 +29,22 @@ def test_simulate_prints_the_table_and_writes_json_and_picture(tmp_path, capsys)
     assert picture.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_runtimes_re_planner_is_a_policy_to_simulate(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`--policy online_replanning` replays Libra's runtime re-planner; its decisions are in the JSON."""
+    from libra.cli.cmd_simulate import POLICY_CHOICES
+    from planner.sim.policies import ALL_POLICIES
+
+    assert POLICY_CHOICES == ALL_POLICIES  # the parser's copy of the simulator's names
+    out = tmp_path / "sim.json"
+    assert main(["simulate", EXAMPLE, "--steps", "30", "--policy", "planner_initial", "--policy",
+                 "online_replanning", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "online_replanning" in printed and "re-planning decisions" in printed
+    replayed = json.loads(out.read_text())["policies"]["online_replanning"]
+    assert len(replayed["step_end_s"]) == 30
+    assert replayed["decisions"] and all("undo" in d for d in replayed["decisions"] if "mean_response_tokens" in d)
+
+
 def test_simulate_scales_the_job(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "scaled.json"
     assert main(["simulate", EXAMPLE, "--steps", "6", "--gpus", "64", "--policy", "planner_initial",

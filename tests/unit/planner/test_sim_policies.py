@@ -13,7 +13,15 @@ from planner.replan import ReplanPolicy, switch_cost_s
 from planner.replan_review import OnlineReplanning
 from planner.sim.allocation import static_splits
 from planner.sim.engine import Engine, SimOptions
-from planner.sim.policies import POLICIES, ElasticPolicy, best_static, planner_allocation, run_policy
+from planner.sim.policies import (
+    ALL_POLICIES,
+    ONLINE_REPLANNING,
+    POLICIES,
+    ElasticPolicy,
+    best_static,
+    planner_allocation,
+    run_policy,
+)
 from planner.sim.scenario import compare, nearest_smooth, scaled_inputs
 
 
@@ -117,8 +125,22 @@ def test_the_replan_predictor_decides_as_the_running_job_does() -> None:
 
 
 def test_unknown_policy_is_refused() -> None:
-    with pytest.raises(ValueError, match="policy: static_best"):
+    with pytest.raises(ValueError, match="policy: static_best: choose from .*online_replanning"):
         compare(real_job(steps=2), SimOptions(steps=2), ("static_best",))
+
+
+def test_online_replanning_is_the_runtimes_re_planner_replayed() -> None:
+    """The comparison's `online_replanning` run decides as the replay policy from the planner's split."""
+    job = real_job(steps=30)
+    options = SimOptions(steps=30, replan_interval_steps=5)
+    result = compare(job, options, ("planner_initial", ONLINE_REPLANNING))
+    assert set(result.results) == {"planner_initial", ONLINE_REPLANNING}
+    direct = run_policy(job, ElasticPolicy(job.inputs, result.start, 5, 0.05, 50, predictor="replan"), options)
+    replayed = result.results[ONLINE_REPLANNING]
+    assert replayed.policy == ONLINE_REPLANNING
+    assert replayed.decisions == direct.decisions and replayed.samples_per_s == direct.samples_per_s
+    assert [d["step"] for d in replayed.decisions] == [5, 10, 15, 20, 25]
+    assert ONLINE_REPLANNING in ALL_POLICIES and ONLINE_REPLANNING not in POLICIES
 
 
 @pytest.mark.parametrize("value, expected", [pytest.param(1024, 1152, id="1024"), pytest.param(128, 144, id="128"),
