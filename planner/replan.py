@@ -90,11 +90,8 @@ def calibrate(inputs: PlannerInputs, current: Candidate, obs: Observation, horiz
     """Inputs whose cost model reproduces the observed rates (and weight sync time, when measured) for
     `current`; the response length is the observed mean projected `projection_steps` along its trend (half
     the horizon when 0)."""
-    w = inputs.workload
     ahead = projection_steps if projection_steps > 0 else horizon_steps / 2.0
-    projected = obs.mean_response_tokens + obs.response_tokens_per_step * ahead
-    response = int(round(min(float(w.max_new_tokens), max(1.0, projected))))
-    calibrated = replace(inputs, workload=replace(w, expected_response_tokens=response))
+    calibrated = with_response_tokens(inputs, obs.mean_response_tokens + obs.response_tokens_per_step * ahead)
     if obs.weight_sync_s is not None:
         calibrated = _calibrate_weight_sync(calibrated, current, obs.weight_sync_s)
     for _ in range(CALIBRATION_ROUNDS):
@@ -109,6 +106,13 @@ def calibrate(inputs: PlannerInputs, current: Candidate, obs: Observation, horiz
         calibrated = replace(calibrated, cost=replace(cost, rollout_speed_factor=rollout_factor,
                                                       train_speed_factor=train_factor))
     return calibrated
+
+
+def with_response_tokens(inputs: PlannerInputs, tokens: float) -> PlannerInputs:
+    """`inputs` expecting responses of `tokens` tokens (rounded, at least 1, at most `max_new_tokens`)."""
+    w = inputs.workload
+    response = int(round(min(float(w.max_new_tokens), max(1.0, tokens))))
+    return replace(inputs, workload=replace(w, expected_response_tokens=response))
 
 
 def _calibrate_weight_sync(inputs: PlannerInputs, current: Candidate, measured_s: float) -> PlannerInputs:

@@ -22,7 +22,14 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from planner.plan import Candidate
-from planner.replan import Observation, ReplanDecision, ReplanPolicy, replan, switch_cost_s
+from planner.replan import (
+    Observation,
+    ReplanDecision,
+    ReplanPolicy,
+    replan,
+    switch_cost_s,
+    with_response_tokens,
+)
 from planner.search import evaluate
 from planner.workload import PlannerInputs
 
@@ -83,13 +90,8 @@ def grown_pool(current: Candidate, target: Candidate) -> Pool | None:
     return None
 
 
-def _tokens(inputs: PlannerInputs, response_tokens: float) -> int:
-    return int(round(min(float(inputs.workload.max_new_tokens), max(1.0, response_tokens))))
-
-
 def _step_s_at(inputs: PlannerInputs, candidate: Candidate, response_tokens: float) -> float:
-    at = replace(inputs, workload=replace(inputs.workload, expected_response_tokens=_tokens(inputs, response_tokens)))
-    return evaluate(at, candidate, check_thresholds=False).step_s
+    return evaluate(with_response_tokens(inputs, response_tokens), candidate, check_thresholds=False).step_s
 
 
 def review(change: Change, obs: Observation, policy: ReplanPolicy) -> Review:
@@ -163,8 +165,7 @@ class OnlineReplanning:
             self.bars.append(Bar(grows, step, obs.mean_response_tokens,
                                  f"growing it at step {change.step} made steps {verdict.shortfall:.1%} slower"))
         # the source window's calibration at the lengths now measured (the record's predicted figures)
-        calibrated = replace(change.calibrated, workload=replace(
-            change.calibrated.workload, expected_response_tokens=_tokens(change.calibrated, obs.mean_response_tokens)))
+        calibrated = with_response_tokens(change.calibrated, obs.mean_response_tokens)
         now = evaluate(calibrated, current, check_thresholds=False)
         back = evaluate(calibrated, change.source, check_thresholds=False)
         gain = verdict.measured_step_s / verdict.kept_step_s - 1.0 if verdict.kept_step_s > 0 else 0.0

@@ -44,7 +44,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--gpus", type=int, default=0,
                         help="scale the job to this many GPUs (whole nodes; the per-GPU batch is kept)")
     parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default=None,
-                        help="reconfiguration strategy of the elastic policy "
+                        help="reconfiguration strategy of the re-planning policies (elastic, online_replanning) "
                              "(default: global_resource_planner.runtime_rollout_reconfigure_strategy)")
     parser.add_argument("--reload-method", choices=("restart", "inplace"), default=None,
                         help="weight reload method (default: rollout_weight_reload_method)")
