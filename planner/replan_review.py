@@ -80,6 +80,8 @@ class Review:
     shortfall: float  # measured / kept - 1 (positive: the change made steps slower)
     undo: bool
     reason: str
+    switch_back_s: float = 0.0  # seconds a switch back would cost (0: not priced, the change delivered)
+    won_back_s: float = 0.0  # seconds a switch back would win over the steps left
 
 
 def grown_pool(current: Candidate, target: Candidate) -> Pool | None:
@@ -111,11 +113,11 @@ def review(change: Change, obs: Observation, policy: ReplanPolicy) -> Review:
         return Review(measured, kept, shortfall, False,
                       f"the change at step {change.step} made steps {shortfall:.1%} slower ({figures}), but a switch "
                       f"back ({cost:.0f} s) costs more than the {lost:.0f} s it would win back over "
-                      f"{policy.horizon_steps} steps")
+                      f"{policy.horizon_steps} steps", cost, lost)
     return Review(measured, kept, shortfall, True,
                   f"undo the change at step {change.step}: steps are {shortfall:.1%} slower, not "
                   f"{change.predicted_gain:+.1%} faster ({figures}); winning back {lost:.0f} s over "
-                  f"{policy.horizon_steps} steps for a {cost:.0f} s switch")
+                  f"{policy.horizon_steps} steps for a {cost:.0f} s switch", cost, lost)
 
 
 @dataclass
@@ -140,7 +142,7 @@ class OnlineReplanning:
                 verdict = review(change, obs, policy)
                 self.reviews.append(verdict)
                 if verdict.undo:
-                    return self._undo(step, change, verdict, current, obs, policy)
+                    return self._undo(step, change, verdict, current, obs)
         self.bars = [b for b in self.bars if b.holds(obs.mean_response_tokens)]
         decision = replan(inputs, current, obs, policy)
         if not decision.change:
@@ -157,8 +159,8 @@ class OnlineReplanning:
                                       obs.step_wall_s, obs.mean_response_tokens, decision.predicted_gain)
         return decision
 
-    def _undo(self, step: int, change: Change, verdict: Review, current: Candidate, obs: Observation,
-              policy: ReplanPolicy) -> ReplanDecision:
+    def _undo(self, step: int, change: Change, verdict: Review, current: Candidate,
+              obs: Observation) -> ReplanDecision:
         grows = grown_pool(change.source, change.target)
         if grows is not None:
             self.bars = [b for b in self.bars if b.pool != grows]
@@ -168,7 +170,5 @@ class OnlineReplanning:
         calibrated = with_response_tokens(change.calibrated, obs.mean_response_tokens)
         now = evaluate(calibrated, current, check_thresholds=False)
         back = evaluate(calibrated, change.source, check_thresholds=False)
-        gain = verdict.measured_step_s / verdict.kept_step_s - 1.0 if verdict.kept_step_s > 0 else 0.0
-        cost = switch_cost_s(calibrated, current, change.source)
-        saved = policy.horizon_steps * (verdict.measured_step_s - verdict.kept_step_s)
-        return ReplanDecision(True, verdict.reason, now, back, gain, cost, saved, calibrated, back, undo=True)
+        return ReplanDecision(True, verdict.reason, now, back, verdict.shortfall, verdict.switch_back_s,
+                              verdict.won_back_s, calibrated, back, undo=True)
