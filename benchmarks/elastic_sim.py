@@ -17,12 +17,13 @@ Evidence for the gain (`case_details[]`): the elastic policy's decisions, the se
 per-interval split of best static and elastic runs (`planner.sim.report.intervals`: split, seconds per step,
 rollout and training busy shares, also of the planner's initial split and of the runtime's re-planner), the
 runtime's re-planner replayed (`elastic:replan_predictor`: `planner.replan_review.OnlineReplanning`, which
-reviews each change on what the new split measured and undoes one that did not deliver, then calls
-`planner.replan.replan`, with the running job's policy on the window the runtime judges; its changes and
-undos in `replan_predictor_changes`), and the phase oracle: the
-job cut into 20 runs of steps, each run at the pace of the static split fastest in it, switches free
-(`gain_bound_512` / `gain_bound_4096`: the largest over the cases of that size with the example's reload
-method).
+reviews each change on what the new split measured, undoes one that did not deliver and discounts the next
+prediction for growing that pool by what the model over-predicted, then calls `planner.replan.replan`, with
+the running job's policy on the window the runtime judges; its changes and undos in
+`replan_predictor_changes`, its reviews in `replan_predictor_reviews`, the decisions that predicted a gain past
+`replan_min_gain` and were declined in `replan_predictor_declined`), and the phase oracle: the job cut into 20
+runs of steps, each run at the pace of the static split fastest in it, switches free (`gain_bound_512` /
+`gain_bound_4096`: the largest over the cases of that size with the example's reload method).
 
 Calibration: computed from benchmarks/results/elastic_gain.json when it exists, else null with the reason. The
 measured runs are replayed on their job's configuration (the document's `config`, else `--gain-config`) at the
@@ -99,7 +100,8 @@ NOT_COVERED = [
     "the lengths, so its gains are what a calibrated tail-aware planner could reach in this model, not what "
     "the runtime's re-planner reaches today (elastic:replan_predictor rows: planner.replan_review.OnlineReplanning "
     "with the running job's policy on the figures the runtime measures, each change reviewed on the new split's "
-    "second window and undone when its steps ran slower than the old split's expected)",
+    "second window and undone when its steps ran slower than the old split's expected, the next prediction for "
+    "growing that pool discounted by what the model over-predicted)",
     "sim_10k_gpus_1000_steps_s is CPU time of one process (numpy single-threaded) on the shared machine",
 ]
 
@@ -129,7 +131,8 @@ def run_case(model: str, config: str, gpus: int, steps: int | None, reload: Relo
                      "failures": r.failures, "split": r.initial})
     others = [(f"elastic:{strategy}", run_policy(job, elastic_policy(job, comparison.start, options), replace(
         options, reconfigure_strategy=strategy))) for strategy in STRATEGIES[1:]]
-    mean_only = run_policy(job, elastic_policy(job, comparison.start, options, "replan"), options)
+    replay = elastic_policy(job, comparison.start, options, "replan")
+    mean_only = run_policy(job, replay, options)
     for name, other in [*others, ("elastic:replan_predictor", mean_only)]:
         rows.append({"model": model, "gpus": gpus, "policy": name,
                      "reload": job.inputs.rollout.reload_method, "samples_per_s": round(other.samples_per_s, 3),
@@ -150,6 +153,9 @@ def run_case(model: str, config: str, gpus: int, steps: int | None, reload: Relo
                                                 for s in elastic.switches), 1),
             "gain_with_replan_predictor": round(mean_only.samples_per_s / comparison.results["best_static"].samples_per_s, 4),
             "replan_predictor_changes": [d for d in mean_only.decisions if d["change"]],
+            "replan_predictor_reviews": [r.to_dict() for r in replay.reviews],
+            "replan_predictor_declined": [d for d in mean_only.decisions
+                                          if not d["change"] and d["predicted_gain"] >= options.replan_min_gain],
             "intervals": {**{name: intervals(comparison.results[name], INTERVAL_STEPS)
                              for name in ("best_static", "planner_initial", "elastic")},
                           "elastic:replan_predictor": intervals(mean_only, INTERVAL_STEPS)}}
@@ -354,6 +360,7 @@ def main() -> int:
                                                     "mean_response_late", "best_static", "oracle",
                                                     "elastic_changes", "elastic_switch_pause_s",
                                                     "gain_with_replan_predictor", "replan_predictor_changes",
+                                                    "replan_predictor_reviews", "replan_predictor_declined",
                                                     "intervals")}
                                | {"model": model, "gpus": gpus, "reload": label,
                                   "sim_cpu_s": round(out["sim_cpu_s"], 2)})

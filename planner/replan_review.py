@@ -1,5 +1,6 @@
 """The running job's re-planning across decisions: each change is reviewed against what the new split
-measured, one that did not deliver is undone, and the direction it moved is barred until the lengths move.
+measured, one that did not deliver is undone, and later predictions for growing the same pool are discounted
+by what the model over-predicted.
 
 `planner.replan.replan` judges one window at a time with a calibrated cost model that sees the mean response
 length only; a change it recommends can lose (more rollout instances do not shorten a long tail). The review
@@ -8,9 +9,15 @@ first window holds the catch-up after the switch's pause), its wall seconds per 
 the old split would have taken at the lengths now measured, which is the old split's measured seconds per
 step scaled by the old split's calibrated model from the lengths then to the lengths now (the drift is the
 model's, the level is the measurement's). When the new split is slower by more than `UNDO_SHORTFALL_SHARE`
-of `replan_min_gain` and the difference over the steps left pays for a switch back, the change is undone and
-growing the pool it grew is barred until the mean response length has moved `BAR_LIFT_SHARE` from where the
-bar was set. An undo is not itself reviewed (no ping-pong).
+of `replan_min_gain` and the difference over the steps left pays for a switch back, the change is undone. An
+undo is not itself reviewed (no ping-pong).
+
+Every review also measures the model: the gain it predicted less the gain measured is its over-prediction
+for growing that pool (an `OverPrediction`; none when the change delivered what was predicted or more). A
+later change that grows the same pool is made only if its predicted gain, less that over-prediction, still
+reaches `replan_min_gain`; the next review of such a change replaces the figure. After an undo the
+over-prediction exceeds the undone change's whole predicted gain, so growing that pool again takes a
+prediction larger by that much.
 
 `libra.controller.replanner` (the runtime) and `planner.sim.policies` (its replay) both decide through
 `OnlineReplanning.decide`.
@@ -38,7 +45,6 @@ REVIEW_WINDOW = 2  # the change is judged on the target's second window: the fir
 # buffered batches and look fast)
 UNDO_SHORTFALL_SHARE = 0.5  # undo when steps are slower by more than this share of replan_min_gain: the
 # review is measured, where the hysteresis band also covers the cost model's error
-BAR_LIFT_SHARE = 0.25  # a bar holds until the mean response length moves this share from where it was set
 Pool = Literal["rollout", "training"]
 
 
@@ -57,24 +63,21 @@ class Change:
 
 
 @dataclass(frozen=True)
-class Bar:
-    """Growing `pool` is declined until the mean response length leaves `response_tokens` by BAR_LIFT_SHARE."""
+class OverPrediction:
+    """The model over-predicted the gain of the change at `step`, which grew `pool`, by `share` (its predicted
+    gain less the gain measured)."""
 
     pool: Pool
     step: int
-    response_tokens: float
-    why: str
-
-    def holds(self, mean_response_tokens: float) -> bool:
-        if self.response_tokens <= 0:
-            return False
-        return abs(mean_response_tokens / self.response_tokens - 1.0) <= BAR_LIFT_SHARE
+    share: float
 
 
 @dataclass(frozen=True)
 class Review:
     """The measured verdict on a change: the new split's seconds per step against the old split's expected."""
 
+    change_step: int  # the step the change was decided at
+    predicted_gain: float  # the samples/s gain the model predicted for it
     measured_step_s: float
     kept_step_s: float  # the old split's expected seconds per step at the lengths now measured
     shortfall: float  # measured / kept - 1 (positive: the change made steps slower)
@@ -82,6 +85,16 @@ class Review:
     reason: str
     switch_back_s: float = 0.0  # seconds a switch back would cost (0: not priced, the change delivered)
     won_back_s: float = 0.0  # seconds a switch back would win over the steps left
+
+    @property
+    def measured_gain(self) -> float:
+        """The samples/s gain the change delivered (samples per step are fixed: kept / measured - 1)."""
+        return 1.0 / (1.0 + self.shortfall) - 1.0
+
+    def to_dict(self) -> dict[str, float | int | bool]:
+        return {"change_step": self.change_step, "predicted_gain": round(self.predicted_gain, 4),
+                "measured_gain": round(self.measured_gain, 4), "measured_step_s": round(self.measured_step_s, 2),
+                "kept_step_s": round(self.kept_step_s, 2), "undo": self.undo}
 
 
 def grown_pool(current: Candidate, target: Candidate) -> Pool | None:
@@ -106,15 +119,16 @@ def review(change: Change, obs: Observation, policy: ReplanPolicy) -> Review:
     figures = (f"{change.target.label()} measured {measured:.2f} s/step; {change.source.label()} would take "
                f"{kept:.2f} s/step at a mean response of {obs.mean_response_tokens:.0f} tokens")
     if shortfall <= policy.min_gain * UNDO_SHORTFALL_SHARE:
-        return Review(measured, kept, shortfall, False, f"the change at step {change.step} delivered ({figures})")
+        return Review(change.step, change.predicted_gain, measured, kept, shortfall, False,
+                      f"the change at step {change.step} delivered ({figures})")
     cost = switch_cost_s(change.calibrated, change.target, change.source)
     lost = policy.horizon_steps * (measured - kept)
     if lost <= cost:
-        return Review(measured, kept, shortfall, False,
+        return Review(change.step, change.predicted_gain, measured, kept, shortfall, False,
                       f"the change at step {change.step} made steps {shortfall:.1%} slower ({figures}), but a switch "
                       f"back ({cost:.0f} s) costs more than the {lost:.0f} s it would win back over "
                       f"{policy.horizon_steps} steps", cost, lost)
-    return Review(measured, kept, shortfall, True,
+    return Review(change.step, change.predicted_gain, measured, kept, shortfall, True,
                   f"undo the change at step {change.step}: steps are {shortfall:.1%} slower, not "
                   f"{change.predicted_gain:+.1%} faster ({figures}); winning back {lost:.0f} s over "
                   f"{policy.horizon_steps} steps for a {cost:.0f} s switch", cost, lost)
@@ -122,12 +136,13 @@ def review(change: Change, obs: Observation, policy: ReplanPolicy) -> Review:
 
 @dataclass
 class OnlineReplanning:
-    """The re-planner's memory between decisions: the last change (to review) and the bars in force."""
+    """The re-planner's memory between decisions: the last change (to review), the reviews so far and the
+    model's over-prediction per pool grown."""
 
     inputs: PlannerInputs
     last_change: Change | None = None
-    bars: list[Bar] = field(default_factory=list)
     reviews: list[Review] = field(default_factory=list)
+    over_predictions: dict[Pool, OverPrediction] = field(default_factory=dict)
 
     def decide(self, step: int, current: Candidate, obs: Observation, policy: ReplanPolicy,
                inputs: PlannerInputs | None = None) -> ReplanDecision:
@@ -141,31 +156,38 @@ class OnlineReplanning:
             else:
                 verdict = review(change, obs, policy)
                 self.reviews.append(verdict)
+                self._measure_the_model(change, verdict)
                 if verdict.undo:
-                    return self._undo(step, change, verdict, current, obs)
-        self.bars = [b for b in self.bars if b.holds(obs.mean_response_tokens)]
+                    return self._undo(change, verdict, current, obs)
         decision = replan(inputs, current, obs, policy)
         if not decision.change:
             return decision
         grows = grown_pool(current, decision.target.candidate)
-        bar = next((b for b in self.bars if b.pool == grows), None)
-        if bar is not None:
+        over = self.over_predictions.get(grows) if grows is not None else None
+        if over is not None and decision.predicted_gain - over.share < policy.min_gain:
+            net = decision.predicted_gain - over.share
             return replace(decision, change=False, target=decision.current,
-                           reason=f"predicted gain {decision.predicted_gain:+.1%} declined: growing the {bar.pool} "
-                                  f"pool is barred since step {bar.step} ({bar.why}) until the mean response "
-                                  f"length leaves {bar.response_tokens:.0f} tokens by {BAR_LIFT_SHARE:.0%}")
+                           reason=f"predicted gain {decision.predicted_gain:+.1%} declined: the model over-predicted "
+                                  f"growing the {over.pool} pool at step {over.step} by {over.share:.1%}; less "
+                                  f"that, {net:+.1%} is inside the hysteresis band (replan_min_gain "
+                                  f"{policy.min_gain:.1%})")
         if obs.step_wall_s:
             self.last_change = Change(step, current, decision.target.candidate, decision.calibrated,
                                       obs.step_wall_s, obs.mean_response_tokens, decision.predicted_gain)
         return decision
 
-    def _undo(self, step: int, change: Change, verdict: Review, current: Candidate,
-              obs: Observation) -> ReplanDecision:
+    def _measure_the_model(self, change: Change, verdict: Review) -> None:
+        """Keep what the model over-predicted for the pool `change` grew (replacing an older figure)."""
         grows = grown_pool(change.source, change.target)
-        if grows is not None:
-            self.bars = [b for b in self.bars if b.pool != grows]
-            self.bars.append(Bar(grows, step, obs.mean_response_tokens,
-                                 f"growing it at step {change.step} made steps {verdict.shortfall:.1%} slower"))
+        if grows is None:
+            return
+        share = verdict.predicted_gain - verdict.measured_gain
+        if share > 0:
+            self.over_predictions[grows] = OverPrediction(grows, change.step, share)
+        else:
+            self.over_predictions.pop(grows, None)
+
+    def _undo(self, change: Change, verdict: Review, current: Candidate, obs: Observation) -> ReplanDecision:
         # the source window's calibration at the lengths now measured (the record's predicted figures)
         calibrated = with_response_tokens(change.calibrated, obs.mean_response_tokens)
         now = evaluate(calibrated, current, check_thresholds=False)

@@ -14,8 +14,9 @@ recorded and nothing moves).
 
 It never flaps: the planner's hysteresis band, no decision while a reconfiguration runs, a window that
 holds only steps run on the current split (right after a change there is nothing to judge yet), an undo that
-is never itself reviewed, and growing a pool barred after growing it did not deliver, until the lengths
-move. Every decision, taken or not, is a `replan_decision` event with its numbers and a `replan.decide` span.
+is never itself reviewed, and a prediction for growing a pool discounted by what the model over-predicted
+the last time a change grew it. Every decision, taken or not, is a `replan_decision` event with its numbers
+and a `replan.decide` span.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ class Replanner:
         self.events = events
         self.switch_costs_path = switch_costs_path
         self.last_decision: dict[str, Any] | None = None
-        self.online = OnlineReplanning(inputs)  # the last change, to review, and the bars in force
+        self.online = OnlineReplanning(inputs)  # the last change, to review, and the model's over-predictions
         self._rollout_switch_s: float | None = None
         # steps up to this one ran while the pools were changing: no window reaches back to them
         self._settled_after = 0

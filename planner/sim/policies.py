@@ -38,7 +38,7 @@ import numpy as np
 from planner.grp import plan
 from planner.plan import Candidate
 from planner.replan import ReplanPolicy, switch_cost_s
-from planner.replan_review import OnlineReplanning
+from planner.replan_review import OnlineReplanning, Review
 from planner.sim.allocation import static_splits
 from planner.sim.decode import instance_generation, slots
 from planner.sim.engine import Engine, SimJob, SimOptions, SimResult
@@ -92,6 +92,11 @@ class ElasticPolicy:
         if self.predictor == "replan":
             return self._replan(engine)
         return self._tail(engine)
+
+    @property
+    def reviews(self) -> list[Review]:
+        """The reviews of the changes the replayed runtime re-planner made (predictor "replan")."""
+        return self._online.reviews if self._online is not None else []
 
     def splits(self) -> list[Candidate]:
         """The splits the policy chooses from: every static split of the start layout, and the start."""

@@ -122,6 +122,7 @@ def test_the_replan_predictor_decides_as_the_running_job_does() -> None:
     assert replayed.windows == [5, 4, 5, 5, 5], "the window after the switch leaves out the step it paused"
     for _, _, target in replayed.seen:
         assert target is None or (target.layout, target.rollout_tp) == (start.layout, start.rollout_tp)
+    assert replayed.own.reviews and replayed.inner.reviews == replayed.own.reviews
 
 
 def test_unknown_policy_is_refused() -> None:
