@@ -20,14 +20,17 @@ over-prediction exceeds the undone change's whole predicted gain, so growing tha
 prediction larger by that much.
 
 `libra.controller.replanner` (the runtime) and `planner.sim.policies` (its replay) both decide through
-`OnlineReplanning.decide`.
+`OnlineReplanning.decide`. `OnlineReplanning.to_dict` / `from_dict` carry the memory across a restart of the
+controller (the change under review and the over-predictions; the reviews' history is in the event log):
+plain JSON, with the cost model calibrated for the change kept as its constants.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Literal, get_args
 
+from planner.layout import TrainLayout
 from planner.plan import Candidate
 from planner.replan import (
     Observation,
@@ -38,7 +41,7 @@ from planner.replan import (
     with_response_tokens,
 )
 from planner.search import evaluate
-from planner.workload import PlannerInputs
+from planner.workload import CostParams, PlannerInputs
 
 REVIEW_WINDOW = 2  # the change is judged on the target's second window: the first holds the catch-up after
 # the switch's pause (the rollout pool kept generating while training re-formed, so the next steps run on
@@ -187,6 +190,49 @@ class OnlineReplanning:
         else:
             self.over_predictions.pop(grows, None)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The memory a restarted controller needs, as plain JSON: the change under review (its calibrated
+        model as the cost constants and the expected response length it was calibrated at) and the
+        over-predictions."""
+        change = self.last_change
+        return {
+            "last_change": None if change is None else {
+                "step": change.step, "source": _candidate_dict(change.source),
+                "target": _candidate_dict(change.target), "cost": asdict(change.calibrated.cost),
+                "expected_response_tokens": change.calibrated.workload.expected_response_tokens,
+                "source_step_wall_s": change.source_step_wall_s,
+                "source_response_tokens": change.source_response_tokens,
+                "predicted_gain": change.predicted_gain, "windows_seen": change.windows_seen},
+            "over_predictions": {pool: {"step": o.step, "share": o.share} for pool, o in self.over_predictions.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, inputs: PlannerInputs, data: Any) -> OnlineReplanning:
+        """The memory `to_dict` wrote, on `inputs` (the job's); ValueError naming the field that is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError(f"not an object: {type(data).__name__}")
+        online = cls(inputs)
+        change = data.get("last_change")
+        if change is not None:
+            c = _object(change, "last_change")
+            calibrated = replace(inputs, cost=_cost(c.get("cost"), "last_change.cost"),
+                                 workload=replace(inputs.workload, expected_response_tokens=_number(
+                                     c, "expected_response_tokens", "last_change", int)))
+            online.last_change = Change(
+                _number(c, "step", "last_change", int), _candidate(c.get("source"), "last_change.source"),
+                _candidate(c.get("target"), "last_change.target"), calibrated,
+                _number(c, "source_step_wall_s", "last_change"), _number(c, "source_response_tokens", "last_change"),
+                _number(c, "predicted_gain", "last_change"), _number(c, "windows_seen", "last_change", int))
+        for name, over in _object(data.get("over_predictions", {}), "over_predictions").items():
+            pool = next((p for p in get_args(Pool) if p == name), None)
+            if pool is None:
+                raise ValueError(f"over_predictions: {name!r}: not a pool (rollout, training)")
+            where = f"over_predictions.{pool}"
+            o = _object(over, where)
+            online.over_predictions[pool] = OverPrediction(pool, _number(o, "step", where, int),
+                                                           _number(o, "share", where))
+        return online
+
     def _undo(self, change: Change, verdict: Review, current: Candidate, obs: Observation) -> ReplanDecision:
         # the source window's calibration at the lengths now measured (the record's predicted figures)
         calibrated = with_response_tokens(change.calibrated, obs.mean_response_tokens)
@@ -194,3 +240,42 @@ class OnlineReplanning:
         back = evaluate(calibrated, change.source, check_thresholds=False)
         return ReplanDecision(True, verdict.reason, now, back, verdict.shortfall, verdict.switch_back_s,
                               verdict.won_back_s, calibrated, back, undo=True)
+
+
+def _candidate_dict(candidate: Candidate) -> dict[str, Any]:
+    return {"train_gpus": candidate.train_gpus, "rollout_gpus": candidate.rollout_gpus,
+            "layout": asdict(candidate.layout), "rollout_tp": candidate.rollout_tp}
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: not an object: {value!r}")
+    return value
+
+
+def _number(data: dict[str, Any], key: str, where: str, kind: type = float) -> Any:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and value != int(value)):
+        raise ValueError(f"{where}.{key}: {value!r}: not {'a whole number' if kind is int else 'a number'}")
+    return kind(value)
+
+
+def _candidate(value: Any, where: str) -> Candidate:
+    c = _object(value, where)
+    layout = _object(c.get("layout"), f"{where}.layout")
+    names = {f.name for f in fields(TrainLayout)}
+    if set(layout) - names:
+        raise ValueError(f"{where}.layout: unknown fields {sorted(set(layout) - names)}")
+    degrees = {k: _number(layout, k, f"{where}.layout", int) for k in layout}
+    if any(v < 1 for v in degrees.values()):
+        raise ValueError(f"{where}.layout: {degrees}: every degree must be at least 1")
+    return Candidate(_number(c, "train_gpus", where, int), _number(c, "rollout_gpus", where, int),
+                     TrainLayout(**degrees), _number(c, "rollout_tp", where, int))
+
+
+def _cost(value: Any, where: str) -> CostParams:
+    c = _object(value, where)
+    names = {f.name for f in fields(CostParams)}
+    if set(c) != names:
+        raise ValueError(f"{where}: fields {sorted(set(c) ^ names)} differ from the cost model's")
+    return CostParams(**{k: _number(c, k, where) for k in c})

@@ -29,8 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from libra.config import Config
+from libra.controller import replan_state
 from libra.controller.events import EventLog
 from libra.controller.reconfigure import ReconfigureRefused, ReconfigureTarget
+from libra.controller.replan_state import ReplanMemory
 from libra.controller.state import DesiredState
 from libra.controller.switch_costs import SwitchCostLog, read_switch_costs
 from libra.observability.phase_trace import get_tracer
@@ -179,27 +181,54 @@ class Replanner:
 
     def __init__(self, settings: ReplanSettings, inputs: PlannerInputs, desired: Callable[[], DesiredState],
                  request: Callable[[ReconfigureTarget], DesiredState], events: EventLog,
-                 switch_costs_path: Path | None = None) -> None:
+                 switch_costs_path: Path | None = None, state_path: Path | None = None) -> None:
         self.settings = settings
         self.inputs = inputs
         self.desired = desired
         self.request = request
         self.events = events
         self.switch_costs_path = switch_costs_path
+        self.state_path = state_path
         self.last_decision: dict[str, Any] | None = None
-        self.online = OnlineReplanning(inputs)  # the last change, to review, and the model's over-predictions
-        self._rollout_switch_s: float | None = None
-        # steps up to this one ran while the pools were changing: no window reaches back to them
-        self._settled_after = 0
+        self.memory = self._recall()
         self._changing = False
         self._unsubscribe = events.subscribe(self._on_event)
+
+    @property
+    def online(self) -> OnlineReplanning:
+        """The last change, to review, and the model's over-predictions."""
+        return self.memory.online
+
+    def _recall(self) -> ReplanMemory:
+        """The memory a controller before this one left (`replan_state.json`), or a fresh one."""
+        if self.state_path is None:
+            return ReplanMemory(OnlineReplanning(self.inputs))
+        try:
+            memory = replan_state.load(self.state_path, self.inputs)
+        except ValueError as exc:
+            self.events.emit("replan_state_unreadable", f"{self.state_path}: {exc}; the re-planner starts without "
+                             "its memory (the change under review and what the model over-predicted)",
+                             path=str(self.state_path))
+            return ReplanMemory(OnlineReplanning(self.inputs))
+        if memory.online.last_change is not None or memory.online.over_predictions:
+            change = memory.online.last_change
+            self.events.emit("replan_state_restored", "the re-planner goes on from its memory: "
+                             + (f"the change at step {change.step} under review" if change else "no change under review")
+                             + f", over-predictions for {sorted(memory.online.over_predictions) or 'no pool'}",
+                             path=str(self.state_path))
+        return memory
+
+    def _remember(self) -> None:
+        if self.state_path is not None:
+            replan_state.save(self.state_path, self.memory)
 
     def close(self) -> None:
         self._unsubscribe()
 
     def _on_event(self, event: dict[str, Any]) -> None:
         if event.get("kind") == "reconfigure_done" and isinstance(event.get("seconds"), int | float):
-            self._rollout_switch_s = float(event["seconds"])
+            self.memory.rollout_switch_s = float(event["seconds"])
+            self._remember()
 
     def switch_costs(self) -> SwitchCosts:
         train_s = None
@@ -207,7 +236,7 @@ class Replanner:
             resizes = read_switch_costs(self.switch_costs_path)
             if resizes and isinstance(resizes[-1].get("switch_s"), int | float):
                 train_s = float(resizes[-1]["switch_s"])
-        return SwitchCosts(rollout_s=self._rollout_switch_s, train_s=train_s)
+        return SwitchCosts(rollout_s=self.memory.rollout_switch_s, train_s=train_s)
 
     def after_step(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
         """At the step boundary: decide when the last row's step closes an interval; the decision's record."""
@@ -216,12 +245,13 @@ class Replanner:
         step = int(rows[-1]["step"])
         changing = bool(self.desired().reconfiguring)
         if changing or self._changing:  # this step ran (partly) while the pools changed
-            self._settled_after = step
+            self.memory.settled_after = step
         self._changing = changing
         if step % self.settings.interval_steps:
             return None
         with get_tracer().span("replan.decide", step=step) as span:
-            record = self._decide(step, [r for r in rows if int(r["step"]) > self._settled_after])
+            record = self._decide(step, [r for r in rows if int(r["step"]) > self.memory.settled_after])
+            self._remember()
             span.set(**{k: record[k] for k in ("action", "gain", "current", "best") if record.get(k) is not None})
         self.last_decision = record
         self.events.emit(EVENT, record["reason"], **{k: v for k, v in record.items() if k != "reason"})
@@ -283,7 +313,7 @@ def build_replanner(cfg: Config, desired: Callable[[], DesiredState],
     from libra.planning import planner_inputs
 
     replanner = Replanner(ReplanSettings.from_config(cfg), planner_inputs(cfg), desired, request, events,
-                          SwitchCostLog.beside(events.path).path)
+                          SwitchCostLog.beside(events.path).path, replan_state.beside(events.path))
     events.emit("replan_enabled", f"re-planning every {cfg.global_resource_planner.replan_interval_steps} steps, "
                 f"replan_min_gain {cfg.global_resource_planner.replan_min_gain:.1%}")
     return replanner

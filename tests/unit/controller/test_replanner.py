@@ -15,6 +15,7 @@ import pytest
 from libra.config import load
 from libra.controller.events import EventLog
 from libra.controller.reconfigure import ReconfigureLimits, ReconfigureTarget, plan_reconfigure
+from libra.controller.replan_state import FILE_NAME as STATE_FILE
 from libra.controller.replanner import (
     EVENT,
     Replanner,
@@ -123,8 +124,14 @@ class Job:
                                         training_plan_only=plan_only)
         settings = ReplanSettings(interval_steps=interval, min_gain=min_gain, total_steps=60,
                                   reconfigure_training=training)
-        self.replanner = Replanner(settings, planner_inputs(cfg), lambda: self.desired, self.request, self.events,
-                                   tmp_path / FILE_NAME)
+        self.make = lambda: Replanner(settings, planner_inputs(cfg), lambda: self.desired, self.request,
+                                      self.events, tmp_path / FILE_NAME, tmp_path / STATE_FILE)
+        self.replanner = self.make()
+
+    def restart(self) -> None:
+        """A new controller on the same run directory: its re-planner starts from the files alone."""
+        self.replanner.close()
+        self.replanner = self.make()
 
     def request(self, target: ReconfigureTarget) -> DesiredState:
         self.requests.append(target)
@@ -140,12 +147,12 @@ class Job:
                 decisions.append(record)
         return decisions
 
-    def logged(self) -> list[dict[str, Any]]:
+    def logged(self, kind: str = EVENT) -> list[dict[str, Any]]:
         path = self.events.path
         assert path is not None
         if not path.exists():
             return []
-        return [e for e in map(json.loads, path.read_text().splitlines()) if e["kind"] == EVENT]
+        return [e for e in map(json.loads, path.read_text().splitlines()) if e["kind"] == kind]
 
 
 # generation 20 s of a 22 s step: the lone rollout instance holds the step back
@@ -250,6 +257,78 @@ def test_a_change_that_did_not_deliver_is_undone_and_not_tried_again(tmp_path: P
     assert all("over-predicted growing the rollout pool at step 3" in d["reason"] for d in decided[3:]), [
         d["reason"] for d in decided[3:]]
     assert [e.get("undo") for e in job.logged() if e["action"] == "requested"] == [None, True]
+
+
+def test_a_restarted_controller_goes_on_reviewing_its_change(tmp_path: Path) -> None:
+    """The controller is restarted after requesting the second instance and again after undoing it: the
+    change is still reviewed on its second window and undone, the over-prediction still declines growing the
+    rollout pool, and each restart says what it restored."""
+    job = Job(tmp_path)
+    slower = [row(s, instances=2, busy=25.0, interval=30.0) for s in range(4, 10)]
+    back = [row(s, busy=20.0, interval=22.0) for s in range(10, 16)]
+    rows = ROLLOUT_BOUND + slower + back
+    decided = []
+    for i in range(1, len(rows) + 1):
+        if i in (4, 10):
+            job.desired = dataclasses.replace(job.desired, reconfiguring="")
+        if i in (5, 11):
+            job.restart()
+        record = job.replanner.after_step(rows[:i])
+        if record is not None:
+            decided.append(record)
+    assert [(d["step"], d["action"], d.get("undo")) for d in decided] == [
+        (3, "requested", None), (6, "kept", None), (9, "requested", True), (12, "kept", None),
+        (15, "kept", None)], [d["reason"] for d in decided]
+    assert all("over-predicted growing the rollout pool at step 3" in d["reason"] for d in decided[3:])
+    restored = job.logged("replan_state_restored")
+    assert [("step 3 under review" in e["message"], "rollout" in e["message"]) for e in restored] == [
+        (True, False), (False, True)], [e["message"] for e in restored]
+
+
+def _set(path: str, value: Any) -> Any:
+    """A change to a memory file's JSON: `value` at the dotted `path` (None: the key removed)."""
+    def change(data: dict[str, Any]) -> dict[str, Any]:
+        *parents, key = path.split(".")
+        node = data
+        for name in parents:
+            node = node.setdefault(name, {})
+        if value is None:
+            del node[key]
+        else:
+            node[key] = value
+        return data
+    return change
+
+
+UNREADABLE = [
+    ("not JSON", None, "not JSON"),
+    ("another version", _set("version", 99), "version 99"),
+    ("a layout degree of 0", _set("online.last_change.source.layout.tp", 0), "last_change.source.layout"),
+    ("a cost constant missing", _set("online.last_change.cost.train_mfu", None), "differ from the cost model's"),
+    ("a step that is not whole", _set("online.last_change.step", 3.5), "last_change.step: 3.5"),
+    ("an unknown pool", _set("online.over_predictions.gpu", {"step": 1, "share": 0.1}), "'gpu': not a pool"),
+    ("a negative switch", _set("rollout_switch_s", -1), "rollout_switch_s: -1"),
+]
+
+
+@pytest.mark.parametrize(("change", "problem"), [c[1:] for c in UNREADABLE], ids=[c[0] for c in UNREADABLE])
+def test_an_unreadable_memory_is_reported_and_not_used(tmp_path: Path, change: Any, problem: str) -> None:
+    """A memory file damaged in one place (written by a real decision first) is reported, naming the file and
+    the field, and not used: the restarted re-planner decides afresh and writes a new one."""
+    job = Job(tmp_path)
+    job.run(ROLLOUT_BOUND)
+    state = tmp_path / STATE_FILE
+    written = json.loads(state.read_text())
+    assert written["online"]["last_change"]["step"] == 3
+    state.write_text("{" if change is None else json.dumps(change(written)))
+    job.desired = desired_state()
+    job.restart()
+    [event] = job.logged("replan_state_unreadable")
+    assert str(state) in event["message"] and problem in event["message"], event["message"]
+    assert job.replanner.online.last_change is None
+    [decision] = job.run(ROLLOUT_BOUND)
+    assert decision["action"] == "requested", decision["reason"]
+    assert json.loads(state.read_text())["online"]["last_change"]["step"] == 3
 
 
 def test_training_changes_need_runtime_reconfigure_training(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ the same pool."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -167,3 +168,32 @@ def test_an_undo_is_priced_at_the_lengths_now_measured() -> None:
     assert undone.undo, undone.reason
     assert undone.calibrated.workload.expected_response_tokens == int(longer)
     assert undone.target.candidate == POOR and undone.current.candidate == chosen
+
+
+def test_the_memory_survives_a_round_trip_through_json() -> None:
+    """What a restarted controller reads back decides as the memory it was written from: the change under
+    review (its calibrated model included) and the over-predictions."""
+    inp, chosen, online = _after_a_change()
+    online.over_predictions["rollout"] = OverPrediction("rollout", 4, 0.07)
+    copy = OnlineReplanning.from_dict(inp, json.loads(json.dumps(online.to_dict())))
+    assert copy.last_change == online.last_change and copy.over_predictions == online.over_predictions
+    slower = replace(_measured(inp, chosen), step_wall_s=1.3 * _poor_wall(inp))
+    for memory in (online, copy):
+        memory.decide(20, chosen, slower, POLICY)
+    original, restored = (m.decide(30, chosen, slower, POLICY) for m in (online, copy))
+    assert restored.undo and restored.reason == original.reason
+    assert copy.over_predictions == online.over_predictions
+
+
+@pytest.mark.parametrize(("data", "problem"), [
+    pytest.param([], "not an object", id="a-list"),
+    pytest.param({"last_change": {"step": 1}}, "last_change.cost: not an object", id="a-change-without-its-model"),
+    pytest.param({"over_predictions": {"rollout": {"step": "3", "share": 0.1}}}, "over_predictions.rollout.step",
+                 id="a-step-as-text"),
+    pytest.param({"over_predictions": {"rollout": {"step": 3, "share": True}}}, "over_predictions.rollout.share",
+                 id="a-share-as-boolean"),
+])
+def test_a_damaged_memory_names_what_is_wrong(data: object, problem: str) -> None:
+    inp, _ = _setup()
+    with pytest.raises(ValueError, match=problem):
+        OnlineReplanning.from_dict(inp, data)
