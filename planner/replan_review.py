@@ -27,6 +27,7 @@ plain JSON, with the cost model calibrated for the change kept as its constants.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
@@ -221,7 +222,8 @@ class OnlineReplanning:
             online.last_change = Change(
                 _number(c, "step", "last_change", int), _candidate(c.get("source"), "last_change.source"),
                 _candidate(c.get("target"), "last_change.target"), calibrated,
-                _number(c, "source_step_wall_s", "last_change"), _number(c, "source_response_tokens", "last_change"),
+                _number(c, "source_step_wall_s", "last_change", positive=True),
+                _number(c, "source_response_tokens", "last_change"),
                 _number(c, "predicted_gain", "last_change"), _number(c, "windows_seen", "last_change", int))
         for name, over in _object(data.get("over_predictions", {}), "over_predictions").items():
             pool = next((p for p in get_args(Pool) if p == name), None)
@@ -253,10 +255,15 @@ def _object(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _number(data: dict[str, Any], key: str, where: str, kind: type = float) -> Any:
+def _number(data: dict[str, Any], key: str, where: str, kind: type = float, positive: bool = False) -> Any:
+    """`data[key]` as a finite `kind` (float, or int: a whole number) at least 0 (above 0 with `positive`)."""
     value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and value != int(value)):
-        raise ValueError(f"{where}.{key}: {value!r}: not {'a whole number' if kind is int else 'a number'}")
+    what = "a whole number" if kind is int else "a number"
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or (
+            kind is int and value != int(value)):
+        raise ValueError(f"{where}.{key}: {value!r}: not {what}")
+    if value < 0 or (positive and value == 0):
+        raise ValueError(f"{where}.{key}: {value!r}: must be {'above' if positive else 'at least'} 0")
     return kind(value)
 
 
@@ -266,9 +273,7 @@ def _candidate(value: Any, where: str) -> Candidate:
     names = {f.name for f in fields(TrainLayout)}
     if set(layout) - names:
         raise ValueError(f"{where}.layout: unknown fields {sorted(set(layout) - names)}")
-    degrees = {k: _number(layout, k, f"{where}.layout", int) for k in layout}
-    if any(v < 1 for v in degrees.values()):
-        raise ValueError(f"{where}.layout: {degrees}: every degree must be at least 1")
+    degrees = {k: _number(layout, k, f"{where}.layout", int, positive=True) for k in layout}
     return Candidate(_number(c, "train_gpus", where, int), _number(c, "rollout_gpus", where, int),
                      TrainLayout(**degrees), _number(c, "rollout_tp", where, int))
 
@@ -278,4 +283,4 @@ def _cost(value: Any, where: str) -> CostParams:
     names = {f.name for f in fields(CostParams)}
     if set(c) != names:
         raise ValueError(f"{where}: fields {sorted(set(c) ^ names)} differ from the cost model's")
-    return CostParams(**{k: _number(c, k, where) for k in c})
+    return CostParams(**{k: _number(c, k, where, positive=k.endswith("speed_factor")) for k in c})

@@ -8,14 +8,16 @@ while the pools changed. Without it, a restarted controller would judge the chan
 it and could make again a change it had undone.
 
 A file that cannot be read is not trusted: the re-planner starts without it and says so (a
-`replan_state_unreadable` event naming the file and what is wrong); the memory only makes the re-planner more
-careful, so nothing else is stopped for it.
+`replan_state_unreadable` event naming the file and what is wrong), and the file is kept beside as
+`replan_state.json.unreadable` for a look; the memory only makes the re-planner more careful, so nothing else
+is stopped for it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,13 +68,26 @@ def load(path: Path, inputs: PlannerInputs) -> ReplanMemory:
     if data.get("version") != VERSION:
         raise ValueError(f"version {data.get('version')!r}, this Libra reads version {VERSION}")
     switch = data.get("rollout_switch_s")
-    if switch is not None and (isinstance(switch, bool) or not isinstance(switch, int | float) or switch < 0):
+    if switch is not None and (isinstance(switch, bool) or not isinstance(switch, int | float)
+                               or not math.isfinite(switch) or switch < 0):
         raise ValueError(f"rollout_switch_s: {switch!r}: not a number of seconds")
     settled = data.get("settled_after", 0)
     if isinstance(settled, bool) or not isinstance(settled, int) or settled < 0:
         raise ValueError(f"settled_after: {settled!r}: not a step")
     online = OnlineReplanning.from_dict(inputs, data.get("online"))
     return ReplanMemory(online, None if switch is None else float(switch), settled)
+
+
+def set_aside(path: Path) -> Path | None:
+    """Move an unreadable memory file out of the way, kept for a look; where it went (None: it could not be
+    moved, or there was none)."""
+    aside = path.with_name(path.name + ".unreadable")
+    try:
+        path.replace(aside)
+    except OSError as exc:
+        log.warning("cannot set the unreadable re-planner memory %s aside: %s", path, exc)
+        return None
+    return aside
 
 
 def save(path: Path, memory: ReplanMemory) -> None:

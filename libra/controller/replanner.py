@@ -206,9 +206,11 @@ class Replanner:
         try:
             memory = replan_state.load(self.state_path, self.inputs)
         except ValueError as exc:
+            kept = replan_state.set_aside(self.state_path)
             self.events.emit("replan_state_unreadable", f"{self.state_path}: {exc}; the re-planner starts without "
-                             "its memory (the change under review and what the model over-predicted)",
-                             path=str(self.state_path))
+                             "its memory (the change under review and what the model over-predicted)"
+                             + (f"; the file is kept as {kept}" if kept else ""),
+                             path=str(self.state_path), kept_as=str(kept) if kept else None)
             return ReplanMemory(OnlineReplanning(self.inputs))
         if memory.online.last_change is not None or memory.online.over_predictions:
             change = memory.online.last_change

@@ -8,7 +8,7 @@ while the job keeps training, and the decisions after it run on the new split; t
 new split's second window may undo it (the logical GPUs are not metered here, so a second instance adds no
 compute), and nothing is requested after that. Every decision is in
 events.jsonl and, as a `replan.decide` span, in the controller's phase trace; `libra status --json` shows the
-last one.
+last one; `replan_state.json` holds the re-planner's memory as a controller launched again would read it.
 """
 
 from __future__ import annotations
@@ -150,6 +150,12 @@ def test_replanning_requests_the_spare_gpu_and_the_change_completes(workspace: d
     assert any(r["rollout_instances"] == 2 for r in rows) and all(r.get("rollout_busy_s") is not None for r in rows)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # training went on through the change
     assert len(trace_spans(run_dir, "replan.decide")) == len(made)
+    # the re-planner's memory, as a controller launched again on this run directory would read it back
+    memory = json.loads((run_dir / "replan_state.json").read_text())
+    switches = [e["seconds"] for e in events(run_dir) if e["kind"] == "reconfigure_done"]
+    assert memory["version"] == 1 and memory["rollout_switch_s"] in switches, (memory, switches)
+    if undone:  # the undone change is remembered as over-predicted, and nothing is left under review
+        assert "rollout" in memory["online"]["over_predictions"] and memory["online"]["last_change"] is None, memory
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["last_replan_decision"]["kind"] == "replan_decision"
     assert not live(server_pids(run_dir)), "a vLLM server of the job is still running"

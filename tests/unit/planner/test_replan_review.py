@@ -192,6 +192,10 @@ def test_the_memory_survives_a_round_trip_through_json() -> None:
                  id="a-step-as-text"),
     pytest.param({"over_predictions": {"rollout": {"step": 3, "share": True}}}, "over_predictions.rollout.share",
                  id="a-share-as-boolean"),
+    pytest.param({"over_predictions": {"rollout": {"step": float("inf"), "share": 0.1}}},
+                 "over_predictions.rollout.step: inf: not a whole number", id="an-infinite-step"),
+    pytest.param({"over_predictions": {"rollout": {"step": -2, "share": 0.1}}}, "step: -2: must be at least 0",
+                 id="a-negative-step"),
 ])
 def test_a_damaged_memory_names_what_is_wrong(data: object, problem: str) -> None:
     inp, _ = _setup()
