@@ -119,6 +119,9 @@ def _format(info: dict[str, Any]) -> list[str]:
         lines.append(f"last re-planning decision (step {decision.get('step')}): {decision.get('action')}"
                      + (f", predicted gain {gain:+.1%}" if isinstance(gain, int | float) else "")
                      + f": {decision.get('message', '')}")
+        memory = _replan_memory(decision)
+        if memory:
+            lines.append(f"re-planner: {memory}")
     for name, pool in (info.get("pools") or {}).items():
         members = ", ".join(f"{k} {v}" for k, v in sorted((pool.get("members") or {}).items()))
         extra = pool.get("layout") or f"{pool.get('desired_instances', '?')} instances wanted"
@@ -153,3 +156,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("\n".join(_format(info)))
     return EXIT_OK
+
+
+def _replan_memory(decision: dict[str, Any]) -> str:
+    """The re-planner's memory after `decision`, in words ("" when it holds nothing)."""
+    parts = []
+    reviewing = decision.get("reviewing_change_at")
+    if isinstance(reviewing, int):
+        parts.append(f"reviewing the change at step {reviewing}")
+    for pool, over in sorted((decision.get("over_predictions") or {}).items()):
+        if isinstance(over, dict) and isinstance(over.get("share"), int | float):
+            parts.append(f"discounts growing the {pool} pool by {over['share']:.1%} (over-predicted at step "
+                         f"{over.get('step')})")
+    return "; ".join(parts)

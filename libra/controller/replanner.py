@@ -277,7 +277,7 @@ class Replanner:
         policy = self.settings.policy(step)
         decision = self.online.decide(step, current, figures.observation(), policy, inputs)
         record |= _numbers(decision) | {"horizon_steps": policy.horizon_steps, "switch_cost_source": cost_source,
-                                        "window": figures.to_dict()}
+                                        "window": figures.to_dict()} | _memory(self.online)
         if decision.undo:
             record["undo"] = True
         if not decision.change:
@@ -286,12 +286,28 @@ class Replanner:
         try:
             after = self.request(target)
         except ReconfigureRefused as exc:
-            return record | {"action": "refused", "reason": f"{decision.reason}; the request was refused: {exc}"}
+            return record | self._not_carried_out() | {
+                "action": "refused", "reason": f"{decision.reason}; the request was refused: {exc}"}
         if not after.reconfiguring and after.reason.startswith("plan only:"):
-            return record | {"action": "plan_only", "reason": f"{decision.reason}; recorded only "
-                             f"(runtime_training_pool_plan_only): {after.reason}"}
+            return record | self._not_carried_out() | {
+                "action": "plan_only",
+                "reason": f"{decision.reason}; recorded only (runtime_training_pool_plan_only): {after.reason}"}
         return record | {"action": "requested", "reason": f"{decision.reason}; requested {target.describe()}",
                          "generation": after.generation}
+
+    def _not_carried_out(self) -> dict[str, Any]:
+        """A change that will not run is not under review (the memory, and the record's fields of it)."""
+        self.online.last_change = None
+        return _memory(self.online)
+
+
+def _memory(online: OnlineReplanning) -> dict[str, Any]:
+    """What the decision leaves for the next one: the step of the change under review (None: none) and the
+    model's over-prediction per pool (the step of the change it was measured on, the share)."""
+    change = online.last_change
+    return {"reviewing_change_at": change.step if change is not None else None,
+            "over_predictions": {pool: {"step": o.step, "share": round(o.share, 4)}
+                                 for pool, o in sorted(online.over_predictions.items())}}
 
 
 def _numbers(decision: ReplanDecision) -> dict[str, Any]:

@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 
 from libra.api.status import last_replan_decision, run_dir_fields
-from libra.cli.cmd_status import _format, collect
+from libra.cli.cmd_status import _format, _replan_memory, collect
 from libra.run_dir import RunDir
 
 KEPT = {"kind": "replan_decision", "step": 5, "action": "kept", "gain": 0.01, "message": "inside the band"}
-TAKEN = {"kind": "replan_decision", "step": 10, "action": "requested", "gain": 0.4, "message": "+40.0% samples/s"}
+TAKEN = {"kind": "replan_decision", "step": 10, "action": "requested", "gain": 0.4, "message": "+40.0% samples/s",
+         "reviewing_change_at": 10, "over_predictions": {"training": {"step": 4, "share": 0.061}}}
 OTHER = {"kind": "reconfigure_done", "generation": 2, "seconds": 12.0}
 
 CASES = [
@@ -35,5 +36,16 @@ def test_status_json_and_text_show_the_last_decision(tmp_path: Path) -> None:
     assert run_dir_fields(run)["last_replan_decision"]["step"] == 10
     info = collect(str(run.root), events=0)
     assert info["last_replan_decision"]["action"] == "requested"
+    lines = _format(info)
     assert any(line.startswith("last re-planning decision (step 10): requested, predicted gain +40.0%")
-               for line in _format(info))
+               for line in lines)
+    assert ("re-planner: reviewing the change at step 10; discounts growing the training pool by 6.1% "
+            "(over-predicted at step 4)") in lines, lines
+
+
+@pytest.mark.parametrize("decision", [
+    pytest.param(KEPT | {"reviewing_change_at": None, "over_predictions": {}}, id="nothing-remembered"),
+    pytest.param(KEPT, id="a-record-from-before-the-fields"),
+])
+def test_a_decision_without_memory_adds_no_line(decision: dict[str, Any]) -> None:
+    assert _replan_memory(decision) == ""

@@ -265,6 +265,9 @@ def test_a_change_that_did_not_deliver_is_undone_and_not_tried_again(
     assert all("over-predicted growing the rollout pool at step 3" in d["reason"] for d in decided[3:]), [
         d["reason"] for d in decided[3:]]
     assert [e.get("undo") for e in job.logged() if e["action"] == "requested"] == [None, True]
+    assert [(d["reviewing_change_at"], sorted(d["over_predictions"])) for d in decided] == [
+        (3, []), (3, []), (None, ["rollout"]), (None, ["rollout"]), (None, ["rollout"])]
+    assert decided[2]["over_predictions"]["rollout"]["step"] == 3
     events = job.logged("replan_state_restored")
     assert [("step 3 under review" in e["message"], "rollout" in e["message"]) for e in events] == restored, [
         e["message"] for e in events]
@@ -337,6 +340,7 @@ def test_plan_only_records_and_applies_nothing(tmp_path: Path) -> None:
     rows = [row(s, train_gpus=3, busy=20.0, interval=22.0) for s in (1, 2, 3)]
     [decision] = job.run(rows)
     assert decision["action"] == "plan_only", decision["reason"]
+    assert decision["reviewing_change_at"] is None and job.replanner.online.last_change is None  # not run
     assert job.desired.reconfiguring == "" and job.desired.planned_training.startswith("plan only:")
     assert (job.desired.rollout_instances, job.desired.train_gpus) == (1, 3)
 
@@ -346,6 +350,7 @@ def test_a_refused_request_is_recorded(tmp_path: Path) -> None:
     job.limits = dataclasses.replace(job.limits, enabled=False)
     [decision] = job.run(ROLLOUT_BOUND)
     assert decision["action"] == "refused" and "runtime_dynamic_reconfiguration_enabled" in decision["reason"]
+    assert decision["reviewing_change_at"] is None and job.replanner.online.last_change is None  # not run
     assert job.desired.rollout_instances == 1
 
 
