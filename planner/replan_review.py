@@ -180,6 +180,10 @@ class OnlineReplanning:
                                       obs.step_wall_s, obs.mean_response_tokens, decision.predicted_gain)
         return decision
 
+    def drop_change(self) -> None:
+        """The change just decided will not run (its request was refused, or recorded only): nothing to review."""
+        self.last_change = None
+
     def _measure_the_model(self, change: Change, verdict: Review) -> None:
         """Keep what the model over-predicted for the pool `change` grew (replacing an older figure)."""
         grows = grown_pool(change.source, change.target)
@@ -217,22 +221,22 @@ class OnlineReplanning:
         if change is not None:
             c = _object(change, "last_change")
             calibrated = replace(inputs, cost=_cost(c.get("cost"), "last_change.cost"),
-                                 workload=replace(inputs.workload, expected_response_tokens=_number(
+                                 workload=replace(inputs.workload, expected_response_tokens=number_field(
                                      c, "expected_response_tokens", "last_change", int)))
             online.last_change = Change(
-                _number(c, "step", "last_change", int), _candidate(c.get("source"), "last_change.source"),
+                number_field(c, "step", "last_change", int), _candidate(c.get("source"), "last_change.source"),
                 _candidate(c.get("target"), "last_change.target"), calibrated,
-                _number(c, "source_step_wall_s", "last_change", positive=True),
-                _number(c, "source_response_tokens", "last_change"),
-                _number(c, "predicted_gain", "last_change"), _number(c, "windows_seen", "last_change", int))
+                number_field(c, "source_step_wall_s", "last_change", positive=True),
+                number_field(c, "source_response_tokens", "last_change"),
+                number_field(c, "predicted_gain", "last_change"), number_field(c, "windows_seen", "last_change", int))
         for name, over in _object(data.get("over_predictions", {}), "over_predictions").items():
             pool = next((p for p in get_args(Pool) if p == name), None)
             if pool is None:
                 raise ValueError(f"over_predictions: {name!r}: not a pool (rollout, training)")
             where = f"over_predictions.{pool}"
             o = _object(over, where)
-            online.over_predictions[pool] = OverPrediction(pool, _number(o, "step", where, int),
-                                                           _number(o, "share", where))
+            online.over_predictions[pool] = OverPrediction(pool, number_field(o, "step", where, int),
+                                                           number_field(o, "share", where))
         return online
 
     def _undo(self, change: Change, verdict: Review, current: Candidate, obs: Observation) -> ReplanDecision:
@@ -255,15 +259,18 @@ def _object(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _number(data: dict[str, Any], key: str, where: str, kind: type = float, positive: bool = False) -> Any:
-    """`data[key]` as a finite `kind` (float, or int: a whole number) at least 0 (above 0 with `positive`)."""
+def number_field(data: dict[str, Any], key: str, where: str = "", kind: type = float,
+                 positive: bool = False) -> Any:
+    """`data[key]` as a finite `kind` (float, or int: a whole number) at least 0 (above 0 with `positive`);
+    ValueError naming `where.key` otherwise."""
     value = data.get(key)
+    name = f"{where}.{key}" if where else key
     what = "a whole number" if kind is int else "a number"
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or (
             kind is int and value != int(value)):
-        raise ValueError(f"{where}.{key}: {value!r}: not {what}")
+        raise ValueError(f"{name}: {value!r}: not {what}")
     if value < 0 or (positive and value == 0):
-        raise ValueError(f"{where}.{key}: {value!r}: must be {'above' if positive else 'at least'} 0")
+        raise ValueError(f"{name}: {value!r}: must be {'above' if positive else 'at least'} 0")
     return kind(value)
 
 
@@ -273,9 +280,9 @@ def _candidate(value: Any, where: str) -> Candidate:
     names = {f.name for f in fields(TrainLayout)}
     if set(layout) - names:
         raise ValueError(f"{where}.layout: unknown fields {sorted(set(layout) - names)}")
-    degrees = {k: _number(layout, k, f"{where}.layout", int, positive=True) for k in layout}
-    return Candidate(_number(c, "train_gpus", where, int), _number(c, "rollout_gpus", where, int),
-                     TrainLayout(**degrees), _number(c, "rollout_tp", where, int))
+    degrees = {k: number_field(layout, k, f"{where}.layout", int, positive=True) for k in layout}
+    return Candidate(number_field(c, "train_gpus", where, int), number_field(c, "rollout_gpus", where, int),
+                     TrainLayout(**degrees), number_field(c, "rollout_tp", where, int))
 
 
 def _cost(value: Any, where: str) -> CostParams:
@@ -283,4 +290,4 @@ def _cost(value: Any, where: str) -> CostParams:
     names = {f.name for f in fields(CostParams)}
     if set(c) != names:
         raise ValueError(f"{where}: fields {sorted(set(c) ^ names)} differ from the cost model's")
-    return CostParams(**{k: _number(c, k, where, positive=k.endswith("speed_factor")) for k in c})
+    return CostParams(**{k: number_field(c, k, where, positive=k.endswith("speed_factor")) for k in c})

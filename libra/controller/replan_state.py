@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from libra.run_dir import write_json_atomic
-from planner.replan_review import OnlineReplanning
+from planner.replan_review import OnlineReplanning, number_field
 from planner.workload import PlannerInputs
 
 FILE_NAME = "replan_state.json"
@@ -67,15 +66,9 @@ def load(path: Path, inputs: PlannerInputs) -> ReplanMemory:
         raise ValueError(f"not an object: {type(data).__name__}")
     if data.get("version") != VERSION:
         raise ValueError(f"version {data.get('version')!r}, this Libra reads version {VERSION}")
-    switch = data.get("rollout_switch_s")
-    if switch is not None and (isinstance(switch, bool) or not isinstance(switch, int | float)
-                               or not math.isfinite(switch) or switch < 0):
-        raise ValueError(f"rollout_switch_s: {switch!r}: not a number of seconds")
-    settled = data.get("settled_after", 0)
-    if isinstance(settled, bool) or not isinstance(settled, int) or settled < 0:
-        raise ValueError(f"settled_after: {settled!r}: not a step")
-    online = OnlineReplanning.from_dict(inputs, data.get("online"))
-    return ReplanMemory(online, None if switch is None else float(switch), settled)
+    switch = None if data.get("rollout_switch_s") is None else number_field(data, "rollout_switch_s")
+    settled = number_field(data, "settled_after", kind=int) if "settled_after" in data else 0
+    return ReplanMemory(OnlineReplanning.from_dict(inputs, data.get("online")), switch, settled)
 
 
 def set_aside(path: Path) -> Path | None:

@@ -297,7 +297,7 @@ class Replanner:
 
     def _not_carried_out(self) -> dict[str, Any]:
         """A change that will not run is not under review (the memory, and the record's fields of it)."""
-        self.online.last_change = None
+        self.online.drop_change()
         return _memory(self.online)
 
 
