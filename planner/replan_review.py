@@ -208,8 +208,12 @@ class OnlineReplanning:
                 "source_step_wall_s": change.source_step_wall_s,
                 "source_response_tokens": change.source_response_tokens,
                 "predicted_gain": change.predicted_gain, "windows_seen": change.windows_seen},
-            "over_predictions": {pool: {"step": o.step, "share": o.share} for pool, o in self.over_predictions.items()},
+            "over_predictions": self.over_predictions_dict(),
         }
+
+    def over_predictions_dict(self) -> dict[str, dict[str, float | int]]:
+        """The over-predictions as plain JSON, by pool: the step of the change each was measured on, the share."""
+        return {pool: {"step": o.step, "share": o.share} for pool, o in sorted(self.over_predictions.items())}
 
     @classmethod
     def from_dict(cls, inputs: PlannerInputs, data: Any) -> OnlineReplanning:

@@ -306,8 +306,7 @@ def _memory(online: OnlineReplanning) -> dict[str, Any]:
     model's over-prediction per pool (the step of the change it was measured on, the share)."""
     change = online.last_change
     return {"reviewing_change_at": change.step if change is not None else None,
-            "over_predictions": {pool: {"step": o.step, "share": round(o.share, 4)}
-                                 for pool, o in sorted(online.over_predictions.items())}}
+            "over_predictions": online.over_predictions_dict()}
 
 
 def _numbers(decision: ReplanDecision) -> dict[str, Any]:

@@ -42,7 +42,8 @@ def test_the_runtimes_re_planner_is_a_policy_to_simulate(tmp_path, capsys) -> No
     assert "online_replanning" in printed and "re-planning decisions" in printed
     replayed = json.loads(out.read_text())["policies"]["online_replanning"]
     assert len(replayed["step_end_s"]) == 30
-    assert replayed["decisions"] and all("undo" in d for d in replayed["decisions"] if "mean_response_tokens" in d)
+    judged = [d for d in replayed["decisions"] if "mean_response_tokens" in d]
+    assert judged and all("undo" in d for d in judged)
 
 
 def test_simulate_scales_the_job(tmp_path) -> None:  # type: ignore[no-untyped-def]
