@@ -98,6 +98,15 @@ def decisions(run_dir: Path) -> list[dict[str, Any]]:
     return [e for e in events(run_dir) if e["kind"] == "replan_decision"]
 
 
+def judged_after_the_change(run_dir: Path) -> list[dict[str, Any]]:
+    """The decisions that judged a window (not skipped) logged after the first reconfiguration was done."""
+    log = events(run_dir)
+    done = next((i for i, e in enumerate(log) if e["kind"] == "reconfigure_done"), None)
+    if done is None:
+        return []
+    return [e for e in log[done:] if e["kind"] == "replan_decision" and e["action"] != "skipped"]
+
+
 def trace_spans(run_dir: Path, name: str) -> list[str]:
     found = []
     for path in (run_dir / "traces").rglob("*.jsonl"):
@@ -113,10 +122,7 @@ def test_replanning_requests_the_spare_gpu_and_the_change_completes(workspace: d
              "a re-planning decision that requests a reconfiguration", launch)
     wait_for(lambda: any(e["kind"] == "reconfigure_done" for e in events(run_dir)), CHANGE_S,
              "the requested reconfiguration to complete", launch)
-    done_step = max(r["step"] for r in metric_rows(run_dir))
-    # a decision judged entirely on the new split (the step the change finished in is not judged)
-    wait_for(lambda: any(d["step"] > done_step + 3 and d["action"] != "skipped" for d in decisions(run_dir)),
-             300, "a decision on the new split", launch)
+    wait_for(lambda: bool(judged_after_the_change(run_dir)), 300, "a decision on the new split", launch)
     status = subprocess.run([sys.executable, "-m", "libra.cli.main", "status", str(run_dir), "--json"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     os.killpg(launch.pgid, signal.SIGINT)  # Ctrl-C: the job stops at a step boundary and cleans up
@@ -143,10 +149,16 @@ def test_replanning_requests_the_spare_gpu_and_the_change_completes(workspace: d
     started = [e for e in events(run_dir) if e["kind"] == "reconfigure_requested"]  # the decisions' requests
     assert [e["generation"] for e in started] == [d["generation"] for d in requested]
     assert started[0]["strategy"] == "diff"
-    undone_at = undone[0]["step"] if undone else float("inf")
-    after = [d for d in made if done_step + 3 < d["step"] <= undone_at and d["action"] != "skipped"]
-    assert after and all("rollout 2 GPUs (2 x tp=1)" in d["current"] for d in after), after
     rows = metric_rows(run_dir)
+    judged = judged_after_the_change(run_dir)
+    undone_at = undone[0]["step"] if undone else float("inf")
+    on_new_split = [d for d in judged if d["step"] <= undone_at]
+    assert on_new_split and all("rollout 2 GPUs (2 x tp=1)" in d["current"] for d in on_new_split), judged
+    # each is judged only on steps that ended after the change was done (the step it finished in is not judged)
+    done_ts = next(e["ts"] for e in events(run_dir) if e["kind"] == "reconfigure_done")
+    last_before_done = max(r["step"] for r in rows if r["wall_time"] < done_ts)
+    for decision in on_new_split:
+        assert decision["window"]["first_step"] > last_before_done, (decision, last_before_done)
     assert any(r["rollout_instances"] == 2 for r in rows) and all(r.get("rollout_busy_s") is not None for r in rows)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # training went on through the change
     assert len(trace_spans(run_dir, "replan.decide")) == len(made)
