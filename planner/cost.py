@@ -181,8 +181,12 @@ def rollout_costs(inputs: PlannerInputs, rollout_tp: int, instances: Any, kv_cap
         instances * rollout_tp * gpu.bf16_flops * cost.prefill_mfu * cost.rollout_speed_factor)
     generation = decode + prefill
     # a batch is complete with its longest response, assumed to reach max_new_tokens: a synchronous step waits
-    # for it; under bounded staleness it is on the weight-version chain (`step_seconds`)
-    latency = np.maximum(generation, w.max_new_tokens * decode_step_s(inputs, rollout_tp, 1) + prefill)
+    # for it; under bounded staleness it is on the weight-version chain (`step_seconds`). Its decode steps run
+    # beside the others: under bounded staleness the admission window keeps the slots full with later steps'
+    # requests, so each takes the full batch's step (more instances shorten it only through a smaller batch);
+    # a synchronous batch drains as its responses finish, down to the last one alone (the lower bound taken)
+    tail_batch = batch if w.is_async else 1
+    latency = np.maximum(generation, w.max_new_tokens * decode_step_s(inputs, rollout_tp, tail_batch) + prefill)
     if not w.is_async:
         generation = latency
     model_bytes = spec.total_params * inputs.rollout.weight_dtype_bytes

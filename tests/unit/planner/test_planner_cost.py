@@ -110,6 +110,20 @@ def test_step_time(lag: int, train: float, rollout: float, chain: float, step: f
     assert float(step_seconds(inputs(max_head_offpolicyness=lag), train, rollout, chain)) == pytest.approx(step)
 
 
+@pytest.mark.parametrize(("lag", "tail_batch"), [
+    pytest.param(1, "full", id="async: the admission window keeps the slots full beside the longest response"),
+    pytest.param(0, "alone", id="synchronous: the batch drains down to the longest response alone"),
+])
+def test_the_longest_response_decodes_beside_the_batch_it_runs_with(lag: int, tail_batch: str) -> None:
+    inp = inputs(max_new_tokens=2048, expected_response_tokens=64, max_head_offpolicyness=lag)
+    costs = rollout_costs(inp, 1, 64, kv_capacity=200)
+    batch = int(costs["batch_per_instance"])
+    assert batch > 1
+    per_token = decode_step_s(inp, 1, batch if tail_batch == "full" else 1)
+    assert float(costs["batch_latency_s"]) == pytest.approx(2048 * per_token, rel=0.01)
+    assert decode_step_s(inp, 1, batch) > decode_step_s(inp, 1, 1)  # the two cases differ
+
+
 def test_a_batch_latency_is_its_longest_response_when_that_outlasts_its_generation() -> None:
     inp = inputs(max_new_tokens=2048, expected_response_tokens=64, max_head_offpolicyness=1)
     costs = rollout_costs(inp, 1, 64, kv_capacity=200)

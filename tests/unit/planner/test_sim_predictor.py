@@ -111,19 +111,26 @@ def test_no_prediction_when_too_few_steps_are_left() -> None:
     pytest.param(4, 80, 150, 3800, id="32-gpus-150-to-3800"),
 ])
 def test_tail_aware_replanning_beats_the_mean_only_predictor(nodes: int, steps: int, start: int, end: int) -> None:
+    """From rollout instances too small for the long tail (4 x TP 2 beside 24 training GPUs: the split the
+    planner chose while it priced the longest response at a lone sequence's decode step), the tail-aware
+    predictor moves to the instances that carry the tail (2 x TP 4) and comes within 10% of the best static
+    split; the mean-only predictor, which can resize the pools but prices lengths by their mean, does worse."""
     job = real_job(steps=steps, start=start, end=end, nodes=nodes)
     options = SimOptions(steps=steps, replan_interval_steps=5, replan_horizon_steps=20)
-    begin = planner_allocation(job.inputs)
+    begin = split(job, 24, tp=4, pp=2, rollout_tp=2)
     runs = {predictor: Engine(job, ElasticPolicy(job.inputs, begin, 5, 0.05, 20, predictor=predictor), options).run()
             for predictor in ("tail", "replan")}
     static = best_static(job, begin, options)[0]
-    assert runs["tail"].samples_per_s > runs["replan"].samples_per_s
+    kept = Engine(job, StaticPolicy(begin), options).run()
+    assert runs["tail"].samples_per_s > max(runs["replan"].samples_per_s, kept.samples_per_s)
     assert runs["tail"].samples_per_s >= 0.9 * static.samples_per_s
     changes = [d for d in runs["tail"].decisions if d["change"]]
     assert len(changes) == runs["tail"].reconfigurations and all(d["predicted_gain"] >= 0.05 for d in changes)
 
 
 @pytest.mark.parametrize("nodes, start, end", [
+    pytest.param(4, 300, 3000, id="32-gpus-300-to-3000"),
+    pytest.param(4, 150, 3800, id="32-gpus-150-to-3800"),
     pytest.param(5, 200, 3500, id="40-gpus-200-to-3500"),
     pytest.param(6, 200, 3500, id="48-gpus-200-to-3500"),
     pytest.param(8, 200, 3500, id="64-gpus-200-to-3500"),
@@ -134,7 +141,9 @@ def test_the_planner_prices_the_weight_version_chain(nodes: int, start: int, end
     throughput, holds the pipeline. A planner that leaves out the chain of batch latency, training and weight
     sync picks rollout instances of TP 2, twice as many as of TP 4 and each slower on a long response, and
     the simulator runs that pick clearly slower than the best static split of its layout; it now runs within
-    5% of it."""
+    5% of it. So did a planner that priced the longest response at a lone sequence's decode step (the 32-GPU
+    jobs): under bounded staleness the admission window keeps an instance's slots full, so each of its steps
+    takes the full batch's."""
     job = real_job(steps=60, start=start, end=end, nodes=nodes)
     options = SimOptions(steps=60)
     begin = planner_allocation(job.inputs)
