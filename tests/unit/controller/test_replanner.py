@@ -268,6 +268,10 @@ def test_a_change_that_did_not_deliver_is_undone_and_not_tried_again(
     assert [(d["reviewing_change_at"], sorted(d["over_predictions"])) for d in decided] == [
         (3, []), (3, []), (None, ["rollout"]), (None, ["rollout"]), (None, ["rollout"])]
     assert decided[2]["over_predictions"]["rollout"]["step"] == 3
+    assert [d.get("review", {}).get("change_step") for d in decided] == [None, None, 3, None, None]  # the undo's
+    verdict = decided[2]["review"]
+    assert verdict["undo"] is True and verdict["measured_gain"] < 0 < verdict["predicted_gain"] == decided[0]["gain"]
+    assert undo["reason"].startswith(verdict["reason"]), (verdict, undo["reason"])
     events = job.logged("replan_state_restored")
     assert [("step 3 under review" in e["message"], "rollout" in e["message"]) for e in events] == restored, [
         e["message"] for e in events]
