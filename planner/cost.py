@@ -166,6 +166,26 @@ def decode_step_s(inputs: PlannerInputs, rollout_tp: int, batch: Any) -> Any:
     return (np.maximum(memory, compute) + comm + cost.decode_step_overhead_s) / cost.rollout_speed_factor
 
 
+def synchronous_decode_s(inputs: PlannerInputs, rollout_tp: int, instances: Any, batch: Any) -> Any:
+    """Decode seconds of one instance's share of a synchronous batch with continuous batching on `batch`
+    slots: all slots decode while requests wait (the bulk), then the batch drains as its responses finish,
+    down to the longest, assumed to reach `max_new_tokens`, alone. `planner.sim.decode`'s aggregate on the
+    planner's lengths: for T tokens on C slots the run lasts max(L, T / C + (L - r) / 2) decode steps, of which
+    T / C - r are the bulk's (r: a running response's mean residual length, taken as the mean response, as for
+    an exponential tail: the planner knows the mean only), and the drain's steps run the tokens left at their
+    average batch. More instances shorten the bulk, not the drain."""
+    w = inputs.workload
+    requests = w.samples_per_step / instances
+    longest = float(w.max_new_tokens)
+    residual = min(w.response_tokens, longest)
+    tokens = requests * w.response_tokens
+    slots = np.minimum(batch, np.maximum(requests, 1.0))
+    bulk = np.where(requests > slots, np.maximum(0.0, tokens / slots - residual), 0.0)
+    drain = np.maximum(1.0, np.maximum(longest, tokens / slots + (longest - residual) / 2.0) - bulk)
+    drain_batch = np.clip((tokens - bulk * slots) / drain, 1.0, slots)
+    return bulk * decode_step_s(inputs, rollout_tp, slots) + drain * decode_step_s(inputs, rollout_tp, drain_batch)
+
+
 def rollout_costs(inputs: PlannerInputs, rollout_tp: int, instances: Any, kv_capacity: int) -> dict[str, Any]:
     """Generation seconds per step for `instances` instances of TP `rollout_tp` (int or array)."""
     spec, w, cost, gpu = inputs.model, inputs.workload, inputs.cost, inputs.cluster.gpu
@@ -175,16 +195,18 @@ def rollout_costs(inputs: PlannerInputs, rollout_tp: int, instances: Any, kv_cap
     batch = np.maximum(batch, 1)
     step = decode_step_s(inputs, rollout_tp, batch)
     per_instance = batch / step
-    decode = w.samples_per_step * w.response_tokens / (instances * per_instance)
+    if w.is_async:  # the admission window keeps the slots full: the pool's throughput sets the pace
+        decode = w.samples_per_step * w.response_tokens / (instances * per_instance)
+    else:
+        decode = synchronous_decode_s(inputs, rollout_tp, instances, batch)
     prefill_tokens = w.batch_size * w.prompt_tokens  # the n samples of a group share the prompt (prefix cache)
     prefill = prefill_tokens * forward_flops_per_token(spec, w.prompt_tokens) / (
         instances * rollout_tp * gpu.bf16_flops * cost.prefill_mfu * cost.rollout_speed_factor)
     generation = decode + prefill
-    # a batch is complete with its longest response, assumed to reach max_new_tokens: a synchronous step waits
-    # for it; under bounded staleness it is on the weight-version chain (`step_seconds`). Its decode steps run
-    # beside the others: under bounded staleness the admission window keeps the slots full with later steps'
-    # requests, so each takes the full batch's step (more instances shorten it only through a smaller batch);
-    # a synchronous batch drains as its responses finish, down to the last one alone (the lower bound taken)
+    # a batch is complete with its longest response, assumed to reach max_new_tokens. Under bounded staleness
+    # it is on the weight-version chain (`step_seconds`), and each of its decode steps runs beside a full batch:
+    # the admission window keeps the slots full with later steps' requests (more instances shorten it only
+    # through a smaller batch). A synchronous step waits for it: its generation, drain included, lasts that long
     tail_batch = batch if w.is_async else 1
     latency = np.maximum(generation, w.max_new_tokens * decode_step_s(inputs, rollout_tp, tail_batch) + prefill)
     if not w.is_async:
@@ -196,6 +218,8 @@ def rollout_costs(inputs: PlannerInputs, rollout_tp: int, instances: Any, kv_cap
         "batch_per_instance": batch, "decode_step_s": step, "tokens_per_s": instances * per_instance,
         "generation_s": generation, "weight_sync_s": sync + 0.0 * instances,
         "batch_latency_s": latency,
+        # what a running job measures: tokens over the seconds the pool was generating (drain included)
+        "generation_tokens_per_s": w.samples_per_step * w.response_tokens / generation,
     }
 
 

@@ -99,8 +99,8 @@ def calibrate(inputs: PlannerInputs, current: Candidate, obs: Observation, horiz
         cost = calibrated.cost
         rollout_factor = cost.rollout_speed_factor
         train_factor = cost.train_speed_factor
-        if obs.rollout_tokens_per_s > 0 and ev.rollout["tokens_per_s"] > 0:
-            rollout_factor *= obs.rollout_tokens_per_s / ev.rollout["tokens_per_s"]
+        if obs.rollout_tokens_per_s > 0 and ev.rollout["generation_tokens_per_s"] > 0:
+            rollout_factor *= obs.rollout_tokens_per_s / ev.rollout["generation_tokens_per_s"]
         if obs.train_step_s > 0 and ev.train_side_s > 0:
             train_factor *= ev.train_side_s / obs.train_step_s
         calibrated = replace(calibrated, cost=replace(cost, rollout_speed_factor=rollout_factor,

@@ -64,16 +64,17 @@ def fixed_job(steps: int = 2, samples: int = 8, length: int = 100, offpolicy: in
     return SimJob(base, constant_batches(steps, samples, length), FixedCosts(base, **fixed))  # type: ignore[arg-type]
 
 
-def real_inputs(nodes: int = 4) -> PlannerInputs:
-    """Qwen2.5-7B on `nodes` x 8 H100, asynchronous (one step of policy lag), in-place reload."""
+def real_inputs(nodes: int = 4, lag: int = 1) -> PlannerInputs:
+    """Qwen2.5-7B on `nodes` x 8 H100, `lag` steps of policy lag (1: asynchronous; 0: synchronous), in-place
+    reload."""
     base = inputs("qwen2.5-7b", nodes=nodes, batch_size=96, n_samples=8, max_model_len=8192, max_new_tokens=4096,
-                  max_head_offpolicyness=1, allocation_granularity_gpus=8)
+                  max_head_offpolicyness=lag, allocation_granularity_gpus=8)
     return replace(base, rollout=replace(base.rollout, reload_method="inplace"))
 
 
 def real_job(steps: int = 30, start: float = 400, end: float = 3000, drift: bool = True, seed: int = 0,
-             nodes: int = 4) -> SimJob:
-    base = real_inputs(nodes)
+             nodes: int = 4, lag: int = 1) -> SimJob:
+    base = real_inputs(nodes, lag)
     lengths = LengthModel(start, end, base.workload.max_new_tokens, drift=drift)
     return build_job(base, lengths, steps, seed)
 

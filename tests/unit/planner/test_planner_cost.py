@@ -14,9 +14,11 @@ from planner.cost import (
     linear_params,
     rollout_costs,
     step_seconds,
+    synchronous_decode_s,
     train_costs,
 )
 from planner.layout import TrainLayout
+from planner.sim.decode import decode_steps, drain_batch
 
 
 def test_forward_flops_count_matmuls_and_causal_attention() -> None:
@@ -122,6 +124,41 @@ def test_the_longest_response_decodes_beside_the_batch_it_runs_with(lag: int, ta
     per_token = decode_step_s(inp, 1, batch if tail_batch == "full" else 1)
     assert float(costs["batch_latency_s"]) == pytest.approx(2048 * per_token, rel=0.01)
     assert decode_step_s(inp, 1, batch) > decode_step_s(inp, 1, 1)  # the two cases differ
+
+
+# (case, batch_size x n_samples per step, instances, KV slots, expected response tokens of max_new_tokens 2048)
+SYNCHRONOUS = [
+    ("more requests than slots: bulk, then the drain", 64, 2, 16, 600),
+    ("one instance, a short mean: a long drain", 64, 1, 32, 100),
+    ("every request starts at once: the longest alone", 16, 2, 64, 600),
+    ("the mean near max_new_tokens: the drain is short", 64, 2, 16, 1900),
+]
+
+
+@pytest.mark.parametrize(("samples", "instances", "slots", "mean"), [c[1:] for c in SYNCHRONOUS],
+                         ids=[c[0] for c in SYNCHRONOUS])
+def test_a_synchronous_batch_decodes_as_the_simulator_aggregates_it(
+        samples: int, instances: int, slots: int, mean: int) -> None:
+    """`synchronous_decode_s` is the simulator's per-instance aggregate (`planner.sim.decode`) on the planner's
+    lengths: the longest response at max_new_tokens, a running response's mean residual length the mean."""
+    inp = inputs(batch_size=samples // 8, n_samples=8, expected_response_tokens=mean)
+    requests, tokens = samples / instances, samples / instances * mean
+    count = min(slots, int(requests))
+    bulk, drain = decode_steps(int(requests), tokens, 2048, 2.0 * mean, count)
+    batch = drain_batch(tokens, count, bulk, drain)
+    expected = bulk * decode_step_s(inp, 1, count) + drain * decode_step_s(inp, 1, batch)
+    assert float(synchronous_decode_s(inp, 1, instances, slots)) == pytest.approx(expected, rel=1e-9)
+    full_batch_only = tokens * decode_step_s(inp, 1, count) / count  # what the model took before
+    assert float(synchronous_decode_s(inp, 1, instances, slots)) > full_batch_only
+
+
+def test_a_synchronous_generation_includes_its_drain_and_a_job_measures_the_rate_over_it() -> None:
+    inp = inputs(batch_size=8, n_samples=8, expected_response_tokens=600)
+    costs = rollout_costs(inp, 1, 2, kv_capacity=16)
+    decode = float(synchronous_decode_s(inp, 1, 2, int(costs["batch_per_instance"])))
+    assert float(costs["generation_s"]) >= decode
+    assert float(costs["generation_tokens_per_s"]) == pytest.approx(64 * 600 / float(costs["generation_s"]))
+    assert float(costs["generation_tokens_per_s"]) < float(costs["tokens_per_s"])  # the drain's slots idle
 
 
 def test_a_batch_latency_is_its_longest_response_when_that_outlasts_its_generation() -> None:

@@ -26,7 +26,7 @@ def _setup():  # type: ignore[no-untyped-def]
 def _observe_prediction(inp, candidate: Candidate, slow_rollout: float = 1.0, slow_train: float = 1.0,
                         response: float | None = None) -> Observation:  # type: ignore[no-untyped-def]
     ev = evaluate(inp, candidate, check_thresholds=False)
-    return Observation(rollout_tokens_per_s=ev.rollout["tokens_per_s"] / slow_rollout,
+    return Observation(rollout_tokens_per_s=ev.rollout["generation_tokens_per_s"] / slow_rollout,
                        train_step_s=ev.train_side_s * slow_train,
                        mean_response_tokens=response if response is not None else inp.workload.response_tokens)
 
@@ -36,7 +36,7 @@ def test_calibration_reproduces_the_observed_rates() -> None:
     obs = Observation(rollout_tokens_per_s=12345.0, train_step_s=77.0, mean_response_tokens=900.0)
     cal = calibrate(inp, chosen.candidate, obs, horizon_steps=20)
     ev = evaluate(cal, chosen.candidate, check_thresholds=False)
-    assert ev.rollout["tokens_per_s"] == pytest.approx(12345.0, rel=0.02)
+    assert ev.rollout["generation_tokens_per_s"] == pytest.approx(12345.0, rel=0.02)
     assert ev.train_side_s == pytest.approx(77.0, rel=0.02)
     assert cal.workload.expected_response_tokens == 900
 

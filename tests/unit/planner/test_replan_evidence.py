@@ -42,7 +42,7 @@ def test_a_move_the_idle_shares_contradict_is_declined() -> None:
     inp = replace(inp, rollout=replace(inp.rollout, reload_method="inplace"))
     assert search(inp).chosen is not None
     ev = evaluate(inp, CURRENT, check_thresholds=False)
-    rates = {"rollout_tokens_per_s": ev.rollout["tokens_per_s"], "train_step_s": ev.train_side_s,
+    rates = {"rollout_tokens_per_s": ev.rollout["generation_tokens_per_s"], "train_step_s": ev.train_side_s,
              "mean_response_tokens": 1024.0}
     policy = ReplanPolicy(min_gain=0.05, horizon_steps=200)
     agreeing = replan(inp, CURRENT, Observation(**rates, rollout_idle_share=0.6, train_idle_share=0.0), policy)
@@ -62,7 +62,7 @@ def _tiny_setup():  # type: ignore[no-untyped-def]
 def test_calibration_reproduces_the_measured_weight_sync(measured_s: float) -> None:
     inp = _tiny_setup()
     ev = evaluate(inp, CURRENT, check_thresholds=False)
-    obs = Observation(ev.rollout["tokens_per_s"], ev.train_side_s, 1024.0, weight_sync_s=measured_s)
+    obs = Observation(ev.rollout["generation_tokens_per_s"], ev.train_side_s, 1024.0, weight_sync_s=measured_s)
     cal = calibrate(inp, CURRENT, obs, horizon_steps=50)
     synced = evaluate(cal, CURRENT, check_thresholds=False).rollout["weight_sync_s"] * cal.workload.sync_interval
     predicted = ev.rollout["weight_sync_s"] * inp.workload.sync_interval

@@ -37,7 +37,7 @@ def _measured(inp: PlannerInputs, candidate: Candidate, wall_factor: float = 1.0
     tokens = response if response is not None else inp.workload.response_tokens
     at = replace(inp, workload=replace(inp.workload, expected_response_tokens=int(tokens)))
     ev = evaluate(at, candidate, check_thresholds=False)
-    return Observation(rollout_tokens_per_s=ev.rollout["tokens_per_s"], train_step_s=ev.train_side_s,
+    return Observation(rollout_tokens_per_s=ev.rollout["generation_tokens_per_s"], train_step_s=ev.train_side_s,
                        mean_response_tokens=tokens, step_wall_s=ev.step_s * wall_factor)
 
 

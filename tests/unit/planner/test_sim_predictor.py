@@ -128,25 +128,31 @@ def test_tail_aware_replanning_beats_the_mean_only_predictor(nodes: int, steps: 
     assert len(changes) == runs["tail"].reconfigurations and all(d["predicted_gain"] >= 0.05 for d in changes)
 
 
-@pytest.mark.parametrize("nodes, start, end", [
-    pytest.param(4, 300, 3000, id="32-gpus-300-to-3000"),
-    pytest.param(4, 150, 3800, id="32-gpus-150-to-3800"),
-    pytest.param(5, 200, 3500, id="40-gpus-200-to-3500"),
-    pytest.param(6, 200, 3500, id="48-gpus-200-to-3500"),
-    pytest.param(8, 200, 3500, id="64-gpus-200-to-3500"),
-    pytest.param(8, 300, 3000, id="64-gpus-300-to-3000"),
-])
-def test_the_planner_prices_the_weight_version_chain(nodes: int, start: int, end: int) -> None:
-    """With a lag of one step and few rollout instances the longest response, not the rollout pool's
-    throughput, holds the pipeline. A planner that leaves out the chain of batch latency, training and weight
-    sync picks rollout instances of TP 2, twice as many as of TP 4 and each slower on a long response, and
-    the simulator runs that pick clearly slower than the best static split of its layout; it now runs within
-    5% of it. So did a planner that priced the longest response at a lone sequence's decode step (the 32-GPU
-    jobs): under bounded staleness the admission window keeps an instance's slots full, so each of its steps
-    takes the full batch's."""
-    job = real_job(steps=60, start=start, end=end, nodes=nodes)
+# (lag, nodes of 8 GPUs, mean response at the start and the end, share of the best static split the pick reaches)
+PICKS = [
+    *[pytest.param(1, nodes, start, end, 0.95, id=f"async-{nodes * 8}-gpus-{start}-to-{end}")
+      for nodes, start, end in [(4, 300, 3000), (4, 150, 3800), (5, 200, 3500), (6, 200, 3500), (8, 200, 3500),
+                                (8, 300, 3000)]],
+    *[pytest.param(0, nodes, start, end, 0.97, id=f"sync-{nodes * 8}-gpus-{start}-to-{end}")
+      for nodes, start, end in [(2, 300, 3000), (2, 200, 1200), (4, 300, 3000), (4, 200, 1200), (5, 200, 1200),
+                                (8, 150, 3800)]],
+]
+
+
+@pytest.mark.parametrize("lag, nodes, start, end, within", PICKS)
+def test_the_planner_prices_the_longest_response(lag: int, nodes: int, start: int, end: int, within: float) -> None:
+    """A batch ends with its longest response, and more rollout instances do not shorten it, so a planner that
+    prices generation by the pool's throughput alone picks rollout instances of TP 2, twice as many as of TP 4
+    and each slower on a long response, which the simulator runs clearly slower than the best static split of
+    the layout. Asynchronous (a lag of one step): the chain of batch latency, training and weight sync holds
+    the pipeline, and each decode step of the longest response runs beside a full batch (the admission window
+    keeps the slots full); priced so, the pick runs within 5% of the best static split (without the chain the
+    40- to 64-GPU jobs, at a lone sequence's step the 32-GPU ones, ran clearly slower). Synchronous: after the
+    bulk the batch drains down to the longest response; priced so, the pick runs within 3% (at the full
+    batch's rate throughout, the 16- and 32-GPU jobs ran 4% to 13% slower)."""
+    job = real_job(steps=60, start=start, end=end, nodes=nodes, lag=lag)
     options = SimOptions(steps=60)
     begin = planner_allocation(job.inputs)
     picked = Engine(job, StaticPolicy(begin), options).run().samples_per_s
     best = best_static(job, begin, options)[0]
-    assert picked >= 0.95 * best.samples_per_s, (begin.label(), best.initial)
+    assert picked >= within * best.samples_per_s, (begin.label(), best.initial)
