@@ -144,14 +144,15 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str, launch: Launch | None = None) -> None:
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, launch: Launch | None = None,
+             poll_s: float = 0.5) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         if launch is not None and launch.proc.poll() is not None:
             raise AssertionError(f"launch exited ({launch.proc.returncode}) before {what}:\n{launch.output()[-4000:]}")
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 

@@ -123,10 +123,11 @@ def test_replanning_requests_the_spare_gpu_and_a_restarted_controller_reviews_th
     workspace["launches"].append(first_launch)
     wait_for(lambda: any(d["action"] == "requested" for d in decisions(run_dir)), STARTUP_S,
              "a re-planning decision that requests a reconfiguration", first_launch)
-    wait_for(lambda: any(e["kind"] == "reconfigure_done" for e in events(run_dir)), CHANGE_S,
-             "the requested reconfiguration to complete", first_launch)
     # The controller is killed once the change is done, before the new split has run the two windows its review
-    # needs: the launch again on the run directory reviews it from the re-planner's memory, not as a fresh start.
+    # needs (5 steps at least, under half a second each here, hence the close polling): the launch again on the
+    # run directory reviews it from the re-planner's memory, not as a fresh start.
+    wait_for(lambda: any(e["kind"] == "reconfigure_done" for e in events(run_dir)), CHANGE_S,
+             "the requested reconfiguration to complete", first_launch, poll_s=0.05)
     os.kill(first_launch.proc.pid, signal.SIGKILL)
     first_launch.kill_group()
     killed = len(events(run_dir))
