@@ -195,22 +195,18 @@ def rollout_costs(inputs: PlannerInputs, rollout_tp: int, instances: Any, kv_cap
     batch = np.maximum(batch, 1)
     step = decode_step_s(inputs, rollout_tp, batch)
     per_instance = batch / step
-    if w.is_async:  # the admission window keeps the slots full: the pool's throughput sets the pace
-        decode = w.samples_per_step * w.response_tokens / (instances * per_instance)
-    else:
-        decode = synchronous_decode_s(inputs, rollout_tp, instances, batch)
     prefill_tokens = w.batch_size * w.prompt_tokens  # the n samples of a group share the prompt (prefix cache)
     prefill = prefill_tokens * forward_flops_per_token(spec, w.prompt_tokens) / (
         instances * rollout_tp * gpu.bf16_flops * cost.prefill_mfu * cost.rollout_speed_factor)
-    generation = decode + prefill
-    # a batch is complete with its longest response, assumed to reach max_new_tokens. Under bounded staleness
-    # it is on the weight-version chain (`step_seconds`), and each of its decode steps runs beside a full batch:
-    # the admission window keeps the slots full with later steps' requests (more instances shorten it only
-    # through a smaller batch). A synchronous step waits for it: its generation, drain included, lasts that long
-    tail_batch = batch if w.is_async else 1
-    latency = np.maximum(generation, w.max_new_tokens * decode_step_s(inputs, rollout_tp, tail_batch) + prefill)
-    if not w.is_async:
-        generation = latency
+    # a batch is complete with its longest response, assumed to reach max_new_tokens
+    if w.is_async:
+        # the admission window keeps the slots full with later steps' requests: the pool's throughput sets the
+        # pace, and the longest response, on the weight-version chain (`step_seconds`), decodes beside a full
+        # batch (more instances shorten it only through a smaller batch)
+        generation = w.samples_per_step * w.response_tokens / (instances * per_instance) + prefill
+        latency = np.maximum(generation, w.max_new_tokens * decode_step_s(inputs, rollout_tp, batch) + prefill)
+    else:  # the step waits for the drain down to the longest response, which the generation includes
+        generation = latency = synchronous_decode_s(inputs, rollout_tp, instances, batch) + prefill
     model_bytes = spec.total_params * inputs.rollout.weight_dtype_bytes
     reload = cost.weight_reload_inplace_s if inputs.rollout.reload_method == "inplace" else cost.weight_reload_restart_s
     sync = (reload + model_bytes / (rollout_tp * gpu.inter_node_bytes_per_s * cost.comm_efficiency)) / w.sync_interval

@@ -146,6 +146,7 @@ class OnlineReplanning:
     inputs: PlannerInputs
     last_change: Change | None = None
     reviews: list[Review] = field(default_factory=list)
+    last_review: Review | None = None  # the review the last `decide` made (None: it reviewed nothing)
     over_predictions: dict[Pool, OverPrediction] = field(default_factory=dict)
 
     def decide(self, step: int, current: Candidate, obs: Observation, policy: ReplanPolicy,
@@ -153,13 +154,14 @@ class OnlineReplanning:
         """The decision for a window run on `current` only (`inputs`: this decision's inputs, e.g. with
         measured switch costs; the instance's otherwise)."""
         inputs = inputs or self.inputs
-        change, self.last_change = self.last_change, None
+        change, self.last_change, self.last_review = self.last_change, None, None
         if change is not None and change.target == current and obs.step_wall_s:
             if change.windows_seen + 1 < REVIEW_WINDOW:
                 self.last_change = replace(change, windows_seen=change.windows_seen + 1)
             else:
                 verdict = review(change, obs, policy)
                 self.reviews.append(verdict)
+                self.last_review = verdict
                 self._measure_the_model(change, verdict)
                 if verdict.undo:
                     return self._undo(change, verdict, current, obs)

@@ -276,12 +276,11 @@ class Replanner:
                              f"change, {needed} needed to judge it"}
         inputs, cost_source = self.switch_costs().apply(self.inputs)
         policy = self.settings.policy(step)
-        reviewed = len(self.online.reviews)
         decision = self.online.decide(step, current, figures.observation(), policy, inputs)
         record |= _numbers(decision) | {"horizon_steps": policy.horizon_steps, "switch_cost_source": cost_source,
                                         "window": figures.to_dict()} | _memory(self.online)
-        if len(self.online.reviews) > reviewed:  # this window reviewed the last change: the verdict, in full
-            verdict = self.online.reviews[-1]
+        verdict = self.online.last_review
+        if verdict is not None:  # this window reviewed the last change: the verdict, in full
             record["review"] = verdict.to_dict() | {"reason": verdict.reason}
         if decision.undo:
             record["undo"] = True
