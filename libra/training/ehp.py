@@ -16,9 +16,12 @@ differ, the core pool was resized, re-laid-out or restarted, or a parked worker 
 
 On metered logical GPUs a borrowed rank computes in the CPU slice of the GPU it borrows, beside the lending
 server, while attached. Parked, it holds memory and no compute (as an idle process on a GPU does), so after its
-parameter copy it leaves that slice for the host's share of the CPU, and the ping that checks it at the next
-`attach` moves it back first (no extra round trip): its idle threads (Ray's, gloo's) otherwise take the lending
-servers' CPU in the rollout phase.
+parameter copy it leaves that slice for the host's share of the CPU: its idle threads (Ray's, gloo's) otherwise
+take the lending servers' CPU in the rollout phase. The ping that checks it at the next `attach` answers from
+the host's share, and the rank moves back into the slice as the first call of the step, ahead of its
+parameter load and forward/backward (a rank runs its calls in order; the forward/backward takes the move's
+result as an argument, so a rank that could not move back never computes unmetered). A ping answered inside
+the slice would wait for the slice's quota, which the lending server spent in the rollout phase.
 
 Design. Megatron's parallel state is fixed per torch.distributed world, so borrowed replicas do not join the
 core pool's world: they are extra `TrainingWorker`s (same model, TP / PP / CP as the core pool, no
@@ -31,7 +34,8 @@ distributed optimizer, no trace) on the lent GPUs (`libra.cluster.ehp_workers`),
   core DP ranks.
 
 A step: the core ranks of DP x CP rank 0 export their parameters, which borrowed ranks of the same (TP, PP)
-shard copy (object references, never through the driver); the global batch is split in DP blocks over core
+shard copy (object references, never through the driver; after a shared step the core ranks' finish exports
+them as its second result, which parking hands to the borrowed ranks without another call); the global batch is split in DP blocks over core
 and borrowed DP ranks (`split_shares`); both pools run forward/backward at once with gradient finalization
 deferred; the borrowed gradients, units and metric sums are added on the core side and the core finalizes and
 steps (`libra.training.ehp_steps` explains why that gradient equals the fixed pool's: the loss is a sum of
@@ -143,6 +147,10 @@ class EhpSession:
         self._prefetched_for: tuple[Any, int] | None = None
         # per world: the parked ranks' calls leaving their lent GPUs' CPU slices (metered logical GPUs)
         self._left_slices: list[tuple[BorrowedWorld, list[Any]]] = []
+        # the worlds whose re-attached ranks move back into their lent GPUs' CPU slices at the next step
+        self._rejoin: list[BorrowedWorld] = []
+        # per core rank: the parameters the last shared step's finish exported (None off DP x CP rank 0)
+        self._finish_exports: list[Any] = []
         self._lock = threading.RLock()
         self.last_attach_reused = False  # the last attach re-attached a parked group (started nothing)
         self.last_stop_reason = ""  # why the last parked group was stopped
@@ -210,13 +218,8 @@ class EhpSession:
                 or pool.spec.num_gpus != self._core_gpus):
             return "the training pool was resized, re-laid-out or restarted since the replicas were parked"
         left, self._left_slices = self._left_slices, []
-        metering = pool.spec.metering
-        rejoining = {id(world) for world, _ in left}
-        try:  # every world asked at once: one round trip, not one per world (ranks that left a slice rejoin it)
-            pings = [ehp_workers.call_each(w.group, "ehp", [("shard_key_in_lent_slice", metering, holder)
-                                                            for holder in w.holders])
-                     if id(w) in rejoining else ehp_workers.call_refs(w.group, "ehp", "shard_key")
-                     for w in self.worlds]
+        try:  # every world asked at once: one round trip, not one per world
+            pings = [ehp_workers.call_refs(w.group, "ehp", "shard_key") for w in self.worlds]
             for world, refs in zip(self.worlds, pings, strict=True):
                 keys = [tuple(k) for k in ehp_workers.gather(world.group, "shard_key", refs, PING_TIMEOUT_S)]
                 if keys != world.keys:
@@ -224,7 +227,17 @@ class EhpSession:
         except Exception as exc:
             return f"a parked borrowed worker failed ({type(exc).__name__}: {exc})"
         self._report_failed_leaves(left)
+        self._rejoin = [world for world, _ in left]
         return ""
+
+    def _submit_rejoins(self, worlds: list[BorrowedWorld]) -> dict[int, list[Any]]:
+        """Metered logical GPUs: the re-attached ranks of `worlds` that left their lent GPUs' CPU slices at park
+        move back into them, as the first call of the step (not waited for here); per world (by id), one
+        reference per rank. Ranks that never left answer None."""
+        rejoin, self._rejoin = {id(w) for w in self._rejoin}, []
+        metering = self.pool.spec.metering
+        return {id(w): ehp_workers.call_each(w.group, "ehp", [("join_lent_slice", metering, h) for h in w.holders])
+                for w in worlds if id(w) in rejoin}
 
     def _leave_lent_slices(self) -> None:
         """Metered logical GPUs: each parked rank on a lent GPU leaves the lending instance's CPU slice after its
@@ -246,9 +259,10 @@ class EhpSession:
 
     def park(self) -> None:
         """After a step: keep the attached workers alive for the next `attach` of the same GPUs (the lending
-        servers stay resident beside them), and start copying the pool's new parameters into them. The core
-        ranks' export is waited for here (it is part of the step); the borrowed ranks load while the lending
-        instances serve again, so the next step does not wait for the copy (unless the weights changed)."""
+        servers stay resident beside them), and start copying the pool's new parameters into them: after a
+        shared step, those its finish exported; otherwise (parked without a step, as at prewarm) the core ranks
+        export them now, which is waited for here. The borrowed ranks load while the lending instances serve
+        again, so the next step does not wait for the copy (unless the weights changed)."""
         with self._lock:
             if self.attached:
                 self._parked = True
@@ -259,6 +273,11 @@ class EhpSession:
 
     def _prefetch_params(self) -> None:
         pool = self.pool
+        exports, self._finish_exports = self._finish_exports, []
+        if exports:  # the step's finish exported them: the loads start without another call to the core ranks
+            self._prefetched = self._load_params(self.worlds, exports)
+            self._prefetched_for = (pool.group, pool.weights_version)
+            return
         try:
             exported, self._prefetched = self._send_params(self.worlds)
             self._prefetched_for = (pool.group, pool.weights_version)
@@ -347,6 +366,8 @@ class EhpSession:
             self._core_group = None
             self._prefetched = self._prefetched_for = None
             self._left_slices = []
+            self._rejoin = []
+            self._finish_exports = []
             for world in worlds:
                 try:
                     if clean and world.group.actors and world.keys:
@@ -376,12 +397,14 @@ class EhpSession:
         timeout = pool.deadlines.deadline(EHP_STEP)  # each wait of the step; a borrowed world past it falls back
         core_refs: list[Any] = []
         finish_refs: list[Any] = []
+        self._finish_exports = []
         try:
             # Every call of the step is submitted at once and awaited later: a (synchronous) actor runs its calls
             # in the order they were submitted, so each borrowed rank loads the parameters before its forward,
             # while the core ranks already compute theirs (parked replicas had the parameters loaded at park,
             # unless the weights changed since). The core ranks' finish takes the borrowed ranks' results as
             # arguments, so it runs as soon as they exist, without a round trip through this driver.
+            rejoins = self._submit_rejoins([w for w, _ in active])  # first in each re-attached rank's queue
             prefetched = self._take_prefetched()
             if prefetched is not None:
                 loads = [prefetched[self.worlds.index(w)] for w, _ in active]
@@ -392,12 +415,17 @@ class EhpSession:
             results = []  # per active world, per rank: (summary, grads)
             for (w, (a, b)), world_loads in zip(active, loads, strict=True):
                 share = ehp_workers.share(samples[a:b])
-                results.append(ehp_workers.call_each(w.group, "ehp", [("borrowed_forward_backward", share, step, load)
-                                                                      for load in world_loads], num_returns=2))
-            finish_refs = self._submit_finish(step, core_dp, active, results)
+                moved = rejoins.get(id(w)) or [None] * len(world_loads)
+                results.append(ehp_workers.call_each(
+                    w.group, "ehp", [("borrowed_forward_backward", share, step, load, join)
+                                     for load, join in zip(world_loads, moved, strict=True)], num_returns=2))
+            finishes = self._submit_finish(step, core_dp, active, results)
+            finish_refs = [metrics for metrics, _ in finishes]
             marks = {"submit": time.perf_counter()}
-            for (w, _), refs in zip(active, loads, strict=True):  # a failed load fails the step's borrow
+            for (w, _), refs in zip(active, loads, strict=True):  # a failed load or move fails the step's borrow
                 ehp_workers.gather(w.group, "load_params", refs, timeout)
+                if id(w) in rejoins:
+                    ehp_workers.gather(w.group, "join_lent_slice", rejoins[id(w)], timeout)
             marks["params"] = time.perf_counter()
             summaries = [ehp_workers.gather(w.group, "borrowed_forward_backward", [ref for ref, _ in refs], timeout)
                          for (w, _), refs in zip(active, results, strict=True)]
@@ -411,6 +439,7 @@ class EhpSession:
         except CollectiveCallError:
             self.detach(clean=False)
             raise
+        self._finish_exports = [params for _, params in finishes]
         pool.stepped(step)
         marks["finish"] = time.perf_counter()
         pool.deadlines.completed(EHP_STEP, marks["finish"] - t0)
@@ -421,11 +450,12 @@ class EhpSession:
         return metrics
 
     def _submit_finish(self, step: int, core_dp: int, active: list[tuple[BorrowedWorld, tuple[int, int]]],
-                       results: list[list[tuple[Any, Any]]]) -> list[Any]:
+                       results: list[list[tuple[Any, Any]]]) -> list[tuple[Any, Any]]:
         """Submit every core rank's `core_finish` of `step`: the summary of every borrowed rank of the active
         worlds (so that every core rank finishes or none does: `libra.training.ehp_steps`, step 3) and, per core
         shard, the summed grads of the borrowed leaders of that shard; object references, which the ranks
-        receive as values once the borrowed ranks made them."""
+        receive as values once the borrowed ranks made them. Per core rank: (metrics, the stepped parameters it
+        exports for the next step's copy)."""
         sizes = [len(refs) for refs in results]
         summaries = [summary for refs in results for summary, _ in refs]
         per_rank: list[list[Any]] = [["core_finish", step, sizes, *summaries] for _ in self._core_keys]
@@ -434,16 +464,21 @@ class EhpSession:
             for key, (_, grads) in zip(world.keys, refs, strict=True):
                 if key[2] == 0:  # a leader: its shard's sum over the world
                     per_rank[self._core_keys.index((key[0], key[1], target_dp))].append(grads)
-        return ehp_workers.call_each(self.pool.group, "ehp", per_rank)
+        return ehp_workers.call_each(self.pool.group, "ehp", per_rank, num_returns=2)
 
     def _send_params(self, worlds: list[BorrowedWorld]) -> tuple[list[Any], list[list[Any]]]:
         """Start copying the core pool's current parameters into every rank of `worlds`, shard by shard (the
         core ranks export them, the borrowed ranks load them, never through the driver); the references of the
         exports, and per world those of the loads."""
         exported = ehp_workers.call_refs(self.pool.group, "ehp", "export_params")
+        return exported, self._load_params(worlds, exported)
+
+    def _load_params(self, worlds: list[BorrowedWorld], exported: list[Any]) -> list[list[Any]]:
+        """Start loading the core ranks' exported parameters (`exported`: per core rank, a reference to its
+        export, None off DP x CP rank 0) into every rank of `worlds`, shard by shard; per world, the loads."""
         by_shard = {(k[0], k[1]): ref for k, ref in zip(self._core_keys, exported, strict=True) if k[2] == 0}
-        return exported, [ehp_workers.call_each(world.group, "ehp", [("load_params", by_shard[(k[0], k[1])])
-                                                                  for k in world.keys]) for world in worlds]
+        return [ehp_workers.call_each(world.group, "ehp", [("load_params", by_shard[(k[0], k[1])])
+                                                          for k in world.keys]) for world in worlds]
 
     def _fall_back(self, samples: list[TrainSample], step: int, core_refs: list[Any], finish_refs: list[Any],
                    exc: CollectiveCallError) -> dict[str, float]:

@@ -173,8 +173,11 @@ def combine_summaries(world_sizes: list[int], summaries: list[dict[str, Any]]) -
     return {"units": units, "sums": sums, "loss_scale": scale}
 
 
-def core_finish(worker: TrainingWorker, step: int, world_sizes: list[int], *parts: Any) -> dict[str, float]:
-    """Add the borrowed replicas' grads, units and metric sums, finalize, step the optimizer; the metrics.
+def core_finish(worker: TrainingWorker, step: int, world_sizes: list[int],
+                *parts: Any) -> tuple[dict[str, float], ChunkTensors | None]:
+    """Add the borrowed replicas' grads, units and metric sums, finalize, step the optimizer; the metrics, and
+    (second result) the stepped parameters this rank exports for the borrowed ranks' next copy
+    (`export_params`: None off DP x CP rank 0), so that parking needs no call of its own to the core ranks.
 
     `parts`: the summaries of every borrowed rank (world by world, `world_sizes` ranks each:
     `borrowed_forward_backward`'s first result), then the borrowed gradients this rank adds (its shard), any
@@ -204,7 +207,7 @@ def core_finish(worker: TrainingWorker, step: int, world_sizes: list[int], *part
         grad_norm = worker.optimizer_step()
         worker.step = step
         timings = {**pending.timings, "combine_optimizer_s": time.perf_counter() - t0}
-        return worker.step_metrics(sums, grad_norm, **timings)
+        return worker.step_metrics(sums, grad_norm, **timings), export_params(worker)
 
 
 def _add_grads(worker: TrainingWorker, shard: ChunkTensors, scale: float) -> None:
@@ -244,8 +247,9 @@ def borrowed_forward_backward(worker: TrainingWorker, samples: list[TrainSample]
     """Forward/backward of this borrowed world's share, summed over its own DP x CP group (see module
     docstring, step 2). Returns the world's units and metric sums, the loss scale and this rank's shard, and
     (second result) the world-summed grads of this rank's shard if it is a leader (DP x CP rank 0), else None.
-    `after`: the results of the calls this one follows (the parameter load), unused: one that failed fails
-    this call before it runs, so a rank never computes on parameters it did not load."""
+    `after`: the results of the calls this one follows (the parameter load, and on metered logical GPUs the move
+    back into the lent GPU's CPU slice of a re-attached rank, or None), unused: one that failed fails this call
+    before it runs, so a rank never computes on parameters it did not load, nor outside its slice."""
     from megatron.core import parallel_state as ps
 
     with cpu_compat.device_scope():
@@ -319,8 +323,8 @@ def join_lent_slice(worker: TrainingWorker, metering: CpuMetering, holder: str) 
 
 def leave_lent_slice(worker: TrainingWorker, metering: CpuMetering, holder: str) -> None:
     """Metered logical GPUs: a parked borrowed rank (and what it started) leaves the CPU slice of the rollout
-    instance `holder` lending its GPU for the host's share of the CPU, until `shard_key_in_lent_slice` at the
-    next attach. A rank on a GPU of its own ("" holder) keeps its slice."""
+    instance `holder` lending its GPU for the host's share of the CPU, until it joins it again as the first call
+    of the next step it is re-attached to. A rank on a GPU of its own ("" holder) keeps its slice."""
     import os
 
     if not metering.enabled or not holder:
@@ -329,13 +333,6 @@ def leave_lent_slice(worker: TrainingWorker, metering: CpuMetering, holder: str)
     from libra.metering.slices import CpuSlices
 
     CpuSlices(find_cpu_cgroup(metering.cgroup_root), metering.job).leave(os.getpid())
-
-
-def shard_key_in_lent_slice(worker: TrainingWorker, metering: CpuMetering, holder: str) -> tuple[int, int, int]:
-    """The ping of a parked rank before it is re-attached: back into its lent GPU's CPU slice
-    (`join_lent_slice`), then its `shard_key`."""
-    join_lent_slice(worker, metering, holder)
-    return shard_key(worker)
 
 
 def join_holder_slice(cgroup: CpuCgroup, job: str, holder: str, pid: int) -> str:
@@ -356,7 +353,6 @@ def join_holder_slice(cgroup: CpuCgroup, job: str, holder: str, pid: int) -> str
 OPS: dict[str, Callable[..., Any]] = {
     "join_lent_slice": join_lent_slice,
     "leave_lent_slice": leave_lent_slice,
-    "shard_key_in_lent_slice": shard_key_in_lent_slice,
     "export_params": export_params,
     "core_forward_backward": core_forward_backward,
     "core_finish": core_finish,

@@ -416,11 +416,12 @@ class _RecordingMethod:
 
     def remote(self, op: str, *args: object) -> object:
         if op == "shard_key":
+            self.log.append(f"{self.rank} shard_key")
             return [0, 0, 0]
         self.log.append(f"{self.rank} {op} {args[-1] if args else ''}".strip())
         if op in self.refuse:
             return RuntimeError(f"{self.rank} {op} refused")
-        return [0, 0, 0] if op == "shard_key_in_lent_slice" else op
+        return op
 
 
 class _RecordingGroup(_Group):
@@ -437,20 +438,20 @@ class _RecordingGroup(_Group):
 
 
 LEAVES = ["w0.0 leave_lent_slice rollout-0", "w0.1 leave_lent_slice rollout-1"]
-REJOINS = ["w0.0 shard_key_in_lent_slice rollout-0", "w0.1 shard_key_in_lent_slice rollout-1"]
+PINGS = ["w0.0 shard_key", "w0.1 shard_key"]
+REJOINS = ["w0.0 join_lent_slice rollout-0", "w0.1 join_lent_slice rollout-1"]
 
 
-@pytest.mark.parametrize(("metered", "refuse", "expect_calls", "reused"), [
-    pytest.param(True, set(), LEAVES + REJOINS, True, id="metered-leaves-at-park-and-rejoins-in-the-ping"),
-    pytest.param(False, set(), [], True, id="unmetered-stays-put"),
-    pytest.param(True, {"leave_lent_slice"}, LEAVES + REJOINS, True,
+@pytest.mark.parametrize(("metered", "refuse", "expect_calls"), [
+    pytest.param(True, set(), LEAVES + PINGS + REJOINS, id="metered-leaves-at-park-and-rejoins-with-the-step"),
+    pytest.param(False, set(), PINGS, id="unmetered-stays-put"),
+    pytest.param(True, {"leave_lent_slice"}, LEAVES + PINGS + REJOINS,
                  id="a-rank-that-could-not-leave-is-still-reattached"),
-    pytest.param(True, {"shard_key_in_lent_slice"}, LEAVES + REJOINS, False,
-                 id="a-rank-that-cannot-rejoin-stops-the-parked-group"),
 ])
-def test_parked_ranks_leave_their_lent_slices_and_rejoin_them_at_attach(
-        monkeypatch: pytest.MonkeyPatch, metered: bool, refuse: set[str], expect_calls: list[str],
-        reused: bool) -> None:
+def test_parked_ranks_leave_their_lent_slices_and_rejoin_them_with_the_next_step(
+        monkeypatch: pytest.MonkeyPatch, metered: bool, refuse: set[str], expect_calls: list[str]) -> None:
+    """The attach ping answers from the host's share (a plain `shard_key`); the move back into the slice is
+    submitted with the step, once."""
     from libra.cluster import ehp_workers
     from libra.training.ehp import BorrowedWorld
 
@@ -461,10 +462,8 @@ def test_parked_ranks_leave_their_lent_slices_and_rejoin_them_at_attach(
     session = EhpSession(pool, EhpSettings(decouple_communication_domains=True))  # type: ignore[arg-type]
     gpus = [LentGpu("2", "rollout-0-pg", holder="rollout-0"), LentGpu("3", "rollout-1-pg", holder="rollout-1")]
     calls: list[str] = []
-    starts: list[str] = []
 
     def start(wanted: Sequence[LentGpu]) -> None:  # what `_start` leaves behind, without Ray: one world of 2 ranks
-        starts.append("start")
         holders = [g.holder for g in wanted]
         session.worlds = [BorrowedWorld(_RecordingGroup("w0", holders, calls, refuse), spec,  # type: ignore[arg-type]
                                         [(0, 0, 0), (0, 0, 0)], holders)]
@@ -476,15 +475,15 @@ def test_parked_ranks_leave_their_lent_slices_and_rejoin_them_at_attach(
     assert session.attach(gpus) is False
     session.park()
     assert session.parked
-    assert session.attach(gpus) is reused and session.attached
-    assert [c for c in calls if "lent_slice" in c] == expect_calls
-    assert starts == (["start"] if reused else ["start", "start"])
-    if not reused:
-        assert "shard_key_in_lent_slice refused" in session.last_stop_reason
+    assert session.attach(gpus) is True and session.attached
+    rejoins = session._submit_rejoins(session.worlds)
+    assert calls == expect_calls
+    assert list(rejoins.values()) == ([["join_lent_slice", "join_lent_slice"]] if metered else [])
+    assert session._submit_rejoins(session.worlds) == {} and calls == expect_calls  # once per re-attach
 
 
-def test_only_worlds_that_left_a_slice_rejoin_in_the_ping(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A world on GPUs of its own never left a slice, so its ping is the plain `shard_key`."""
+def test_only_worlds_that_left_a_slice_rejoin_with_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world on GPUs of its own never left a slice, so only the lent world's rank moves back."""
     from libra.cluster import ehp_workers
     from libra.training.ehp import BorrowedWorld
 
@@ -506,7 +505,101 @@ def test_only_worlds_that_left_a_slice_rejoin_in_the_ping(monkeypatch: pytest.Mo
     session.attach(gpus)
     session.park()
     assert session.attach(gpus) is True
-    assert calls == ["w0.0 leave_lent_slice rollout-0", "w0.0 shard_key_in_lent_slice rollout-0"]
+    session._submit_rejoins(session.worlds)
+    assert [c for c in calls if "slice" in c] == ["w0.0 leave_lent_slice rollout-0", "w0.0 join_lent_slice rollout-0"]
+
+
+class _Deadlines:
+    def deadline(self, kind: str) -> float:
+        return 60.0
+
+    def completed(self, kind: str, seconds: float) -> None:
+        pass
+
+
+class _CorePool(_RunningPool):
+    """A running core pool of one rank (DP 1) as a shared step sees it."""
+
+    def __init__(self, spec: TrainingPoolSpec) -> None:
+        super().__init__(spec, TrainLayout(), group=_Group("core", [(0, 0, 0)], []))
+        self.deadlines = _Deadlines()
+        self.told: list[int] = []
+
+    def stepped(self, step: int) -> None:
+        self.told.append(step)
+        self.weights_version += 1
+
+
+def _recorded_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, tuple[Any, ...]]]:
+    """Replace the worker calls of a shared step with a log: (group, op, args) per call; a call's reference is
+    "<group>.<rank>:<op>" (two of them, "/0" and "/1", for calls with two results)."""
+    from libra.cluster import ehp_workers
+
+    log: list[tuple[str, str, tuple[Any, ...]]] = []
+
+    def call_each(group: Any, method: str, per_rank: Sequence[Sequence[Any]], num_returns: int = 1) -> list[Any]:
+        refs: list[Any] = []
+        for rank, (op, *args) in enumerate(per_rank):
+            log.append((group.name, op, tuple(args)))
+            ref = f"{group.name}.{rank}:{op}"
+            refs.append(tuple(f"{ref}/{i}" for i in range(num_returns)) if num_returns > 1 else ref)
+        return refs
+
+    def gather(group: Any, method: str, refs: list[Any], timeout: float | None) -> list[Any]:
+        if method == "shard_key":
+            return [[0, 0, 0] for _ in refs]
+        if method == "borrowed_forward_backward":
+            return [{"units": 1, "timings": {}} for _ in refs]
+        return [{"loss": 0.5} for _ in refs] if method == "core_finish" else refs
+
+    monkeypatch.setattr(ehp_workers, "call_each", call_each)
+    monkeypatch.setattr(ehp_workers, "call_refs", lambda group, method, op, *args: call_each(
+        group, method, [(op, *args)] * len(group.actors)))
+    monkeypatch.setattr(ehp_workers, "gather", gather)
+    monkeypatch.setattr(ehp_workers, "share", lambda value: value)
+    monkeypatch.setattr(ehp_workers, "wait_done", lambda refs, timeout: True)
+    return log
+
+
+def test_a_reattached_step_moves_back_first_and_parking_loads_the_finishs_export(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Metered: the re-attached rank's forward/backward takes its move back into the slice as an argument (a rank
+    that could not move back never computes), and the parameters the next step copies come from the core
+    finish's second result, with no export call at park."""
+    from libra.training.ehp import BorrowedWorld
+
+    log = _recorded_calls(monkeypatch)
+    spec = replace(BASE, metering=CpuMetering(cores_per_gpu=0.5, job="j", cgroup_root=""))
+    pool = _CorePool(spec)
+    session = EhpSession(pool, EhpSettings())  # type: ignore[arg-type]
+    gpus = [LentGpu("2", "rollout-0-pg", holder="rollout-0")]
+
+    def start(wanted: Sequence[LentGpu]) -> None:
+        session.worlds = [BorrowedWorld(_Group("w0", [(0, 0, 0)], []), spec, [(0, 0, 0)], ["rollout-0"])]  # type: ignore[arg-type]
+        session.gpus = list(wanted)
+        session._layout, session._core_gpus, session._core_group = pool.layout, pool.spec.num_gpus, pool.group
+        session._core_keys = [(0, 0, 0)]
+
+    session._start = start  # type: ignore[method-assign]
+    session.attach(gpus)
+    session.park()  # parked without a step (as at prewarm): the core ranks export, the borrowed rank loads
+    assert [(g, op) for g, op, _ in log] == [("core", "export_params"), ("w0", "load_params"),
+                                             ("w0", "leave_lent_slice")]
+    assert session.attach(gpus) is True
+    assert [(g, op) for g, op, _ in log[3:]] == [("w0", "shard_key")]  # the ping: no move into the slice yet
+    del log[:]
+    metrics = session.train_step(list(range(8)), step=3)
+    assert metrics["loss"] == 0.5 and metrics["ehp_params_prefetched"] == 1.0 and pool.told == [3]
+    ops = [(g, op) for g, op, _ in log]
+    assert ops == [("w0", "join_lent_slice"), ("core", "core_forward_backward"), ("w0", "borrowed_forward_backward"),
+                   ("core", "core_finish")]
+    fb_args = log[2][2]
+    assert fb_args[-2:] == ("w0.0:load_params", "w0.0:join_lent_slice")  # the copy at park, then the move
+    del log[:]
+    session.park()
+    assert [(g, op, args) for g, op, args in log] == [
+        ("w0", "load_params", ("core.0:core_finish/1",)), ("w0", "leave_lent_slice", (spec.metering, "rollout-0"))]
+    assert session._take_prefetched() == [["w0.0:load_params"]]
 
 
 # ---- the core ranks' finish: every borrowed world's totals, and a fall-back that never steps twice -----------
