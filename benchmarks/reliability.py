@@ -47,6 +47,7 @@ Faults (`--faults` picks some):
   disk_full_mid_checkpoint    the run directory on a small tmpfs, filled while the worker writes a
                               checkpoint after step 2; once the filler is removed a new launch runs to step END
                               (benchmarks/reliability_disk.py)
+  disk_full_mid_publish       the same, filled while the worker exports a step's weights for the rollout servers
   node_loss                   on a Ray cluster of 2 nodes x 2 logical GPUs (and a head with none), a job of 1
                               training GPU and 3 rollout instances loses the node of its training rank after step
                               2 (`Cluster.remove_node`); the same launch re-plans onto the 2 GPUs left and runs
@@ -520,6 +521,8 @@ FAULTS: dict[str, Callable[[Path], dict[str, Any]]] = {
     **{name: _server_fault(name, job) for job, faults in SERVER_FAULTS.items() for name in faults},
     "disk_full_mid_checkpoint": lambda root: disk_full_mid_checkpoint(root, END_STEP, SAMPLES_PER_STEP, STARTUP_S,
                                                                       _with_checkpoint_every_step),
+    "disk_full_mid_publish": lambda root: disk_full_mid_checkpoint(root, END_STEP, SAMPLES_PER_STEP, STARTUP_S,
+                                                                   _with_checkpoint_every_step, method="export_hf"),
     "disk_full_mid_trace": lambda root: disk_full_mid_trace(root, END_STEP, SAMPLES_PER_STEP, STARTUP_S),
     "load_queue_and_status": lambda root: load_queue_and_status(root, LOAD_END_STEP, SAMPLES_PER_STEP, STARTUP_S),
     "node_loss": node_loss,

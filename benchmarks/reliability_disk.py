@@ -6,6 +6,10 @@ inside the write). The launch must stop with a line that names the path and says
 checkpoint before and its `latest` marker must stay whole; once the filler is removed, a new launch on the
 same run directory resumes from that checkpoint and runs to the last step.
 
+`disk_full_mid_publish`: the same, filled while the training worker exports a step's weights for the rollout
+servers (`export_hf`, the first one seen after step 2): the launch stops the same way, naming the weights
+folder, which is removed; the servers' weights of the step before and every complete checkpoint stay.
+
 `disk_full_mid_trace`: only the phase-trace folder of the run directory is a size-limited tmpfs, filled after
 step 2 while every rank writes its trace. Tracing is best effort: the writers drop their records with one
 warning each, and the same launch trains on to the last step with nothing lost (metrics, events and
@@ -90,8 +94,10 @@ def checkpoint_state(run_dir: Path) -> dict[str, Any]:
 
 
 def disk_full_mid_checkpoint(root: Path, end_step: int, samples_per_step: int, startup_s: float,
-                             with_checkpoint_every_step: Any) -> dict[str, Any]:
-    """The fault (module docstring); its figures, with what the failed launch said and left in `details`."""
+                             with_checkpoint_every_step: Any, method: str = "save_checkpoint") -> dict[str, Any]:
+    """The fault (module docstring), the disk filled while a training worker runs `method` (`save_checkpoint`,
+    or `export_hf` for `disk_full_mid_publish`); its figures, with what the failed launch said and left in
+    `details`."""
     ws, launches = make_workspace(root)
     run_dir: Path = ws["run_dir"]
     with_checkpoint_every_step(ws["config"])
@@ -109,10 +115,11 @@ def disk_full_mid_checkpoint(root: Path, end_step: int, samples_per_step: int, s
                 finally:
                     os.kill(worker, signal.SIGCONT)
 
-            fault_at = when_worker_runs(run_dir, "save_checkpoint", fill_noting, first, startup_s)
+            fault_at = when_worker_runs(run_dir, method, fill_noting, first, startup_s)
             first_code = first.wait(timeout=600)
             output = first.output()
             left = checkpoint_state(run_dir)
+            weights_left = sorted(p.name for p in (run_dir / "weights").glob("v*"))
             (disk / FILLER).unlink()
             second = ws["launch"]("--max-steps", str(end_step))
             last_code = second.wait(timeout=startup_s + 600)
@@ -124,13 +131,14 @@ def disk_full_mid_checkpoint(root: Path, end_step: int, samples_per_step: int, s
                                     samples_per_step, fault_at, last_code)
             complete = [name for name, what in left.items() if what["controller_state"]]
             figures["details"] = {
-                "disk": f"tmpfs size={DISK_SIZE}", "filled_bytes": note["filled_bytes"],
+                "disk": f"tmpfs size={DISK_SIZE}", "filled_bytes": note["filled_bytes"], "filled_in": method,
                 "first_exit_code": first_code, "stop_traceback_shown": "Traceback" in output,
                 "stop_line": [line for line in output.splitlines() if line.startswith("libra: ")][-1:],
                 "stop_line_says_disk_full": any("disk" in line and "full" in line and str(run_dir) in line
                                                 for line in output.splitlines() if line.startswith("libra: ")),
                 "last_step_before_fault": max((int(r["step"]) for r in note["before"]), default=0),
                 "checkpoints_after_fault": left, "complete_checkpoints_after_fault": complete,
+                "weights_after_fault": weights_left,
                 "resumed_from_step": resumed_step, "last_exit_code": last_code,
             }
             return figures

@@ -6,7 +6,8 @@ last and atomically, so a checkpoint without it (a crash mid-save) is ignored on
 
 A checkpoint write that fails because the run directory's file system is full (`disk_full_error`) becomes a
 `DiskFullError` naming the folder, the checkpoint a new launch resumes from and what to do; the half-written
-folder is removed so that it gives its space back.
+folder is removed so that it gives its space back. The same goes for the export of a step's weights for the
+rollout servers (`weights_disk_full_error`), which writes into the run directory too.
 
 A resume (`restore_newest`) takes the newest checkpoint that loads: one whose controller state is unreadable
 or whose training checkpoint the pool refuses (a truncated shard, a damaged `latest` marker) is restored from
@@ -37,8 +38,8 @@ _NEARLY_FULL_BYTES = 64 << 20
 
 
 class DiskFullError(RuntimeError):
-    """A checkpoint could not be written because the run directory's file system is full; the message names
-    the folder, the checkpoint a new launch resumes from, and what to do."""
+    """A checkpoint or a weight export could not be written because the run directory's file system is full;
+    the message names the folder, the checkpoint a new launch resumes from, and what to do."""
 
 
 @dataclass
@@ -153,36 +154,75 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
+def says_disk_full(exc: BaseException) -> bool:
+    """`exc`, or an error in its chain of causes, is ENOSPC / EDQUOT or says so in its text (as an error
+    raised in another process does)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+                text in str(cause) for text in _DISK_FULL_TEXT):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def _free_and_needed(root: Path, previous: Path | None) -> tuple[int, int]:
+    """Free bytes on the file system of `root`, and the room a write like `previous` (the last one of its
+    kind) needs (at least `_NEARLY_FULL_BYTES`); (0, 0) when the file system cannot be read."""
+    try:
+        return shutil.disk_usage(root).free, max(_NEARLY_FULL_BYTES, _folder_bytes(previous) if previous else 0)
+    except OSError:
+        return 0, 0
+
+
+def _detail(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
+
+
+def _resume_from(store: CheckpointStore, but: int | None = None) -> str:
+    """What a new launch resumes from: the newest complete checkpoint (other than step `but`)."""
+    complete = [s for s, _ in store.run.checkpoints_by_step() if s != but]
+    return (f"the checkpoint of step {complete[-1]} is whole and a new launch resumes from it" if complete
+            else "no earlier checkpoint exists, so a new launch starts from step 0")
+
+
+def _free_space_hint(store: CheckpointStore) -> str:
+    return (f"Free space on the file system of {store.run.root} (df -h {store.run.root}; keep_last in the "
+            "checkpoint section limits how many checkpoints stay), then launch again")
+
+
 def disk_full_error(store: CheckpointStore, step: int, exc: BaseException) -> DiskFullError | None:
     """The error to stop with when writing the checkpoint of `step` failed with `exc` on a full disk: an
     ENOSPC / EDQUOT error, one whose text says so (raised in another process), or any write error while the
     file system has less room left than the previous checkpoint took (torch reports only "file write
     failed"). None for any other failure. The half-written folder of `step` is removed."""
     folder = store.run.checkpoint_dir(step)
-    cause: BaseException | None = exc
-    full = False
-    while cause is not None and not full:
-        full = getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
-            text in str(cause) for text in _DISK_FULL_TEXT)
-        cause = cause.__cause__ or cause.__context__
     previous = [(s, f) for s, f in store.run.checkpoints_by_step() if s != step]
-    try:
-        free = shutil.disk_usage(store.run.root).free
-        needed = max(_NEARLY_FULL_BYTES, _folder_bytes(previous[-1][1]) if previous else 0)
-    except OSError:
-        free, needed = 0, 0
-    if not full and free >= needed:
+    free, needed = _free_and_needed(store.run.root, previous[-1][1] if previous else None)
+    if not says_disk_full(exc) and free >= needed:
         return None
     if not (folder / CONTROLLER_STATE).is_file():
         shutil.rmtree(folder, ignore_errors=True)
-    resume = (f"the checkpoint of step {previous[-1][0]} is whole and a new launch resumes from it" if previous
-              else "no earlier checkpoint exists, so a new launch starts from step 0")
-    detail = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
     return DiskFullError(
-        f"the disk is full: the checkpoint of step {step} could not be written to {folder} ({detail}; "
-        f"{free} bytes free); {resume}. Free space on the file system of {store.run.root} (df -h "
-        f"{store.run.root}; keep_last in the checkpoint section limits how many checkpoints stay), then launch "
-        "again")
+        f"the disk is full: the checkpoint of step {step} could not be written to {folder} ({_detail(exc)}; "
+        f"{free} bytes free); {_resume_from(store, but=step)}. {_free_space_hint(store)}")
+
+
+def weights_disk_full_error(store: CheckpointStore, version: int, exc: BaseException) -> DiskFullError | None:
+    """The error to stop with when exporting the weights of step `version` for the rollout servers failed with
+    `exc` on a full disk (as `disk_full_error` tells it, the room needed being the last export's size); None
+    for any other failure. The half-written folder is removed; the newest complete checkpoint is the one a new
+    launch resumes from (the steps after it are trained again, each counted once)."""
+    run = store.run
+    folder = run.weights_dir(version)
+    previous = [f for v, f in run.weight_versions() if v != version]
+    free, needed = _free_and_needed(run.root, previous[-1] if previous else None)
+    if not says_disk_full(exc) and free >= needed:
+        return None
+    shutil.rmtree(folder, ignore_errors=True)
+    return DiskFullError(
+        f"the disk is full: the weights of step {version} could not be exported to {folder} for the rollout "
+        f"servers ({_detail(exc)}; {free} bytes free); {_resume_from(store)}. {_free_space_hint(store)}")
 
 
 def retained_steps(steps: list[int], keep_last: int, keep_every: int) -> set[int]:

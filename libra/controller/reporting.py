@@ -3,7 +3,10 @@ exporter, the live console and, every `curve_interval_s` seconds, the learning-c
 takes a few hundred milliseconds (a second the first time, with matplotlib's import), so it is paced by time
 and drawn on a background thread; the last picture is drawn in the foreground when the run finishes.
 
-Reporting never stops training: a failing sink is logged and skipped.
+Reporting never stops training: a failing sink is logged and skipped. Metric rows are the exception to
+skipping: a row that cannot be appended to `metrics.jsonl` (a full disk) is held in memory, with every row
+after it, and written in order with the next row once there is room (`rows_pending`); the RL loop completes
+no checkpoint while a row is held, so a checkpoint never holds a step whose row is not on disk.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Reporter:
         self.write_jsonl = write_jsonl
         self.curve_interval_s = curve_interval_s
         self.last_row: dict[str, Any] = {}
+        self._pending_rows: list[dict[str, Any]] = []  # rows not yet in metrics.jsonl, oldest first
         self._status: dict[str, Any] = {}
         self._last_curve = time.monotonic()
         self._curve_thread: threading.Thread | None = None
@@ -88,10 +92,8 @@ class Reporter:
              counters: Mapping[str, float]) -> None:
         self.last_row = row
         if self.write_jsonl:
-            try:
-                append_jsonl(self.run.metrics_jsonl, row)
-            except OSError as exc:
-                log.warning("cannot append to %s: %s", self.run.metrics_jsonl, exc)
+            self._pending_rows.append(row)
+            self.flush_rows()
         self._status.update(step=row["step"], last_row=row, state="running", updated_at=time.time())
         self._write_status()
         if self.metrics is not None:
@@ -107,6 +109,32 @@ class Reporter:
             self._last_curve = time.monotonic()
             self._curve_thread = threading.Thread(target=self._draw_curve, name="libra-curve", daemon=True)
             self._curve_thread.start()
+
+    @property
+    def rows_pending(self) -> int:
+        """Metric rows held in memory because `metrics.jsonl` could not be appended to."""
+        return len(self._pending_rows)
+
+    def flush_rows(self) -> bool:
+        """Append the held rows to `metrics.jsonl`, oldest first, up to the first that cannot be written; True
+        when none is left."""
+        held = len(self._pending_rows)
+        while self._pending_rows:
+            try:
+                append_jsonl(self.run.metrics_jsonl, self._pending_rows[0])
+            except OSError as exc:
+                if held == 1:  # the first row held: once per spell of failed writes
+                    log.warning("cannot append to %s (%s); its rows are held in memory and written once there "
+                                "is room (free space on that file system)", self.run.metrics_jsonl, exc)
+                return False
+            self._pending_rows.pop(0)
+        if held > 1:
+            log.info("wrote %d held metric rows to %s", held, self.run.metrics_jsonl)
+        return True
+
+    def drop_rows_after(self, step: int) -> None:
+        """Forget held rows of steps after `step` (the run goes back to that step's checkpoint)."""
+        self._pending_rows = [r for r in self._pending_rows if int(r.get("step", 0)) <= step]
 
     @property
     def drawing_curve(self) -> bool:
@@ -127,6 +155,10 @@ class Reporter:
             log.warning("cannot draw the learning curve: %s", exc)
 
     def finish(self, outcome: str, **fields: Any) -> None:
+        if not self.flush_rows():
+            log.warning("%d metric row(s) could not be written to %s before the run ended: the steps after "
+                        "the newest checkpoint are trained again by the next launch", self.rows_pending,
+                        self.run.metrics_jsonl)
         self.curve()
         self.set_state(outcome, finished_at=time.time(), **fields)
         self.console.stop()

@@ -55,6 +55,7 @@ from libra.controller.checkpoints import (
     disk_full_error,
     restore_newest,
     retained_steps,
+    weights_disk_full_error,
 )
 from libra.controller.events import EventLog
 from libra.controller.producer import RolloutProducer, SamplingSettings
@@ -166,6 +167,7 @@ class RLLoop:
         if after:  # the same session goes on: its wall time and launch count are not the checkpoint's
             self.state.sessions, self.state.train_seconds = current.sessions, current.train_seconds
         metrics = self.run.metrics_jsonl
+        self.reporter.drop_rows_after(self.state.step)
         dropped = truncate_jsonl_after_step(metrics, self.state.step) if metrics.exists() else 0
         if dropped:
             self.events.emit("metrics_truncated", f"dropped {dropped} metric rows after step {self.state.step}")
@@ -269,7 +271,8 @@ class RLLoop:
                 self.reporter.pools(self.session.pool_status())
                 self.reporter.step(row, self.session.pool_text(), self.buffer.depth(),
                                    {"tick_errors": self.session.tick_errors(), "rollout_failures": self.producer.failures})
-                self._reported_step = int(row["step"])
+                if not self.reporter.rows_pending:  # held rows (a full disk) count once they are written
+                    self._reported_step = int(row["step"])
                 self._commit_saved_checkpoint()
         finally:
             self._settle_pending_evaluation()
@@ -461,11 +464,22 @@ class RLLoop:
         return self._reload(version, reason, out, checksum, started)
 
     def _export(self, version: int) -> tuple[Path, str]:
-        """The training ranks write the weights of `version` as an HF folder; its checksum."""
+        """The training ranks write the weights of `version` as an HF folder; its checksum. A full run directory
+        stops the job with a `DiskFullError` (no checkpoint is tried after it: it would meet the same disk)."""
         out = self.run.weights_dir(version)
         # traced by the pools: weight_sync.export on the training ranks, weight_sync.publish (the flow source
         # of the instances' reloads) by the rollout pool on this process's tracer
-        return out, self.session.training.export_hf(str(out))
+        try:
+            return out, self.session.training.export_hf(str(out))
+        except Exception as exc:
+            lost = self.session.training_loss
+            if lost is not None and lost(exc):  # a worker died or hung: the training pool's recovery, not the disk
+                raise
+            full = weights_disk_full_error(self.store, version, exc)
+            if full is None:
+                raise
+            self._disk_full = True
+            raise full from exc
 
     def _reload(self, version: int, reason: str, out: Path, checksum: str, started: float) -> dict[str, Any]:
         """Every rollout instance loads the exported weights (validated ACKs); the publish's figures."""
@@ -616,6 +630,11 @@ class RLLoop:
             return
         self._saved_checkpoint_step = None
         if step != self.state.step:  # the loop went back to an earlier checkpoint: the files are not this state's
+            return
+        if self.reporter.rows_pending:  # a checkpoint never holds a step whose metrics row is not on disk
+            self.events.emit("checkpoint_skipped", f"step {step} not saved: {self.reporter.rows_pending} metric "
+                             "row(s) could not be written yet (a full disk?); a later checkpoint holds it",
+                             step=step)
             return
         try:
             snapshot = ControllerState.from_dict(self.state.to_dict())
