@@ -304,7 +304,7 @@ class EhpBorrower:
                 stage = "step"
                 with tracer.span("ehp.step", step, replicas=len(decision.replicas)):
                     t = time.monotonic()
-                    metrics = dict(session.train_step(samples, step))
+                    metrics = dict(session.train_step(samples, step, to_park=not decision.sleep))
                     times["step_s"] = time.monotonic() - t
                 if metrics.get("ehp_fallback") or not session.attached:  # the session detached: a rank failed
                     after = ("the step ran on the training pool alone" if metrics.get("ehp_fallback") else

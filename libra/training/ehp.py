@@ -35,9 +35,9 @@ distributed optimizer, no trace) on the lent GPUs (`libra.cluster.ehp_workers`),
 
 A step: the core ranks of DP x CP rank 0 export their parameters, which borrowed ranks of the same (TP, PP)
 shard copy (object references, never through the driver; after a shared step the core ranks' finish exports
-them as its second result, which parking hands to the borrowed ranks without another call); the global batch is split in DP blocks over core
-and borrowed DP ranks (`split_shares`); both pools run forward/backward at once with gradient finalization
-deferred; the borrowed gradients, units and metric sums are added on the core side and the core finalizes and
+them as its second result, which parking hands to the borrowed ranks without another call); the global batch
+is split in DP blocks over core and borrowed DP ranks (`split_shares`); both pools run forward/backward at once
+with gradient finalization deferred; the borrowed gradients, units and metric sums are added on the core side and the core finalizes and
 steps (`libra.training.ehp_steps` explains why that gradient equals the fixed pool's: the loss is a sum of
 per-token numerators over a global unit count). The core ranks' finish is submitted with the rest of the step,
 its arguments the borrowed ranks' results, so it starts when they exist rather than after a round trip through
@@ -233,7 +233,7 @@ class EhpSession:
     def _submit_rejoins(self, worlds: list[BorrowedWorld]) -> dict[int, list[Any]]:
         """Metered logical GPUs: the re-attached ranks of `worlds` that left their lent GPUs' CPU slices at park
         move back into them, as the first call of the step (not waited for here); per world (by id), one
-        reference per rank. Ranks that never left answer None."""
+        reference per rank. A world whose ranks never left (unmetered, or on GPUs of its own) has no entry."""
         rejoin, self._rejoin = {id(w) for w in self._rejoin}, []
         metering = self.pool.spec.metering
         return {id(w): ehp_workers.call_each(w.group, "ehp", [("join_lent_slice", metering, h) for h in w.holders])
@@ -379,9 +379,11 @@ class EhpSession:
                     world.group.shutdown()
 
     # ---- the step ----------------------------------------------------------------------------------
-    def train_step(self, samples: list[TrainSample], step: int) -> dict[str, float]:
+    def train_step(self, samples: list[TrainSample], step: int, to_park: bool = True) -> dict[str, float]:
         """One optimizer step on `samples`: on the pool alone when detached, else shared with the borrowed
-        replicas (same gradient as the pool alone; metrics add `ehp_replicas` and `ehp_borrowed_samples`)."""
+        replicas (same gradient as the pool alone; metrics add `ehp_replicas` and `ehp_borrowed_samples`).
+        `to_park`: the replicas will be parked after it, so the core ranks' finish exports the stepped
+        parameters for their copy (a clone of every parameter, not made for replicas that are stopped)."""
         if not self.attached:
             return self.pool.train_step(samples, step)
         pool = self.pool
@@ -419,7 +421,7 @@ class EhpSession:
                 results.append(ehp_workers.call_each(
                     w.group, "ehp", [("borrowed_forward_backward", share, step, load, join)
                                      for load, join in zip(world_loads, moved, strict=True)], num_returns=2))
-            finishes = self._submit_finish(step, core_dp, active, results)
+            finishes = self._submit_finish(step, core_dp, active, results, to_park)
             finish_refs = [metrics for metrics, _ in finishes]
             marks = {"submit": time.perf_counter()}
             for (w, _), refs in zip(active, loads, strict=True):  # a failed load or move fails the step's borrow
@@ -439,7 +441,7 @@ class EhpSession:
         except CollectiveCallError:
             self.detach(clean=False)
             raise
-        self._finish_exports = [params for _, params in finishes]
+        self._finish_exports = [params for _, params in finishes] if to_park else []
         pool.stepped(step)
         marks["finish"] = time.perf_counter()
         pool.deadlines.completed(EHP_STEP, marks["finish"] - t0)
@@ -450,15 +452,15 @@ class EhpSession:
         return metrics
 
     def _submit_finish(self, step: int, core_dp: int, active: list[tuple[BorrowedWorld, tuple[int, int]]],
-                       results: list[list[tuple[Any, Any]]]) -> list[tuple[Any, Any]]:
+                       results: list[list[tuple[Any, Any]]], export: bool = True) -> list[tuple[Any, Any]]:
         """Submit every core rank's `core_finish` of `step`: the summary of every borrowed rank of the active
         worlds (so that every core rank finishes or none does: `libra.training.ehp_steps`, step 3) and, per core
         shard, the summed grads of the borrowed leaders of that shard; object references, which the ranks
         receive as values once the borrowed ranks made them. Per core rank: (metrics, the stepped parameters it
-        exports for the next step's copy)."""
+        exports for the next step's copy, or None without `export`)."""
         sizes = [len(refs) for refs in results]
         summaries = [summary for refs in results for summary, _ in refs]
-        per_rank: list[list[Any]] = [["core_finish", step, sizes, *summaries] for _ in self._core_keys]
+        per_rank: list[list[Any]] = [["core_finish", step, export, sizes, *summaries] for _ in self._core_keys]
         for i, ((world, _), refs) in enumerate(zip(active, results, strict=True)):
             target_dp = 0 if self.settings.decouple_communication_domains else i % core_dp
             for key, (_, grads) in zip(world.keys, refs, strict=True):

@@ -173,11 +173,12 @@ def combine_summaries(world_sizes: list[int], summaries: list[dict[str, Any]]) -
     return {"units": units, "sums": sums, "loss_scale": scale}
 
 
-def core_finish(worker: TrainingWorker, step: int, world_sizes: list[int],
+def core_finish(worker: TrainingWorker, step: int, export: bool, world_sizes: list[int],
                 *parts: Any) -> tuple[dict[str, float], ChunkTensors | None]:
     """Add the borrowed replicas' grads, units and metric sums, finalize, step the optimizer; the metrics, and
-    (second result) the stepped parameters this rank exports for the borrowed ranks' next copy
-    (`export_params`: None off DP x CP rank 0), so that parking needs no call of its own to the core ranks.
+    (second result) with `export` the stepped parameters this rank exports for the borrowed ranks' next copy
+    (`export_params`: None off DP x CP rank 0, or without `export`), so that parking needs no call of its own
+    to the core ranks.
 
     `parts`: the summaries of every borrowed rank (world by world, `world_sizes` ranks each:
     `borrowed_forward_backward`'s first result), then the borrowed gradients this rank adds (its shard), any
@@ -207,7 +208,7 @@ def core_finish(worker: TrainingWorker, step: int, world_sizes: list[int],
         grad_norm = worker.optimizer_step()
         worker.step = step
         timings = {**pending.timings, "combine_optimizer_s": time.perf_counter() - t0}
-        return worker.step_metrics(sums, grad_norm, **timings), export_params(worker)
+        return worker.step_metrics(sums, grad_norm, **timings), export_params(worker) if export else None
 
 
 def _add_grads(worker: TrainingWorker, shard: ChunkTensors, scale: float) -> None:

@@ -211,7 +211,7 @@ class FakeSession:
             self.on_parked_stop(reason, gpus)
         return True
 
-    def train_step(self, samples: list[Any], step: int) -> dict[str, float]:
+    def train_step(self, samples: list[Any], step: int, to_park: bool = True) -> dict[str, float]:
         if self.attached_to and self.fail == "core":
             raise RuntimeError("training rank 0 died")
         if self.attached_to and self.fail in ("borrowed", "borrowed_after"):  # as `EhpSession._fall_back`
@@ -303,9 +303,9 @@ def test_lent_members_are_busy_and_not_serving_while_lent() -> None:
     seen: list[tuple[list[str], list[bool]]] = []
     train_step = r.session.train_step
 
-    def observing(samples: list[Any], step: int) -> dict[str, float]:
+    def observing(samples: list[Any], step: int, to_park: bool = True) -> dict[str, float]:
         seen.append((serving(r.tracker), [m.busy for m in r.tracker.members(ROLLOUT)]))
-        return train_step(samples, step)
+        return train_step(samples, step, to_park)
 
     r.session.train_step = observing  # type: ignore[method-assign]
     r.borrower.train_step([object()], step=1)
