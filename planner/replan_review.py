@@ -19,9 +19,17 @@ reaches `replan_min_gain`; the next review of such a change replaces the figure.
 over-prediction exceeds the undone change's whole predicted gain, so growing that pool again takes a
 prediction larger by that much.
 
+An undo is a measurement of the change on the workload of its window, and a prediction of the calibrated model
+that over-predicted it is no evidence against it: after an undo, the split the job went back to does not grow
+the pool the undone change grew (or, for a change that grew no pool, does not go to its target again) until
+the mean response length has moved by more than `RETRY_RESPONSE_SHIFT` from the length the undo measured (an
+`Undone`). Past that, the workload is another one and the over-prediction discount alone decides. Before, a
+calibration wobble on two loaded cores predicted the undone change's gain again past the discount, and a real
+job made it a second time (change, undo, change).
+
 `libra.controller.replanner` (the runtime) and `planner.sim.policies` (its replay) both decide through
 `OnlineReplanning.decide`. `OnlineReplanning.to_dict` / `from_dict` carry the memory across a restart of the
-controller (the change under review and the over-predictions; the reviews' history is in the event log):
+controller (the change under review, the over-predictions and the undo that bars its change; the reviews' history is in the event log):
 plain JSON, with the cost model calibrated for the change kept as its constants.
 """
 
@@ -49,6 +57,8 @@ REVIEW_WINDOW = 2  # the change is judged on the target's second window: the fir
 # buffered batches and look fast)
 UNDO_SHORTFALL_SHARE = 0.5  # undo when steps are slower by more than this share of replan_min_gain: the
 # review is measured, where the hysteresis band also covers the cost model's error
+RETRY_RESPONSE_SHIFT = 0.25  # an undone change may be made again once the mean response length has moved by
+# more than this share from the length its undo measured (the workload the measurement was of)
 Pool = Literal["rollout", "training"]
 
 
@@ -74,6 +84,36 @@ class OverPrediction:
     pool: Pool
     step: int
     share: float
+
+
+@dataclass(frozen=True)
+class Undone:
+    """The change at `change_step` was undone at `step`: the job went back to `source` at a mean response of
+    `response_tokens`. It is not made again from `source` while the mean response stays within
+    `RETRY_RESPONSE_SHIFT` of that."""
+
+    step: int
+    change_step: int
+    source: Candidate
+    target: Candidate
+    response_tokens: float
+
+    @property
+    def pool(self) -> Pool | None:
+        return grown_pool(self.source, self.target)
+
+    def bars(self, current: Candidate, target: Candidate) -> bool:
+        """Would going from `current` to `target` make the undone change again?"""
+        if current != self.source:
+            return False
+        pool = self.pool
+        return target == self.target if pool is None else grown_pool(current, target) == pool
+
+    def shift(self, response_tokens: float) -> float:
+        """How far the mean response has moved from the one the undo measured (a share of it)."""
+        if self.response_tokens <= 0:
+            return math.inf
+        return abs(response_tokens / self.response_tokens - 1.0)
 
 
 @dataclass(frozen=True)
@@ -148,6 +188,7 @@ class OnlineReplanning:
     reviews: list[Review] = field(default_factory=list)
     last_review: Review | None = None  # the review the last `decide` made (None: it reviewed nothing)
     over_predictions: dict[Pool, OverPrediction] = field(default_factory=dict)
+    undone: Undone | None = None  # the last undo, while it bars making its change again
 
     def decide(self, step: int, current: Candidate, obs: Observation, policy: ReplanPolicy,
                inputs: PlannerInputs | None = None) -> ReplanDecision:
@@ -164,10 +205,23 @@ class OnlineReplanning:
                 self.last_review = verdict
                 self._measure_the_model(change, verdict)
                 if verdict.undo:
+                    self.undone = Undone(step, change.step, change.source, change.target, obs.mean_response_tokens)
                     return self._undo(change, verdict, current, obs)
+        if self.undone is not None and (current != self.undone.source or self.undone.shift(
+                obs.mean_response_tokens) > RETRY_RESPONSE_SHIFT):
+            self.undone = None  # the job left the split it went back to, or the workload is another one
         decision = replan(inputs, current, obs, policy)
         if not decision.change:
             return decision
+        undone = self.undone
+        if undone is not None and undone.bars(current, decision.target.candidate):
+            what = f"growing the {undone.pool} pool" if undone.pool else decision.target.candidate.label()
+            return replace(decision, change=False, target=decision.current,
+                           reason=f"predicted gain {decision.predicted_gain:+.1%} declined: the change at step "
+                                  f"{undone.change_step} was undone at step {undone.step} on what it measured at a "
+                                  f"mean response of {undone.response_tokens:.0f} tokens; {what} is not tried "
+                                  f"again until the mean response moves by more than {RETRY_RESPONSE_SHIFT:.0%} "
+                                  f"from that (now {obs.mean_response_tokens:.0f} tokens)")
         grows = grown_pool(current, decision.target.candidate)
         over = self.over_predictions.get(grows) if grows is not None else None
         if over is not None and decision.predicted_gain - over.share < policy.min_gain:
@@ -183,7 +237,10 @@ class OnlineReplanning:
         return decision
 
     def drop_change(self) -> None:
-        """The change just decided will not run (its request was refused, or recorded only): nothing to review."""
+        """The change just decided will not run (its request was refused, or recorded only): nothing to review,
+        and an undo that will not run bars nothing."""
+        if self.undone is not None and self.last_review is not None and self.last_review.undo:
+            self.undone = None
         self.last_change = None
 
     def _measure_the_model(self, change: Change, verdict: Review) -> None:
@@ -211,7 +268,15 @@ class OnlineReplanning:
                 "source_response_tokens": change.source_response_tokens,
                 "predicted_gain": change.predicted_gain, "windows_seen": change.windows_seen},
             "over_predictions": self.over_predictions_dict(),
+            "undone": self.undone_dict(),
         }
+
+    def undone_dict(self) -> dict[str, Any] | None:
+        """The undo that bars its change, as plain JSON (None: none)."""
+        u = self.undone
+        return None if u is None else {
+            "step": u.step, "change_step": u.change_step, "source": _candidate_dict(u.source),
+            "target": _candidate_dict(u.target), "response_tokens": u.response_tokens}
 
     def over_predictions_dict(self) -> dict[str, dict[str, float | int]]:
         """The over-predictions as plain JSON, by pool: the step of the change each was measured on, the share."""
@@ -235,6 +300,13 @@ class OnlineReplanning:
                 number_field(c, "source_step_wall_s", "last_change", positive=True),
                 number_field(c, "source_response_tokens", "last_change"),
                 number_field(c, "predicted_gain", "last_change"), number_field(c, "windows_seen", "last_change", int))
+        undone = data.get("undone")
+        if undone is not None:
+            u = _object(undone, "undone")
+            online.undone = Undone(number_field(u, "step", "undone", int), number_field(u, "change_step", "undone", int),
+                                   _candidate(u.get("source"), "undone.source"),
+                                   _candidate(u.get("target"), "undone.target"),
+                                   number_field(u, "response_tokens", "undone"))
         for name, over in _object(data.get("over_predictions", {}), "over_predictions").items():
             pool = next((p for p in get_args(Pool) if p == name), None)
             if pool is None:

@@ -168,4 +168,8 @@ def _replan_memory(decision: dict[str, Any]) -> str:
         if isinstance(over, dict) and isinstance(over.get("share"), int | float):
             parts.append(f"discounts growing the {pool} pool by {over['share']:.1%} (over-predicted at step "
                          f"{over.get('step')})")
+    undone = decision.get("undone")
+    if isinstance(undone, dict) and isinstance(undone.get("response_tokens"), int | float):
+        parts.append(f"does not make the change at step {undone.get('change_step')} again (undone at step "
+                     f"{undone.get('step')}) while the mean response stays near {undone['response_tokens']:.0f} tokens")
     return "; ".join(parts)

@@ -14,8 +14,9 @@ recorded and nothing moves).
 
 It never flaps: the planner's hysteresis band, no decision while a reconfiguration runs, a window that
 holds only steps run on the current split (right after a change there is nothing to judge yet), an undo that
-is never itself reviewed, and a prediction for growing a pool discounted by what the model over-predicted
-the last time a change grew it. Every decision, taken or not, is a `replan_decision` event with its numbers
+is never itself reviewed, a prediction for growing a pool discounted by what the model over-predicted the last
+time a change grew it, and an undone change not made again until the workload it was measured on has moved
+(`planner.replan_review.Undone`). Every decision, taken or not, is a `replan_decision` event with its numbers
 and a `replan.decide` span; the decision that reviewed a change carries the verdict (`review`: the gain
 predicted and measured, the seconds per step measured and expected on the old split, undone or not, why).
 """
@@ -213,11 +214,14 @@ class Replanner:
                              + (f"; the file is kept as {kept}" if kept else ""),
                              path=str(self.state_path), kept_as=str(kept) if kept else None)
             return ReplanMemory(OnlineReplanning(self.inputs))
-        if memory.online.last_change is not None or memory.online.over_predictions:
-            change = memory.online.last_change
+        online = memory.online
+        if online.last_change is not None or online.over_predictions or online.undone is not None:
+            change, undone = online.last_change, online.undone
             self.events.emit("replan_state_restored", "the re-planner goes on from its memory: "
                              + (f"the change at step {change.step} under review" if change else "no change under review")
-                             + f", over-predictions for {sorted(memory.online.over_predictions) or 'no pool'}",
+                             + f", over-predictions for {sorted(online.over_predictions) or 'no pool'}"
+                             + (f", the change at step {undone.change_step} undone at step {undone.step}"
+                                if undone else ""),
                              path=str(self.state_path))
         return memory
 
@@ -306,11 +310,12 @@ class Replanner:
 
 
 def _memory(online: OnlineReplanning) -> dict[str, Any]:
-    """What the decision leaves for the next one: the step of the change under review (None: none) and the
-    model's over-prediction per pool (the step of the change it was measured on, the share)."""
+    """What the decision leaves for the next one: the step of the change under review (None: none), the
+    model's over-prediction per pool (the step of the change it was measured on, the share) and the undo that
+    bars its change from being made again (None: none)."""
     change = online.last_change
     return {"reviewing_change_at": change.step if change is not None else None,
-            "over_predictions": online.over_predictions_dict()}
+            "over_predictions": online.over_predictions_dict(), "undone": online.undone_dict()}
 
 
 def _numbers(decision: ReplanDecision) -> dict[str, Any]:

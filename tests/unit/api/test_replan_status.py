@@ -43,8 +43,17 @@ def test_status_json_and_text_show_the_last_decision(tmp_path: Path) -> None:
             "(over-predicted at step 4)") in lines, lines
 
 
+def test_status_says_which_undone_change_is_not_made_again() -> None:
+    undone = KEPT | {"over_predictions": {"rollout": {"step": 3, "share": 0.3}},
+                     "undone": {"step": 9, "change_step": 3, "response_tokens": 40.0}}
+    assert _replan_memory(undone) == ("discounts growing the rollout pool by 30.0% (over-predicted at step 3); does "
+                                      "not make the change at step 3 again (undone at step 9) while the mean "
+                                      "response stays near 40 tokens")
+
+
 @pytest.mark.parametrize("decision", [
-    pytest.param(KEPT | {"reviewing_change_at": None, "over_predictions": {}}, id="nothing-remembered"),
+    pytest.param(KEPT | {"reviewing_change_at": None, "over_predictions": {}, "undone": None},
+                 id="nothing-remembered"),
     pytest.param(KEPT, id="a-record-from-before-the-fields"),
 ])
 def test_a_decision_without_memory_adds_no_line(decision: dict[str, Any]) -> None:

@@ -240,8 +240,8 @@ def test_a_change_that_did_not_deliver_is_undone_and_not_tried_again(
         tmp_path: Path, restart_before: tuple[int, ...], restored: list[tuple[bool, bool]]) -> None:
     """The second instance was predicted to speed the step up; on its second window the steps measured longer
     (30 s against 22 s at the same lengths): the change is undone through the same request path, and growing
-    the rollout pool again is declined: its predicted gain, less what the model over-predicted at step 3, is
-    inside the band. A controller restarted after the request and again after the undo (its re-planner started
+    the rollout pool again is declined on the workload the undo measured (and its predicted gain, less what
+    the model over-predicted at step 3, is remembered for a later one). A controller restarted after the request and again after the undo (its re-planner started
     from `replan_state.json` alone) decides the same, and each restart says what it restored."""
     job = Job(tmp_path)
     slower = [row(s, instances=2, busy=25.0, interval=30.0) for s in range(4, 10)]
@@ -262,8 +262,9 @@ def test_a_change_that_did_not_deliver_is_undone_and_not_tried_again(
     assert undo.get("undo") is True and "undo the change at step 3" in undo["reason"], undo["reason"]
     assert job.requests == [ReconfigureTarget(rollout_instances=2, rollout_tp=1),
                             ReconfigureTarget(rollout_instances=1, rollout_tp=1)]
-    assert all("over-predicted growing the rollout pool at step 3" in d["reason"] for d in decided[3:]), [
+    assert all("the change at step 3 was undone at step 9" in d["reason"] for d in decided[3:]), [
         d["reason"] for d in decided[3:]]
+    assert [(d["undone"] or {}).get("change_step") for d in decided] == [None, None, 3, 3, 3]
     assert [e.get("undo") for e in job.logged() if e["action"] == "requested"] == [None, True]
     assert [(d["reviewing_change_at"], sorted(d["over_predictions"])) for d in decided] == [
         (3, []), (3, []), (None, ["rollout"]), (None, ["rollout"]), (None, ["rollout"])]
@@ -273,7 +274,7 @@ def test_a_change_that_did_not_deliver_is_undone_and_not_tried_again(
     assert verdict["undo"] is True and verdict["measured_gain"] < 0 < verdict["predicted_gain"] == decided[0]["gain"]
     assert undo["reason"].startswith(verdict["reason"]), (verdict, undo["reason"])
     events = job.logged("replan_state_restored")
-    assert [("step 3 under review" in e["message"], "rollout" in e["message"]) for e in events] == restored, [
+    assert [("step 3 under review" in e["message"], "undone at step 9" in e["message"]) for e in events] == restored, [
         e["message"] for e in events]
 
 

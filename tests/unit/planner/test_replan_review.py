@@ -1,6 +1,6 @@
 """The running job's re-planning across decisions: a change is judged on what the new split measured, one
-that did not deliver is undone, and what the model over-predicted discounts its next prediction for growing
-the same pool."""
+that did not deliver is undone and not made again on the workload it was measured on, and what the model
+over-predicted discounts its next prediction for growing the same pool."""
 
 from __future__ import annotations
 
@@ -101,25 +101,75 @@ def test_a_change_is_reviewed_on_the_second_window_and_undone_once() -> None:
     assert online.last_change is None  # an undo is not itself reviewed
 
 
-def test_growing_the_pool_again_takes_a_prediction_beyond_the_over_prediction() -> None:
-    """After the undo the model's prediction for growing training is discounted by what it over-predicted
-    (the predicted gain plus the slowdown measured); the same prediction again is declined, a discounted one
-    that still passes the band is made."""
+def _undone() -> tuple[PlannerInputs, Candidate, OnlineReplanning, float]:
+    """The change at step 10 undone at step 30 (its steps measured 1.3x the old split's); its predicted gain."""
     inp, chosen, online = _after_a_change()
     predicted = online.last_change.predicted_gain if online.last_change else 0.0
     slower = replace(_measured(inp, chosen), step_wall_s=1.3 * _poor_wall(inp))
     online.decide(20, chosen, slower, POLICY)
     assert online.decide(30, chosen, slower, POLICY).undo
+    return inp, chosen, online, predicted
+
+
+def test_an_undo_remembers_what_the_model_over_predicted_and_the_workload_it_measured() -> None:
+    inp, chosen, online, predicted = _undone()
     over = online.over_predictions["training"]
     assert (over.step, over.pool) == (10, "training")
     assert over.share == pytest.approx(predicted - (1 / 1.3 - 1))
-    declined = online.decide(40, POOR, _measured(inp, POOR), POLICY)
-    assert not declined.change and declined.target.candidate == POOR
-    assert declined.predicted_gain == pytest.approx(predicted)
-    assert "over-predicted growing the training pool at step 10" in declined.reason, declined.reason
-    online.over_predictions["training"] = OverPrediction("training", 10, predicted - POLICY.min_gain - 0.01)
-    made = online.decide(50, POOR, _measured(inp, POOR), POLICY)
-    assert made.change and made.target.candidate.train_gpus > POOR.train_gpus, made.reason
+    undone = online.undone
+    assert undone is not None and (undone.step, undone.change_step, undone.source, undone.target) == (
+        30, 10, POOR, chosen)
+    assert undone.pool == "training" and undone.response_tokens == inp.workload.response_tokens
+
+
+@pytest.mark.parametrize(("response_of_undo", "over_share", "made", "reason"), [
+    pytest.param(1.0, None, False, "the change at step 10 was undone at step 30", id="same-workload-barred"),
+    pytest.param(1.0, 0.0, False, "the change at step 10 was undone at step 30",
+                 id="same-workload-barred-even-where-the-discount-passes"),
+    pytest.param(1.2, 0.0, False, "the change at step 10 was undone at step 30", id="a-fifth-longer-still-barred"),
+    pytest.param(0.78, 0.0, False, "the change at step 10 was undone at step 30", id="shorter-inside-the-band"),
+    pytest.param(1.5, None, False, "over-predicted growing the training pool at step 10",
+                 id="another-workload-discounted-by-the-over-prediction"),
+    pytest.param(1.5, 0.0, True, "", id="another-workload-past-the-discount-made"),
+    pytest.param(0.7, 0.0, True, "", id="shorter-past-the-band-made"),
+])
+def test_an_undone_change_is_not_made_again_on_the_workload_it_was_measured_on(
+        response_of_undo: float, over_share: float | None, made: bool, reason: str) -> None:
+    """After the undo, growing training from the split the job went back to is declined while the mean
+    response stays within a quarter of the length the undo measured, whatever the prediction; past that, the
+    prediction less what the model over-predicted decides (`over_share`: that figure set for the case; None:
+    the one the undo measured, which exceeds the undone change's whole predicted gain)."""
+    inp, chosen, online, predicted = _undone()
+    if over_share is not None:
+        online.over_predictions["training"] = OverPrediction("training", 10, over_share)
+    response = response_of_undo * inp.workload.response_tokens
+    decision = online.decide(40, POOR, _measured(inp, POOR, response=response), POLICY)
+    assert decision.change is made, decision.reason
+    assert reason in decision.reason
+    if made:
+        assert decision.target.candidate.train_gpus > POOR.train_gpus and online.undone is None
+    else:
+        assert decision.target.candidate == POOR and decision.predicted_gain >= POLICY.min_gain
+    if response_of_undo == 1.0:
+        assert decision.predicted_gain == pytest.approx(predicted)
+
+
+def test_the_undo_bars_nothing_once_the_job_left_the_split_it_went_back_to() -> None:
+    """An operator (or the undo's refusal) put the job on another split: the measurement was of the change
+    from the old split, and a later change from another split is judged by the discount alone."""
+    inp, chosen, online, _ = _undone()
+    other = Candidate(train_gpus=16, rollout_gpus=16, layout=POOR.layout, rollout_tp=POOR.rollout_tp)
+    online.decide(40, other, _measured(inp, other), POLICY)
+    assert online.undone is None
+
+
+def test_an_undo_that_will_not_run_bars_nothing() -> None:
+    inp, chosen, online = _after_a_change()
+    slower = replace(_measured(inp, chosen), step_wall_s=1.3 * _poor_wall(inp))
+    online.decide(20, chosen, slower, POLICY)
+    assert online.decide(30, chosen, slower, POLICY).undo and online.undone is not None
+    online.drop_change()  # the undo's request was refused
+    assert online.undone is None
 
 
 @pytest.mark.parametrize(("wall_of_poor", "kept"), [
@@ -177,12 +227,17 @@ def test_the_memory_survives_a_round_trip_through_json() -> None:
     online.over_predictions["rollout"] = OverPrediction("rollout", 4, 0.07)
     copy = OnlineReplanning.from_dict(inp, json.loads(json.dumps(online.to_dict())))
     assert copy.last_change == online.last_change and copy.over_predictions == online.over_predictions
+    assert copy.undone is None and online.to_dict()["undone"] is None
     slower = replace(_measured(inp, chosen), step_wall_s=1.3 * _poor_wall(inp))
     for memory in (online, copy):
         memory.decide(20, chosen, slower, POLICY)
     original, restored = (m.decide(30, chosen, slower, POLICY) for m in (online, copy))
     assert restored.undo and restored.reason == original.reason
     assert copy.over_predictions == online.over_predictions
+    again = OnlineReplanning.from_dict(inp, json.loads(json.dumps(copy.to_dict())))
+    assert again.undone == copy.undone and copy.undone is not None  # the undo's bar survives a restart too
+    decisions = [m.decide(40, POOR, _measured(inp, POOR), POLICY) for m in (copy, again)]
+    assert not decisions[1].change and decisions[1].reason == decisions[0].reason
 
 
 @pytest.mark.parametrize(("data", "problem"), [
@@ -196,6 +251,9 @@ def test_the_memory_survives_a_round_trip_through_json() -> None:
                  "over_predictions.rollout.step: inf: not a whole number", id="an-infinite-step"),
     pytest.param({"over_predictions": {"rollout": {"step": -2, "share": 0.1}}}, "step: -2: must be at least 0",
                  id="a-negative-step"),
+    pytest.param({"undone": {"step": 9, "change_step": 3, "response_tokens": 40.0}}, "undone.source: not an object",
+                 id="an-undo-without-its-split"),
+    pytest.param({"undone": "step 9"}, "undone: not an object", id="an-undo-as-text"),
 ])
 def test_a_damaged_memory_names_what_is_wrong(data: object, problem: str) -> None:
     inp, _ = _setup()
