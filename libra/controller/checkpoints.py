@@ -35,6 +35,7 @@ TRAIN_SUBDIR = "train"
 # what a full disk says once it crossed a process boundary (a Ray worker, dist_checkpointing's writer)
 _DISK_FULL_TEXT = ("No space left on device", "[Errno 28]", "Disk quota exceeded", "[Errno 122]")
 _NEARLY_FULL_BYTES = 64 << 20
+DETAIL_CHARS = 1000  # of an error's text quoted in a DiskFullError (a run directory's path is often 100 or more)
 
 
 class DiskFullError(RuntimeError):
@@ -175,8 +176,17 @@ def _free_and_needed(root: Path, previous: Path | None) -> tuple[int, int]:
         return 0, 0
 
 
-def _detail(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
+def _detail(exc: BaseException, limit: int = DETAIL_CHARS) -> str:
+    """The last line of `exc`'s text (a traceback from another process ends with the error), whole unless it
+    is longer than `limit`: then cut at the last space before it, so a path in it is never cut in two."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    line = text.splitlines()[-1]
+    if len(line) <= limit:
+        return line
+    cut = line.rfind(" ", 0, limit)
+    return (line[:cut] if cut > 0 else line[:limit]) + " ..."
 
 
 def _resume_from(store: CheckpointStore, but: int | None = None) -> str:

@@ -6,7 +6,10 @@ and drawn on a background thread; the last picture is drawn in the foreground wh
 Reporting never stops training: a failing sink is logged and skipped. Metric rows are the exception to
 skipping: a row that cannot be appended to `metrics.jsonl` (a full disk) is held in memory, with every row
 after it, and written in order with the next row once there is room (`rows_pending`); the RL loop completes
-no checkpoint while a row is held, so a checkpoint never holds a step whose row is not on disk.
+no checkpoint while a row is held, so a checkpoint never holds a step whose row is not on disk. `status.json`
+is rewritten whole from memory at every change, so one that cannot be written is current again at the next
+write that can. Each sink that cannot be written says so once per spell of failed writes (and once more when
+it is written again), not at every step.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Reporter:
         self.curve_interval_s = curve_interval_s
         self.last_row: dict[str, Any] = {}
         self._pending_rows: list[dict[str, Any]] = []  # rows not yet in metrics.jsonl, oldest first
+        self._failing: set[str] = set()  # the files whose last write failed (warned once per spell)
         self._status: dict[str, Any] = {}
         self._last_curve = time.monotonic()
         self._curve_thread: threading.Thread | None = None
@@ -74,7 +78,21 @@ class Reporter:
         try:
             write_json_atomic(self.run.status_json, self._status)
         except OSError as exc:
-            log.warning("cannot write %s: %s", self.run.status_json, exc)
+            self._failed("status", "cannot write %s (%s); it is written again, current, once there is room",
+                         self.run.status_json, exc)
+        else:
+            self._written_again("status", "%s is written again", self.run.status_json)
+
+    def _failed(self, sink: str, message: str, *args: Any) -> None:
+        """A write to `sink` failed: warn unless the last one had failed too."""
+        if sink not in self._failing:
+            self._failing.add(sink)
+            log.warning(message, *args)
+
+    def _written_again(self, sink: str, message: str, *args: Any) -> None:
+        if sink in self._failing:
+            self._failing.discard(sink)
+            log.info(message, *args)
 
     def pools(self, pools: Mapping[str, Any]) -> None:
         """Current pool picture (desired sizes, member states, GPUs) for status.json and Prometheus."""
@@ -123,13 +141,11 @@ class Reporter:
             try:
                 append_jsonl(self.run.metrics_jsonl, self._pending_rows[0])
             except OSError as exc:
-                if held == 1:  # the first row held: once per spell of failed writes
-                    log.warning("cannot append to %s (%s); its rows are held in memory and written once there "
-                                "is room (free space on that file system)", self.run.metrics_jsonl, exc)
+                self._failed("metrics", "cannot append to %s (%s); its rows are held in memory and written once "
+                             "there is room (free space on that file system)", self.run.metrics_jsonl, exc)
                 return False
             self._pending_rows.pop(0)
-        if held > 1:
-            log.info("wrote %d held metric rows to %s", held, self.run.metrics_jsonl)
+        self._written_again("metrics", "wrote %d held metric row(s) to %s", held, self.run.metrics_jsonl)
         return True
 
     def drop_rows_after(self, step: int) -> None:

@@ -12,8 +12,10 @@ import pytest
 
 from libra.cluster.training_workers import WorkerLostError
 from libra.controller.checkpoints import (
+    DETAIL_CHARS,
     CheckpointStore,
     DiskFullError,
+    _detail,
     says_disk_full,
     weights_disk_full_error,
 )
@@ -133,3 +135,19 @@ def test_a_nearly_full_disk_makes_a_write_error_a_full_disk(tmp_path: Path, monk
     assert isinstance(error, DiskFullError) and "1024 bytes free" in str(error)
     assert "no earlier checkpoint exists, so a new launch starts from step 0" in str(error)
     assert not run.weights_dir(2).exists() and run.weights_dir(1).is_dir()
+
+
+LONG_PATH = "/mnt/" + "/".join(f"runs-of-team-{i:02d}" for i in range(20)) + "/weights/step_000003/model.safetensors"
+
+
+@pytest.mark.parametrize(("text", "quoted"), [
+    pytest.param(f"[Errno 28] No space left on device: '{LONG_PATH}'",
+                 f"[Errno 28] No space left on device: '{LONG_PATH}'", id="a-long-path-whole"),
+    pytest.param(f"Traceback (most recent call last):\n  File x\nOSError: [Errno 28] at {LONG_PATH}",
+                 f"OSError: [Errno 28] at {LONG_PATH}", id="the-last-line-of-a-traceback"),
+    pytest.param("word " * 300, ("word " * 300)[:DETAIL_CHARS].rsplit(" ", 1)[0] + " ...", id="past-the-limit-at-a-space"),
+    pytest.param("", "OSError", id="no-text"),
+])
+def test_the_error_quoted_in_a_disk_full_error_keeps_its_paths_whole(text: str, quoted: str) -> None:
+    assert len(LONG_PATH) > 200  # longer than the cut the quote had before
+    assert _detail(OSError(text) if text else OSError()) == quoted

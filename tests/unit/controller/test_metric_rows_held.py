@@ -60,6 +60,42 @@ def test_rows_that_cannot_be_written_are_held_and_written_in_order(
         assert (_steps(run), reporter.rows_pending) == (on_disk[step - 1], held[step - 1])
 
 
+def _warnings(caplog: pytest.LogCaptureFixture, about: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and about in r.getMessage()]
+
+
+def test_a_full_disk_is_warned_of_once_per_spell_not_at_every_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Two spells of a full disk over six steps, the last one still full at the end of the run: each of
+    metrics.jsonl and status.json is warned of once per spell, and the end of the run says how many rows it
+    could not write, once; status.json is current again after each spell."""
+    disk = Disk()
+    real_status_write = reporting.write_json_atomic
+
+    def write_status(path: Path, obj: dict[str, Any]) -> None:
+        if disk.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_status_write(path, obj)
+
+    monkeypatch.setattr(reporting, "append_jsonl", disk.append)
+    monkeypatch.setattr(reporting, "write_json_atomic", write_status)
+    run = RunDir.at(tmp_path / "run").create()
+    reporter = Reporter(run, "t", 6, NullConsole(), EventLog(run.events_jsonl), None)
+    caplog.set_level("INFO", logger=reporting.__name__)
+    for step, full in enumerate([False, True, True, False, True, True], start=1):
+        disk.full = full
+        reporter.step({"step": step, "loss": 0.1}, {}, {}, {})
+        if step == 4:
+            assert json.loads(run.status_json.read_text())["step"] == 4 and _steps(run) == [1, 2, 3, 4]
+    reporter.finish("finished")
+    assert len(_warnings(caplog, "cannot append to")) == 2
+    assert len(_warnings(caplog, f"cannot write {run.status_json}")) == 2
+    assert _warnings(caplog, "before the run ended") == [
+        f"2 metric row(s) could not be written to {run.metrics_jsonl} before the run ended: the steps after the "
+        "newest checkpoint are trained again by the next launch"]
+    assert any("wrote 3 held metric row(s)" in r.getMessage() for r in caplog.records)
+
+
 def test_held_rows_of_steps_trained_again_are_forgotten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     disk = Disk()
     monkeypatch.setattr(reporting, "append_jsonl", disk.append)
