@@ -23,14 +23,15 @@ An undo is a measurement of the change on the workload of its window, and a pred
 that over-predicted it is no evidence against it: after an undo, the split the job went back to does not grow
 the pool the undone change grew (or, for a change that grew no pool, does not go to its target again) until
 the mean response length has moved by more than `RETRY_RESPONSE_SHIFT` from the length the undo measured (an
-`Undone`). Past that, the workload is another one and the over-prediction discount alone decides. Before, a
-calibration wobble on two loaded cores predicted the undone change's gain again past the discount, and a real
-job made it a second time (change, undo, change).
+`Undone`). Past that, the workload is another one and the over-prediction discount alone decides. Before, the
+discount alone guarded it, and a real job made a change, undid it and made it again when a calibration after
+the undo predicted its gain past the discount.
 
 `libra.controller.replanner` (the runtime) and `planner.sim.policies` (its replay) both decide through
 `OnlineReplanning.decide`. `OnlineReplanning.to_dict` / `from_dict` carry the memory across a restart of the
-controller (the change under review, the over-predictions and the undo that bars its change; the reviews' history is in the event log):
-plain JSON, with the cost model calibrated for the change kept as its constants.
+controller (the change under review, the over-predictions and the undo that bars its change; the reviews'
+history is in the event log): plain JSON, with the cost model calibrated for the change kept as its
+constants.
 """
 
 from __future__ import annotations

@@ -241,8 +241,9 @@ def test_a_change_that_did_not_deliver_is_undone_and_not_tried_again(
     """The second instance was predicted to speed the step up; on its second window the steps measured longer
     (30 s against 22 s at the same lengths): the change is undone through the same request path, and growing
     the rollout pool again is declined on the workload the undo measured (and its predicted gain, less what
-    the model over-predicted at step 3, is remembered for a later one). A controller restarted after the request and again after the undo (its re-planner started
-    from `replan_state.json` alone) decides the same, and each restart says what it restored."""
+    the model over-predicted at step 3, is remembered for a later one). A controller restarted after the
+    request and again after the undo (its re-planner started from `replan_state.json` alone) decides the same,
+    and each restart says what it restored."""
     job = Job(tmp_path)
     slower = [row(s, instances=2, busy=25.0, interval=30.0) for s in range(4, 10)]
     back = [row(s, busy=20.0, interval=22.0) for s in range(10, 16)]
