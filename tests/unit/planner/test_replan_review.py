@@ -13,7 +13,7 @@ from planner_cases import inputs
 from planner.layout import TrainLayout
 from planner.plan import Candidate
 from planner.replan import Observation, ReplanPolicy
-from planner.replan_review import Change, OnlineReplanning, OverPrediction, review
+from planner.replan_review import Change, OnlineReplanning, OverPrediction, Undone, review
 from planner.search import evaluate, search
 from planner.workload import PlannerInputs
 
@@ -152,6 +152,26 @@ def test_an_undone_change_is_not_made_again_on_the_workload_it_was_measured_on(
         assert decision.target.candidate == POOR and decision.predicted_gain >= POLICY.min_gain
     if response_of_undo == 1.0:
         assert decision.predicted_gain == pytest.approx(predicted)
+
+
+TP4 = replace(POOR, rollout_tp=4)  # the same GPU counts, another rollout TP: a change that grows no pool
+MORE_ROLLOUT = replace(POOR, train_gpus=4, rollout_gpus=28)
+MORE_TRAINING = replace(POOR, train_gpus=16, rollout_gpus=16)
+
+
+@pytest.mark.parametrize(("undone_target", "current", "target", "barred"), [
+    pytest.param(MORE_TRAINING, POOR, MORE_TRAINING, True, id="grow-training-again"),
+    pytest.param(MORE_TRAINING, POOR, replace(MORE_TRAINING, train_gpus=24, rollout_gpus=8), True,
+                 id="grow-training-further"),
+    pytest.param(MORE_TRAINING, POOR, MORE_ROLLOUT, False, id="grow-the-other-pool"),
+    pytest.param(MORE_TRAINING, TP4, MORE_TRAINING, False, id="from-another-split"),
+    pytest.param(TP4, POOR, TP4, True, id="no-pool-grown-the-same-target"),
+    pytest.param(TP4, POOR, replace(POOR, rollout_tp=8), False, id="no-pool-grown-another-target"),
+])
+def test_what_an_undo_bars(undone_target: Candidate, current: Candidate, target: Candidate, barred: bool) -> None:
+    """From the split the job went back to, an undo bars growing the pool its change grew (any amount), or,
+    for a change that grew no pool, its own target; nothing from another split."""
+    assert Undone(30, 10, POOR, undone_target, 1024.0).bars(current, target) is barred
 
 
 def test_the_undo_bars_nothing_once_the_job_left_the_split_it_went_back_to() -> None:
