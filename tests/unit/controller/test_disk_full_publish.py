@@ -21,7 +21,7 @@ from libra.controller.checkpoints import (
 )
 from libra.run_dir import RunDir
 
-from .test_training_restart import Training, make_loop
+from .test_training_restart import Training, make_loop, raised_from
 
 FULL_AT = 3  # the export of step 3 meets the full disk; checkpoints every 2 steps
 
@@ -80,13 +80,7 @@ def test_a_full_disk_at_the_weight_export_stops_the_job_and_keeps_the_checkpoint
     pytest.param(OSError(errno.EACCES, "Permission denied"), False, id="permission-denied"),
 ])
 def test_says_disk_full_reads_the_chain_of_causes(error: Exception, full: bool) -> None:
-    try:
-        try:
-            raise error
-        except Exception as inner:
-            raise RuntimeError("libra-train.export_hf failed") from inner
-    except RuntimeError as outer:
-        assert says_disk_full(outer) is full
+    assert says_disk_full(raised_from(error, "libra-train.export_hf failed")) is full
 
 
 def test_another_export_failure_with_room_left_is_raised_unchanged(tmp_path: Path) -> None:

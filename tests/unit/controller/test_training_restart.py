@@ -127,6 +127,18 @@ class Training:
         return {"switch_s": 0.5}
 
 
+def raised_from(error: Exception, message: str) -> RuntimeError:
+    """`RuntimeError(message)` raised from `error` (cause and context set), as a pool call wraps what failed
+    under it."""
+    try:
+        try:
+            raise error
+        except Exception as inner:
+            raise RuntimeError(message) from inner
+    except RuntimeError as outer:
+        return outer
+
+
 def run_loop(tmp_path: Path, training: Training, replan_onto_capacity: Any = None,
              rollout: Rollout | None = None, restart_limit: int | None = None) -> tuple[RLLoop, RunDir]:
     loop, run = make_loop(tmp_path, training, replan_onto_capacity, rollout, restart_limit)
@@ -225,13 +237,7 @@ def test_a_hung_worker_is_recovered_as_a_lost_one_and_said_so(
     ],
 )
 def test_how_a_worker_was_lost_is_read_through_the_chain_of_causes(error: Exception, how: str) -> None:
-    try:
-        try:
-            raise error
-        except Exception as inner:
-            raise RuntimeError("train_step failed") from inner
-    except RuntimeError as outer:
-        assert training_worker_loss(outer) == how
+    assert training_worker_loss(raised_from(error, "train_step failed")) == how
 
 
 @pytest.mark.parametrize(("limit", "restarts"), [
