@@ -64,6 +64,12 @@ Faults (`--faults` picks some):
                               dead while its training worker and rollout server still run and answer; the job
                               fails the instance from its host actor's status and re-plans; the raylet is then
                               continued and everything of the node must end by itself
+  worker_partition            three worker nodes of 1 logical GPU, each in a network namespace of its own (a head
+                              with none); a job of 2 training GPUs and 1 rollout instance; held after step 2's
+                              checkpoint, its two training nodes stop reaching each other while both reach the
+                              head; the hung step fails past train_hang_timeout_s (30 s), the restart's
+                              reachability check finds the pair, one node is fenced off and the job re-plans
+                              onto the other two and runs to step 40 (needs root for `ip netns`)
   disk_full_mid_trace         only the run directory's trace folder on a small tmpfs, filled after step 2;
                               the same launch trains on to step END (trace records dropped with a warning)
   load_queue_and_status       10,000 queued prompts through the job's producer and buffer under
@@ -146,7 +152,10 @@ NOT_COVERED = [
     "without a word (node_loss_silent), on one machine; a network partition is played by stopping every process "
     "of the node (node_partition), so its servers are unreachable from everywhere, not only from the head's side; "
     "a node whose Ray daemon alone stops answering while its servers still answer the controller is raylet_hung; "
-    "a partition between two worker nodes that both still reach the head is not covered; with "
+    "a partition between two worker nodes that both still reach the head is worker_partition (network "
+    "namespaces on one machine: the cut drops packets between the two nodes' addresses, not a switch failing), "
+    "met when the training pool restarts after its hung step; a partition found when the job first starts its "
+    "training pool stops the launch with the pair named (nothing is fenced at start); with "
     "`runtime_node_loss_policy: wait`, a node that does not come back in time (then the job re-plans) is a unit "
     "case only",
     "a rollout server that hangs in the middle of a restart reload: measured while the new server starts "
@@ -502,6 +511,38 @@ def node_loss(root: Path, wait_policy: bool = False, silent: bool = False, froze
     return figures
 
 
+def worker_partition(root: Path) -> dict[str, Any]:
+    """Three worker nodes of 1 logical GPU in network namespaces of their own (a head with none); the job trains
+    on 2 and generates on the third. Held at a step boundary after step 2's checkpoint, its two training nodes
+    stop reaching each other (both still reach the head), and it runs on to its last step
+    (tests/integration/reliability/test_worker_partition.py). None when network namespaces cannot be made."""
+    from tests.integration.reliability.test_worker_partition import STEPS, partition_cluster, partition_run
+
+    with partition_cluster() as cluster:
+        run = partition_run(cluster, root)
+    found = events(run["run_dir"])
+    recovered = [e for e in found if e["kind"] == "train_recovered"]
+    fenced = [e for e in found if e["kind"] == "node_fenced"]
+    hung = [e for e in found if e["kind"] == "train_worker_lost"]
+    lost = [e for e in found if e["kind"] == "capacity_lost"]
+    resumed = int(recovered[0]["step"]) if recovered else max((int(r["step"]) for r in run["before"]), default=0)
+    figures = fault_figures("", run["before"], metric_rows(run["run_dir"]), resumed, STEPS, SAMPLES_PER_STEP,
+                            run["cut_at"], run["code"])
+    figures["details"] = {
+        "exit_code": run["code"], "checkpoint_interval": 1, "end_step": STEPS, "partitioned": run["partitioned"],
+        "train_hang_timeout_s": HANG_TIMEOUT_S,
+        "training_restarted_after_s": round(float(hung[0]["ts"]) - run["cut_at"], 1) if hung else None,
+        "fenced": [{"address": e["address"], "unreachable": e["unreachable"]} for e in fenced],
+        "fenced_after_s": round(float(fenced[0]["ts"]) - run["cut_at"], 1) if fenced else None,
+        "decision": lost[0].get("message", "") if lost else "",
+        "resumed_from_step": int(recovered[0]["step"]) if recovered else None,
+        "steps_before_the_partition": [int(r["step"]) for r in run["before"]],
+        "recovery_covers": "from the cut (the loop held at a step boundary, then resumed at once) to the first step "
+                           "after it: the hung step's deadline (train_hang_timeout_s), the restart whose "
+                           "reachability check finds the pair, the fence, the re-plan and the checkpoint load"}
+    return figures
+
+
 def _server_fault(name: str, job: str) -> Callable[[Path], dict[str, Any]]:
     return lambda root: dict(server_faults(root, job)[name])
 
@@ -530,6 +571,7 @@ FAULTS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "node_loss_silent": lambda root: node_loss(root, silent=True),
     "node_partition": lambda root: node_loss(root, frozen=True),
     "raylet_hung": lambda root: node_loss(root, frozen=True, raylet_only=True),
+    "worker_partition": worker_partition,
 }
 
 

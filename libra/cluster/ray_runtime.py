@@ -22,6 +22,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from libra.cluster.node_fence import FENCE, avoid_fenced
+
 log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0
@@ -219,13 +221,16 @@ class RayRuntime:
     @staticmethod
     def live_gpus() -> int:
         """The logical GPUs of the nodes Ray counts alive now (a node that died or was removed drops out once
-        Ray's health checks have marked it dead)."""
-        return sum(int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"])
+        Ray's health checks have marked it dead), less those of nodes the job fenced off (`node_fence`)."""
+        fenced = FENCE.node_ids()
+        return sum(int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"] and n["NodeID"] not in fenced)
 
     @staticmethod
     def node_gpus() -> dict[str, tuple[int, int]]:
         """Per alive node (by node id): (logical GPUs, GPUs in use)."""
-        totals = {n["NodeID"]: int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"]}
+        fenced = FENCE.node_ids()
+        totals = {n["NodeID"]: int(n["Resources"].get("GPU", 0)) for n in ray.nodes()
+                  if n["Alive"] and n["NodeID"] not in fenced}
         used = dict.fromkeys(totals, 0.0)
         for pg in ray.util.placement_group_table().values():
             if pg.get("state") != "CREATED":
@@ -241,8 +246,10 @@ class RayRuntime:
         """Reserve `bundles` (e.g. `[{"GPU": 1, "CPU": 1}] * 4`) and wait until they are placed, at most
         `PLACEMENT_TIMEOUT_S`. The wait ends early when the cluster loses GPUs meanwhile (a node that died without
         a word is declared dead by Ray's health checks, and a group waiting for it would wait out the timeout):
-        the caller re-plans on what is left instead; so does one whose `placement_guard` check gives a reason."""
-        pg = placement_group(list(bundles), strategy=strategy, name=name)
+        the caller re-plans on what is left instead; so does one whose `placement_guard` check gives a reason.
+        Its bundles avoid the nodes the job fenced off (`node_fence`)."""
+        pg = placement_group(list(bundles), strategy=strategy, name=name,
+                             bundle_label_selector=avoid_fenced(len(bundles)))
         self.wait_placed(pg, f"placement group '{name}' ({len(bundles)} bundles {bundles[0] if bundles else {}}, "
                              f"{strategy})")
         self._placement_groups.append(pg)

@@ -20,6 +20,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from libra.cluster.node_fence import FENCE, avoid_fenced
 from libra.cluster.ray_runtime import RayRuntime
 from libra.rollout.spec import HostGoneError, HostUnreachableError
 
@@ -60,6 +61,17 @@ class RayHostHandle:
         except ray.exceptions.ActorUnavailableError as exc:
             raise HostUnreachableError(f"the host actor {self.name} does not answer ({type(exc).__name__})") from exc
 
+    def fenced(self) -> str:
+        """Why the node of this host's bundle is fenced off by the job (`node_fence`), or '' when it is not (or
+        the group cannot be read now)."""
+        if self.pg is None or not FENCE.node_ids():
+            return ""
+        try:
+            node = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {}).get(0)
+        except Exception:  # the cluster cannot tell now: not a verdict
+            return ""
+        return FENCE.reason_for(str(node)) if node else ""
+
     def kill(self) -> None:
         """Kill the actor and release its GPUs (stop the server first: a killed actor does not)."""
         try:
@@ -91,7 +103,8 @@ def spawn_host(
     meanwhile, as a training pool's does."""
     lifetime = "detached" if detached else None
     pg = placement_group(
-        [{"GPU": tp_size, "CPU": 1}], strategy="STRICT_PACK", name=group_name(name), lifetime=lifetime
+        [{"GPU": tp_size, "CPU": 1}], strategy="STRICT_PACK", name=group_name(name), lifetime=lifetime,
+        bundle_label_selector=avoid_fenced(1),
     )
     runtime.wait_placed(pg, f"rollout instance {name}: {tp_size} GPU(s) in one bundle")
     options: dict[str, Any] = {

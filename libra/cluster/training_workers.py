@@ -7,7 +7,9 @@ the other ranks, which would block in a collective forever. When a rank's proces
 `WorkerLostError` (a rank that raised because its peer died is given a few seconds to be joined by the dead
 rank's own error), so the caller can start the pool again rather than fail. A call that outlives its
 deadline, or whose rank says its collective timed out waiting for a peer, is a `WorkerHungError` (a kind of lost
-worker: the pool is stopped, which kills the hung processes, and started again).
+worker: the pool is stopped, which kills the hung processes, and started again). Before a group spread over
+several nodes forms its process group, `check_reachability` checks that its nodes reach each other
+(`libra.cluster.reachability`) and raises `NodesUnreachableError` naming the pairs that do not.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import ray
 
 from libra.cluster.ray_runtime import RayRuntime
+from libra.cluster.reachability import REACH_TIMEOUT_S, nodes_to_fence
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,19 @@ class WorkerHungError(WorkerLostError):
     """A collective call outlived its deadline: a rank stopped answering (frozen, or stuck in a collective) and
     the others wait for it. `ranks` are those that had not answered, the hung one and the ranks waiting for it
     alike (from outside they cannot be told apart)."""
+
+
+class NodesUnreachableError(RuntimeError):
+    """Nodes of a training pool cannot reach each other (a network partition between worker nodes that Ray still
+    counts alive). `pairs` are the node ids of each pair that could not connect, `fence` the fewest nodes to
+    leave out so that the rest connect, `addresses` each node's address."""
+
+    def __init__(self, message: str, pairs: list[tuple[str, str]], fence: list[str],
+                 addresses: dict[str, str]) -> None:
+        super().__init__(message)
+        self.pairs = pairs
+        self.fence = fence
+        self.addresses = addresses
 
 
 class TrainingWorkerGroup:
@@ -87,6 +103,51 @@ class TrainingWorkerGroup:
             if node.get("NodeID") == node_id:
                 return str(node["NodeManagerAddress"])
         raise RuntimeError(f"{self.name}: rank 0's node {node_id} is not in the cluster's node list")
+
+    def rank_nodes(self) -> list[str]:
+        """The node id of each rank's bundle, by rank."""
+        bundle_nodes = ray.util.placement_group_table(self._pg).get("bundles_to_node_id", {})
+        return [str(bundle_nodes[rank]) for rank in range(self.num_workers)]
+
+    def check_reachability(self, timeout: float) -> None:
+        """When the ranks are on several nodes: the first rank of each node listens on its node's address and
+        connects to every other node's (`libra.cluster.reachability`); raises `NodesUnreachableError` when a
+        pair of nodes cannot connect (`timeout`: each round of calls, the actors' start included)."""
+        nodes = self.rank_nodes()
+        first_rank: dict[str, int] = {}
+        for rank, node in enumerate(nodes):
+            first_rank.setdefault(node, rank)
+        if len(first_rank) <= 1:
+            return
+        order = list(first_rank)
+        listeners = self._gather("reach_listen", [self.actors[first_rank[n]].reach_listen.remote() for n in order],
+                                 timeout)
+        try:
+            address_of = {node: (str(host), int(port)) for node, (host, port) in zip(order, listeners, strict=True)}
+            checks = self._gather(
+                "reach_check",
+                [self.actors[first_rank[n]].reach_check.remote([address_of[o] for o in order if o != n])
+                 for n in order], timeout + REACH_TIMEOUT_S)
+        finally:
+            for node in order:
+                self.actors[first_rank[node]].reach_close.remote()
+        broken: dict[tuple[str, str], str] = {}
+        for node, results in zip(order, checks, strict=True):
+            for other, why in zip([o for o in order if o != node], results, strict=True):
+                if why:
+                    broken.setdefault((min(node, other), max(node, other)), why)
+        if not broken:
+            return
+        counts = {node: nodes.count(node) for node in order}
+        fence = nodes_to_fence(list(broken), counts, keep=nodes[0])
+        hosts = {node: host for node, (host, _) in address_of.items()}
+        said = "; ".join(f"{hosts[a]} (node {a[:8]}) and {hosts[b]} (node {b[:8]}): {why}"
+                         for (a, b), why in sorted(broken.items()))
+        raise NodesUnreachableError(
+            f"{self.name}: the nodes of its ranks cannot all reach each other, so its collectives would hang "
+            f"(a network partition between nodes that Ray still counts alive): {said}. Leaving out "
+            f"{', '.join(hosts[n] for n in fence)} lets the rest connect",
+            sorted(broken), fence, hosts)
 
     def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """Call `method(*args)` on every rank (large arguments travel once through the object store)."""
@@ -152,6 +213,18 @@ class TrainingWorkerGroup:
             except Exception as exc:  # already gone with the cluster
                 log.debug("release training placement group: %s", exc)
             self._pg = None
+
+
+def nodes_unreachable(exc: BaseException) -> NodesUnreachableError | None:
+    """The `NodesUnreachableError` that `exc` is or was raised from (its chain of causes, bounded), or None."""
+    seen: BaseException | None = exc
+    for _ in range(16):
+        if seen is None:
+            return None
+        if isinstance(seen, NodesUnreachableError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def collective_timed_out(error: str) -> bool:

@@ -23,7 +23,7 @@ from libra.config.schema import AlgorithmConfig, CheckpointConfig, Config, Optim
 from libra.metering.spec import CpuMetering
 from libra.models.tiny import TinyModelSpec
 from libra.observability.phase_trace import TraceSettings
-from libra.rollout.spec import HealthRule, RolloutPoolSpec
+from libra.rollout.spec import NODE_IP, HealthRule, RolloutPoolSpec
 from libra.training.call_deadlines import HangRule
 from libra.training.spec import CheckpointRetention, MegatronOptions, OptimizerSpec, TrainingPoolSpec
 from planner.layout import TrainLayout
@@ -148,6 +148,8 @@ def rollout_pool_spec(cfg: Config, num_instances: int, kv_cache_bytes: int, run_
         metering=cpu_metering(cfg),
         trace=trace,
         health=health_rule(cfg),
+        # servers on other nodes must answer the controller on their node's address, not on loopback
+        bind_host=NODE_IP if cfg.cluster.num_nodes > 1 else "127.0.0.1",
     )
 
 

@@ -73,6 +73,10 @@ from libra.run_dir import RunDir, write_json_atomic
 log = logging.getLogger(__name__)
 
 
+class TrainingNodesUnreachable(RuntimeError):
+    """The training pool's first start found nodes of its ranks that cannot reach each other."""
+
+
 class StopRequested(Exception):
     pass
 
@@ -267,9 +271,15 @@ class Controller:
                                 self.options.tick_interval_s, on_observed=self._on_observed)
         self.reporter.set_state("starting", message="starting the rollout and training pools")
         self.loop.start()
-        ready = self.loop.wait_until(self._pools_ready, self.options.startup_timeout_s, self.stop.event)
+        executor = self.executor
+        ready = self.loop.wait_until(lambda: self._pools_ready() or executor.training_nodes_unreachable is not None,
+                                     self.options.startup_timeout_s, self.stop.event)
         if self.stop.requested:
             raise StopRequested()
+        if executor.training_nodes_unreachable is not None:
+            raise TrainingNodesUnreachable(
+                f"{executor.training_nodes_unreachable}. The job does not start on nodes that cannot reach each "
+                "other: mend the network between them (or take one out of the Ray cluster) and launch again")
         if not ready:
             raise TimeoutError(
                 f"the pools were not ready within {self.options.startup_timeout_s:.0f}s: {self._pool_summary()}; "

@@ -108,6 +108,9 @@ class Executor:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self.training = TrainingResizer(tracker, train, events, self.gate, clock)
+        # a training pool start that found nodes of its ranks unable to reach each other (a network partition):
+        # retrying places it on the same nodes, so the launch stops on it (`libra.cluster.reachability`)
+        self.training_nodes_unreachable: Exception | None = None
         self.handlers: dict[type[Action], Handler] = {
             MarkFailed: Handler("", self._nothing, self._begin_mark_failed, inline=True),
             StrategyFallback: Handler("", self._nothing, self._begin_fallback, inline=True),
@@ -196,6 +199,10 @@ class Executor:
         t = self.tracker
         if isinstance(action, CreateRolloutPool | CreateTrainingPool):
             t.set_pool(handler.pool, busy=False, created=False)
+        if isinstance(action, CreateTrainingPool):
+            from libra.cluster.training_workers import nodes_unreachable
+
+            self.training_nodes_unreachable = nodes_unreachable(exc)
         for member_id in handler.started(action):
             t.set_busy(member_id, False)
             t.move(member_id, S.FAILED, now, message)

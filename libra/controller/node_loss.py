@@ -21,7 +21,10 @@ size, lost rollout instances are replaced); it re-plans only when they are not. 
 `min_rollout_gpus` do not fit, the job waits up to `runtime_node_loss_wait_s` for them, then stops with
 `CapacityLost`, which says what is left and how to resume. A training restart that cannot be placed because Ray
 had not marked the node dead yet gives up its placement wait once the cluster shows fewer GPUs than the job
-holds (the runtime's `placement_guard`), waits for that at most `NODE_DEATH_SEEN_S`, and re-plans. Events:
+holds (the runtime's `placement_guard`), waits for that at most `NODE_DEATH_SEEN_S`, and re-plans. A training
+restart whose ranks' nodes cannot reach each other (a partition between worker nodes that Ray counts alive,
+`NodesUnreachableError`) fences off the fewest nodes that lets the rest connect (`libra.cluster.node_fence`:
+their GPUs no longer count) and re-plans the same way (`node_fenced`). Events:
 `capacity_changed` (the cluster's GPUs moved), `capacity_wait` / `capacity_wait_over`, `capacity_lost` (the
 decision, with its numbers), `capacity_replan` (done, with its seconds).
 """
@@ -37,6 +40,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+from libra.cluster.node_fence import FENCE, NodeFence
 from libra.config import Config
 from libra.controller.capacity import (
     CapacityFit,
@@ -57,6 +61,7 @@ log = logging.getLogger(__name__)
 
 CAPACITY_CHECK_S = 2.0  # the control loop reads the cluster's GPUs at most this often
 NODE_DEATH_SEEN_S = 90.0  # how long a training restart that could not be placed waits for Ray to mark a node dead
+MAX_FENCE_ROUNDS = 4  # restarts that may each fence nodes off (one partition found per restart) before giving up
 SURPLUS_STOPPED_S = 180.0  # how long the training restart waits for the rollout pool to give up its surplus
 
 
@@ -68,7 +73,8 @@ class NodeLossRecovery:
                  train_problems: Callable[[int, TrainLayout], list[str]] | None, wake: Callable[[], None],
                  rollout_failed_within_s: float, training_answers: Callable[[], bool],
                  stopping: threading.Event | None = None,
-                 placement_guard: Callable[[Callable[[], str]], AbstractContextManager[None]] | None = None) -> None:
+                 placement_guard: Callable[[Callable[[], str]], AbstractContextManager[None]] | None = None,
+                 fence: NodeFence = FENCE) -> None:
         self.cfg = cfg
         self.live_gpus = live_gpus
         self.store = store
@@ -85,6 +91,7 @@ class NodeLossRecovery:
         self.stopping = stopping or threading.Event()  # a stop request ends every wait here at once
         # a training restart's placement wait gives up when the cluster no longer has the job's GPUs
         self.placement_guard = placement_guard or (lambda check: contextlib.nullcontext())
+        self.fence = fence  # nodes left out after training ranks on them could not reach their peers
 
     # ---- control loop ---------------------------------------------------------------------------------
     def observe_capacity(self, now: float | None = None, force: bool = False) -> None:
@@ -194,7 +201,32 @@ class NodeLossRecovery:
     def restart_training(self, reason: str) -> dict[str, Any]:
         """After a training call lost a rank: re-plan when the cluster lost GPUs, else restart the pool at its
         size; a restart that cannot be placed (the rank's node is gone, Ray has not marked it dead yet) waits
-        for the loss to show and re-plans."""
+        for the loss to show and re-plans. A restart whose nodes cannot reach each other (a partition between
+        worker nodes, `NodesUnreachableError`) fences off the fewest nodes that lets the rest connect and
+        re-plans onto the rest, as for a lost node."""
+        for _ in range(MAX_FENCE_ROUNDS):
+            try:
+                return self._restart_training(reason)
+            except Exception as exc:
+                unreachable = _unreachable(exc)
+                if unreachable is None:
+                    raise
+                reason = self._fence_off(unreachable, reason)
+        return self._restart_training(reason)
+
+    def _fence_off(self, unreachable: Any, reason: str) -> str:
+        """Fence off the nodes `unreachable` (a `NodesUnreachableError`) names; the restart's reason after it."""
+        addresses = unreachable.addresses
+        for node in unreachable.fence:
+            peers = sorted({addresses.get(b if a == node else a, "?") for a, b in unreachable.pairs if node in (a, b)})
+            why = f"training ranks there could not reach {', '.join(peers)}"
+            if self.fence.add(node, addresses.get(node, node), why):
+                self.events.emit("node_fenced", f"node {addresses.get(node, node)} is fenced off: {why}; the job "
+                                 "re-plans onto the other nodes, as for a lost node", node_id=node,
+                                 address=addresses.get(node, ""), unreachable=peers)
+        return f"{reason}; nodes fenced off: {', '.join(addresses.get(n, n) for n in unreachable.fence)}"
+
+    def _restart_training(self, reason: str) -> dict[str, Any]:
         replanned = self.replan(training_lost=True, reason=reason)
         if replanned is not None:
             return replanned
@@ -258,6 +290,14 @@ class NodeLossRecovery:
         the weight gate, which the training restart then holds while its placement group cannot be placed."""
         if not self._rollout_holds_at_most(gpus, time.monotonic() + SURPLUS_STOPPED_S, self._rollout_gpus_held):
             log.warning("the rollout pool still holds more than %d GPUs; restarting the training pool anyway", gpus)
+
+
+def _unreachable(exc: BaseException) -> Any:
+    """The `NodesUnreachableError` that `exc` is or was raised from, or None."""
+    from libra.cluster.training_workers import nodes_unreachable
+
+    return nodes_unreachable(exc)
+
 
 def _not_placed(exc: BaseException) -> bool:
     """Whether `exc` (or an error it came from) says a placement group was not placed in time."""

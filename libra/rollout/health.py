@@ -162,9 +162,13 @@ async def unless_hung(work: Awaitable[T], client: ServerClient, rule: HealthRule
 
 async def host_gone(handle: Any, rule: HealthRule) -> str:
     """Why the host actor `handle` (None: an unmanaged endpoint) is gone for good, or '' while it answers or
-    cannot tell (a host that does not answer now may be busy; its server's /health decides then)."""
+    cannot tell (a host that does not answer now may be busy; its server's /health decides then). A host on a
+    node the job fenced off (`libra.cluster.node_fence`) is gone for the job though it answers."""
     if handle is None:
         return ""
+    fenced = getattr(handle, "fenced", None)
+    if fenced is not None and (why := await asyncio.to_thread(fenced)):
+        return why
     try:
         await asyncio.wait_for(handle.acall("status"), rule.timeout_s)
     except HostGoneError as exc:

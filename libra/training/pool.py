@@ -83,6 +83,7 @@ class TrainingPool:
             self.rank_info = []  # set once every rank joined the process group
             try:
                 group.start()
+                group.check_reachability(self.spec.hang.first_call_s)
                 addr = group.rendezvous_host()
                 port = group.call_rank(0, "rendezvous_port", addr, timeout=self.spec.hang.first_call_s)
                 self.rank_info = group.call("setup", addr, port, timeout=self.spec.hang.first_call_s)

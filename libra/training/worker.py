@@ -104,6 +104,7 @@ class TrainingWorker:
         self.step = 0
         self.tracer = open_rank_tracer(spec, rank)
         self._writer_warm_up: threading.Thread | None = None
+        self._reach_listener: Any = None  # the reachability check's listener (`reach_listen`)
         self._cpu = GpuHolderSlice(spec.metering, f"train-{rank}")
         # a checkpoint writer forked from this process must not outlive it: Ray would not see the worker die
         child_processes.install_for_forks()
@@ -112,6 +113,25 @@ class TrainingWorker:
     def rendezvous_port(self, host: str) -> int:
         """A free port on `host` for the process-group rendezvous (asked of rank 0)."""
         return free_port(host)
+
+    def reach_listen(self) -> tuple[str, int]:
+        """Listen on this node's address for the pool's reachability check (`reach_close` ends it)."""
+        from libra.cluster.reachability import Listener
+        from libra.cluster.rollout_hosts import node_ip_address
+
+        self._reach_listener = Listener(node_ip_address())
+        return self._reach_listener.address
+
+    def reach_check(self, peers: list[tuple[str, int]]) -> list[str]:
+        """For each peer listener (host, port): '' when a connection opened, else why not."""
+        from libra.cluster.reachability import unreachable
+
+        return unreachable([(str(host), int(port)) for host, port in peers])
+
+    def reach_close(self) -> None:
+        listener, self._reach_listener = self._reach_listener, None
+        if listener is not None:
+            listener.close()
 
     def setup(self, master_addr: str, master_port: int) -> dict[str, int]:
         """Join the process group, build Megatron parallel state, the model (loaded from HF) and optimizer."""

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from libra.cluster import ray_runtime, rollout_hosts
+from libra.cluster.node_fence import FENCE
 from libra.cluster.ray_runtime import RayRuntime
 from libra.controller.node_loss import _not_placed
 
@@ -55,7 +56,8 @@ def fake_cluster(monkeypatch: pytest.MonkeyPatch, live: list[int],
 def test_a_placement_wait_gives_up_when_the_cluster_loses_gpus(
         monkeypatch: pytest.MonkeyPatch, live: list[int], placed_after: int | None, guard: bool, expect: str) -> None:
     polls, removed = fake_cluster(monkeypatch, live, placed_after)
-    monkeypatch.setattr(ray_runtime, "placement_group", lambda bundles, strategy, name: FakeGroup())
+    monkeypatch.setattr(ray_runtime, "placement_group",
+                        lambda bundles, strategy, name, bundle_label_selector: FakeGroup())
     runtime = RayRuntime(address="fake", owned=False, namespace="ns")
     if guard:  # the caller planned with 4 GPUs; Ray declared 2 of them dead just before the wait began
         checks = iter(["", "the cluster has 2 of the 4 GPUs this job holds"])
@@ -84,10 +86,32 @@ def test_a_rollout_hosts_bundle_waits_as_a_training_pools_does(
     """A replacement rollout instance placed on a node that died without a word gives up its wait once Ray
     declares the node dead, instead of waiting out the timeout; its group is removed, and no host is started."""
     polls, removed = fake_cluster(monkeypatch, live, placed_after=None)
-    monkeypatch.setattr(rollout_hosts, "placement_group", lambda bundles, strategy, name, lifetime: FakeGroup())
+    monkeypatch.setattr(rollout_hosts, "placement_group",
+                        lambda bundles, strategy, name, lifetime, bundle_label_selector: FakeGroup())
     monkeypatch.setattr(rollout_hosts.ray, "remote", lambda cls: pytest.fail("a host started without its GPUs"))
     runtime = RayRuntime(address="fake", owned=False, namespace="ns")
     with pytest.raises(TimeoutError, match=expect) as raised:
         rollout_hosts.spawn_host(object, name="rollout-3", namespace="ns", tp_size=1, detached=True, runtime=runtime)
     assert "rollout instance rollout-3: 1 GPU(s) in one bundle" in str(raised.value)
     assert len(removed) == 1 and len(polls) <= polls_at_most
+
+
+@pytest.mark.parametrize(("fenced", "selector"), [([], None), (["n2"], [{"ray.io/node-id": "!in(n2)"}] * 2)],
+                         ids=["no-fence-no-selector", "fenced-node-avoided-by-every-bundle"])
+def test_a_training_pools_bundles_avoid_the_fenced_nodes(monkeypatch: pytest.MonkeyPatch, fenced: list[str],
+                                                         selector: list[dict[str, str]] | None) -> None:
+    fake_cluster(monkeypatch, [4] * 4, placed_after=0)
+    asked: list[Any] = []
+
+    def placement_group(bundles, strategy, name, bundle_label_selector):  # type: ignore[no-untyped-def]
+        asked.append(bundle_label_selector)
+        return FakeGroup()
+
+    monkeypatch.setattr(ray_runtime, "placement_group", placement_group)
+    for node in fenced:  # the process's fence, as the controller's node-loss recovery fills it
+        FENCE.add(node, "10.0.0.3", "cut off")
+    try:
+        RayRuntime(address="fake", owned=False, namespace="ns").placement_group([{"GPU": 1.0}] * 2, name="train-pg")
+    finally:
+        FENCE.clear()
+    assert asked == [selector]

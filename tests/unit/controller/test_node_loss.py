@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from libra.cluster.node_fence import NodeFence
+from libra.cluster.training_workers import NodesUnreachableError
 from libra.config import load_dict
 from libra.controller.capacity import CapacityFit, CapacityLost, fit_to_capacity, shrink_to_capacity
 from libra.controller.control_loop import ControlLoop
@@ -84,13 +86,14 @@ def test_shrink_to_capacity_is_a_diff_generation_switched_at_once() -> None:
 
 
 class Cluster:
-    """The GPUs Ray counts alive, as the test sets them."""
+    """The GPUs Ray counts alive, as the test sets them, less one per node the job fenced off (nodes of 1 GPU)."""
 
-    def __init__(self, gpus: int) -> None:
+    def __init__(self, gpus: int, fence: NodeFence) -> None:
         self.gpus = gpus
+        self.fence = fence
 
     def __call__(self) -> int:
-        return self.gpus
+        return self.gpus - len(self.fence.node_ids())
 
 
 class LossJob:
@@ -116,12 +119,13 @@ class LossJob:
         self.store = DesiredStore(None, DesiredState(rollout_instances=instances, rollout_tp=1, train_gpus=train,
                                                      train_layout=TrainLayout(), rollout_fingerprint="fp",
                                                      cluster_gpus=gpus, generation=1))
-        self.cluster = Cluster(gpus)
+        self.fence = NodeFence()
+        self.cluster = Cluster(gpus, self.fence)
         self.training_answers = True
         self.recovery = NodeLossRecovery(
             self.cfg, self.cluster, self.store, self.tracker, self.executor, self.events,
             fingerprint_for=lambda tp: "fp", train_problems=None, wake=lambda: None,
-            rollout_failed_within_s=1.0, training_answers=lambda: self.training_answers)
+            rollout_failed_within_s=1.0, training_answers=lambda: self.training_answers, fence=self.fence)
         self.loop = ControlLoop(self.tracker, self.executor, self.rollout, self.train, self.store.get, self.events,
                                 interval_s=0.02, on_observed=lambda o, d: self.recovery.observe_capacity(
                                     force=any(m.state.value == "FAILED" for m in o.members)))
@@ -416,3 +420,48 @@ def test_a_step_boundary_reads_the_cluster_only_when_the_control_loop_saw_gpus_g
     outcome = job.recovery.replan(training_lost=False, observed=True)
     assert outcome is not None and not outcome["training_restarted"] and reads
     assert job.store.get().rollout_instances == 3
+
+
+def test_a_restart_whose_nodes_cannot_reach_each_other_fences_one_off_and_re_plans(make_job) -> None:
+    """A partition between the two nodes of the training ranks (1 GPU each, both alive to Ray): the restart at
+    the same size finds it before forming its process group; the node the check chose is fenced off (its GPU no
+    longer counts) and the job re-plans onto the rest, restarting the training pool on the node left."""
+    job = make_job(train=2, instances=2)
+    job.training_answers = False
+    original = job.train.restart
+    calls: list[int | None] = []
+
+    def restart(gpus=None, layout=None):  # type: ignore[no-untyped-def]
+        calls.append(gpus)
+        if len(calls) == 1:
+            raise RuntimeError("training pool start failed") from NodesUnreachableError(
+                "libra-train: the nodes of its ranks cannot all reach each other", [("node-a", "node-b")],
+                ["node-b"], {"node-a": "10.0.0.2", "node-b": "10.0.0.3"})
+        return original(gpus, layout)
+
+    job.train.restart = restart  # type: ignore[method-assign]
+    outcome = job.recovery.restart_training("a training worker hung")
+    assert calls == [2, 1] and outcome["training_restarted"]
+    assert job.fence.node_ids() == {"node-b"}
+    assert job.fence.reason_for("node-b") == ("its node 10.0.0.3 is fenced off: training ranks there could not "
+                                              "reach 10.0.0.2")
+    want = job.store.get()
+    assert (want.train_gpus, want.rollout_instances, want.cluster_gpus) == (1, 2, 3)
+    log = job.kinds()
+    (fenced,) = [e for e in log if e["kind"] == "node_fenced"]
+    assert (fenced["node_id"], fenced["address"], fenced["unreachable"]) == ("node-b", "10.0.0.3", ["10.0.0.2"])
+    (lost,) = [e for e in log if e["kind"] == "capacity_lost"]
+    assert (lost["live_gpus"], lost["was_gpus"]) == (3, 4) and "nodes fenced off: 10.0.0.3" in lost["reason"]
+
+
+def test_a_restart_that_fails_for_another_reason_fences_nothing(make_job) -> None:
+    job = make_job(train=2, instances=2)
+    job.training_answers = False
+
+    def restart(gpus=None, layout=None):  # type: ignore[no-untyped-def]
+        raise RuntimeError("the model does not load")
+
+    job.train.restart = restart  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="the model does not load"):
+        job.recovery.restart_training("a training worker died")
+    assert job.fence.node_ids() == frozenset() and "node_fenced" not in [e["kind"] for e in job.kinds()]

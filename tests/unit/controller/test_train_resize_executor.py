@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from libra.cluster.training_workers import NodesUnreachableError
 from libra.controller.actions import CreateTrainingPool, ResizeTrainingPool, ShrinkTrainingPool
 from libra.controller.events import EventLog
 from libra.controller.executor import Executor
@@ -139,5 +140,29 @@ def test_a_failed_create_leaves_no_rank_and_its_retry_is_converged(tmp_path: Pat
         want = DesiredState(rollout_instances=0, rollout_tp=1, train_gpus=2, train_layout=TrainLayout())
         observed = ex.tracker.snapshot(2000.0)
         assert [a for a in reconcile(observed, want) if "Training" in type(a).__name__] == []
+    finally:
+        ex.shutdown()
+
+
+@pytest.mark.parametrize(("failure", "recorded"), [
+    (lambda: RuntimeError("start failed"), False),
+    (lambda: NodesUnreachableError("libra-train: the nodes of its ranks cannot all reach each other",
+                                   [("a", "b")], ["b"], {"a": "10.0.0.2", "b": "10.0.0.3"}), True),
+], ids=["other-failure-retried", "unreachable-nodes-recorded-for-the-launch"])
+def test_a_first_start_on_nodes_that_cannot_reach_each_other_is_recorded(tmp_path: Path, failure, recorded) -> None:
+    """A retry would place the pool on the same nodes, so the launch stops on it (`Controller._start_pools`)."""
+    event_log = EventLog(tmp_path / "events.jsonl")
+    train = FakeTrainingEdge()
+
+    def create(gpus: int, layout: TrainLayout):  # type: ignore[no-untyped-def]
+        raise RuntimeError("training pool start failed") from failure()
+
+    train.create = create  # type: ignore[method-assign]
+    ex = Executor(MemberTracker(event_log), FakeRolloutEdge(gpus=4), train, event_log, clock=lambda: 1000.0)
+    try:
+        run(ex, CreateTrainingPool("test", 2, TrainLayout(), ("train-0", "train-1")))
+        found = ex.training_nodes_unreachable
+        assert (found is not None) is recorded
+        assert found is None or (isinstance(found, NodesUnreachableError) and found.fence == ["b"])
     finally:
         ex.shutdown()

