@@ -69,7 +69,8 @@ Faults (`--faults` picks some):
                               checkpoint, its two training nodes stop reaching each other while both reach the
                               head; the hung step fails past train_hang_timeout_s (30 s), the restart's
                               reachability check finds the pair, one node is fenced off and the job re-plans
-                              onto the other two and runs to step 40 (needs root for `ip netns`)
+                              onto the other two; held after its recovery while the route comes back, until
+                              the fenced node counts again; then it runs to step 100 (needs root for `ip netns`)
   disk_full_mid_trace         only the run directory's trace folder on a small tmpfs, filled after step 2;
                               the same launch trains on to step END (trace records dropped with a warning)
   load_queue_and_status       10,000 queued prompts through the job's producer and buffer under
@@ -523,6 +524,7 @@ def worker_partition(root: Path) -> dict[str, Any]:
     found = events(run["run_dir"])
     recovered = [e for e in found if e["kind"] == "train_recovered"]
     fenced = [e for e in found if e["kind"] == "node_fenced"]
+    unfenced = [e for e in found if e["kind"] == "node_unfenced"]
     hung = [e for e in found if e["kind"] == "train_worker_lost"]
     lost = [e for e in found if e["kind"] == "capacity_lost"]
     resumed = int(recovered[0]["step"]) if recovered else max((int(r["step"]) for r in run["before"]), default=0)
@@ -534,12 +536,15 @@ def worker_partition(root: Path) -> dict[str, Any]:
         "training_restarted_after_s": round(float(hung[0]["ts"]) - run["cut_at"], 1) if hung else None,
         "fenced": [{"address": e["address"], "unreachable": e["unreachable"]} for e in fenced],
         "fenced_after_s": round(float(fenced[0]["ts"]) - run["cut_at"], 1) if fenced else None,
+        "counted_again_after_healed_s": round(float(unfenced[0]["ts"]) - run["healed_at"], 1) if unfenced else None,
         "decision": lost[0].get("message", "") if lost else "",
         "resumed_from_step": int(recovered[0]["step"]) if recovered else None,
         "steps_before_the_partition": [int(r["step"]) for r in run["before"]],
         "recovery_covers": "from the cut (the loop held at a step boundary, then resumed at once) to the first step "
                            "after it: the hung step's deadline (train_hang_timeout_s), the restart whose "
-                           "reachability check finds the pair, the fence, the re-plan and the checkpoint load"}
+                           "reachability check finds the pair, the fence, the re-plan and the checkpoint load",
+        "counted_again_covers": "from the route's return (the loop held at the step boundary after the recovery) to "
+                                "node_unfenced: up to FENCE_RECHECK_S (20 s) until the next check, and its probes"}
     return figures
 
 

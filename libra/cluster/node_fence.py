@@ -6,7 +6,9 @@ A fenced node is out of the job as a lost node is, while Ray still counts it: `R
 GPUs out (so the job re-plans onto the rest), every placement group the job creates from then on avoids it
 (`label_selector`, Ray's node-id label), and the rollout pool's health monitor fails an instance whose host runs
 on it (`reason_for`). The fence is process-wide, as the process's Ray connection is: the controller is one job.
-It holds until the process ends (a relaunch checks the nodes again at the training pool's start).
+A fenced node is checked again from time to time (`libra.cluster.fence_probe`): once it reaches the peers it
+could not, the fence on it is lifted (`lift`) and its GPUs count again. A relaunch checks the nodes again at
+the training pool's start.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class FencedNode:
     node_id: str
     address: str  # the node's address as Ray knows it, for messages
     reason: str
+    peers: tuple[str, ...] = ()  # the node ids it could not reach: what a later check tries again
 
 
 class NodeFence:
@@ -32,13 +35,22 @@ class NodeFence:
         self._lock = threading.Lock()
         self._nodes: dict[str, FencedNode] = {}
 
-    def add(self, node_id: str, address: str, reason: str) -> bool:
-        """Fence `node_id`; False when it already was."""
+    def add(self, node_id: str, address: str, reason: str, peers: tuple[str, ...] = ()) -> bool:
+        """Fence `node_id` (it could not reach the nodes `peers`); False when it already was."""
         with self._lock:
             if node_id in self._nodes:
                 return False
-            self._nodes[node_id] = FencedNode(node_id, address, reason)
+            self._nodes[node_id] = FencedNode(node_id, address, reason, tuple(peers))
             return True
+
+    def lift(self, node_id: str) -> FencedNode | None:
+        """The node is the job's again; what was fenced (None when it was not)."""
+        with self._lock:
+            return self._nodes.pop(node_id, None)
+
+    def fenced(self) -> list[FencedNode]:
+        with self._lock:
+            return list(self._nodes.values())
 
     def node_ids(self) -> frozenset[str]:
         with self._lock:

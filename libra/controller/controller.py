@@ -27,6 +27,7 @@ from typing import Any, cast
 
 import yaml
 
+from libra.cluster.node_fence import FencedNode
 from libra.config import Config, dump
 from libra.config.elastic_hybrid import ehp_switch
 from libra.controller import bootstrap
@@ -71,6 +72,13 @@ from libra.observability.phase_trace import ENV_DIR, ENV_ENABLE, PhaseTracer, ge
 from libra.run_dir import RunDir, write_json_atomic
 
 log = logging.getLogger(__name__)
+
+
+def fenced_node_reaches_again(fenced: FencedNode) -> bool:
+    """Whether a fenced node reaches the peers it could not (Ray probes on the nodes, `fence_probe`)."""
+    from libra.cluster.fence_probe import reaches_again
+
+    return reaches_again(fenced)
 
 
 class TrainingNodesUnreachable(RuntimeError):
@@ -265,7 +273,7 @@ class Controller:
             train_problems=training_target_problems(cfg, run), wake=self.wake_reconciler,
             rollout_failed_within_s=rollout_spec(cfg, run, 1).health.hang_detection_bound_s,
             training_answers=self._training_answers, stopping=self.stop.event,
-            placement_guard=self.runtime.placement_guard)
+            placement_guard=self.runtime.placement_guard, reaches_again=fenced_node_reaches_again)
         self.loop = ControlLoop(self.tracker, self.executor, self.rollout_edge, self.train_edge,
                                 self.desired_state, self.events, self.options.timeouts,
                                 self.options.tick_interval_s, on_observed=self._on_observed)

@@ -24,7 +24,8 @@ had not marked the node dead yet gives up its placement wait once the cluster sh
 holds (the runtime's `placement_guard`), waits for that at most `NODE_DEATH_SEEN_S`, and re-plans. A training
 restart whose ranks' nodes cannot reach each other (a partition between worker nodes that Ray counts alive,
 `NodesUnreachableError`) fences off the fewest nodes that lets the rest connect (`libra.cluster.node_fence`:
-their GPUs no longer count) and re-plans the same way (`node_fenced`). Events:
+their GPUs no longer count) and re-plans the same way (`node_fenced`); a fenced node that reaches its peers
+again is the job's again (`node_unfenced`), as a lost node that came back. Events:
 `capacity_changed` (the cluster's GPUs moved), `capacity_wait` / `capacity_wait_over`, `capacity_lost` (the
 decision, with its numbers), `capacity_replan` (done, with its seconds).
 """
@@ -40,7 +41,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from libra.cluster.node_fence import FENCE, NodeFence
+from libra.cluster.node_fence import FENCE, FencedNode, NodeFence
 from libra.config import Config
 from libra.controller.capacity import (
     CapacityFit,
@@ -61,6 +62,7 @@ log = logging.getLogger(__name__)
 
 CAPACITY_CHECK_S = 2.0  # the control loop reads the cluster's GPUs at most this often
 NODE_DEATH_SEEN_S = 90.0  # how long a training restart that could not be placed waits for Ray to mark a node dead
+FENCE_RECHECK_S = 20.0  # how often a fenced node is checked for whether it reaches its peers again
 MAX_FENCE_ROUNDS = 4  # restarts that may each fence nodes off (one partition found per restart) before giving up
 SURPLUS_STOPPED_S = 180.0  # how long the training restart waits for the rollout pool to give up its surplus
 
@@ -74,7 +76,7 @@ class NodeLossRecovery:
                  rollout_failed_within_s: float, training_answers: Callable[[], bool],
                  stopping: threading.Event | None = None,
                  placement_guard: Callable[[Callable[[], str]], AbstractContextManager[None]] | None = None,
-                 fence: NodeFence = FENCE) -> None:
+                 fence: NodeFence = FENCE, reaches_again: Callable[[FencedNode], bool] | None = None) -> None:
         self.cfg = cfg
         self.live_gpus = live_gpus
         self.store = store
@@ -92,6 +94,10 @@ class NodeLossRecovery:
         # a training restart's placement wait gives up when the cluster no longer has the job's GPUs
         self.placement_guard = placement_guard or (lambda check: contextlib.nullcontext())
         self.fence = fence  # nodes left out after training ranks on them could not reach their peers
+        # whether a fenced node reaches its peers again (`libra.cluster.fence_probe`); None: fenced for good
+        self.reaches_again = reaches_again
+        self._rechecks: threading.Thread | None = None
+        self._rechecks_lock = threading.Lock()
 
     # ---- control loop ---------------------------------------------------------------------------------
     def observe_capacity(self, now: float | None = None, force: bool = False) -> None:
@@ -218,13 +224,48 @@ class NodeLossRecovery:
         """Fence off the nodes `unreachable` (a `NodesUnreachableError`) names; the restart's reason after it."""
         addresses = unreachable.addresses
         for node in unreachable.fence:
-            peers = sorted({addresses.get(b if a == node else a, "?") for a, b in unreachable.pairs if node in (a, b)})
+            peer_ids = sorted({b if a == node else a for a, b in unreachable.pairs if node in (a, b)})
+            peers = sorted(addresses.get(p, p) for p in peer_ids)
             why = f"training ranks there could not reach {', '.join(peers)}"
-            if self.fence.add(node, addresses.get(node, node), why):
+            if self.fence.add(node, addresses.get(node, node), why, tuple(peer_ids)):
                 self.events.emit("node_fenced", f"node {addresses.get(node, node)} is fenced off: {why}; the job "
                                  "re-plans onto the other nodes, as for a lost node", node_id=node,
                                  address=addresses.get(node, ""), unreachable=peers)
+        self._start_rechecks()
         return f"{reason}; nodes fenced off: {', '.join(addresses.get(n, n) for n in unreachable.fence)}"
+
+    def _start_rechecks(self) -> None:
+        """Start the thread of `_recheck_fenced` unless it runs (it ends, under the same lock, only once no node
+        is fenced, so a node fenced while it ends is not left unchecked)."""
+        if self.reaches_again is None:
+            return
+        with self._rechecks_lock:
+            if self._rechecks is None:
+                self._rechecks = threading.Thread(target=self._recheck_fenced, name="libra-fence-rechecks",
+                                                  daemon=True)
+                self._rechecks.start()
+
+    def _recheck_fenced(self) -> None:
+        """Every `FENCE_RECHECK_S` while nodes are fenced: lift the fence on each that reaches its peers again
+        (`node_unfenced`); its GPUs then count again (the control loop's next reading raises `cluster_gpus`),
+        and the pools keep their size, as after a lost node came back."""
+        assert self.reaches_again is not None
+        while not self.stopping.wait(FENCE_RECHECK_S):
+            with self._rechecks_lock:
+                if not self.fence.fenced():
+                    self._rechecks = None
+                    return
+            for fenced in self.fence.fenced():
+                try:
+                    back = self.reaches_again(fenced)
+                except Exception:
+                    log.info("checking fenced node %s failed", fenced.address, exc_info=True)
+                    back = False
+                if back and self.fence.lift(fenced.node_id) is not None:
+                    self.events.emit("node_unfenced", f"node {fenced.address} reaches the nodes it could not "
+                                     "again: its GPUs count for the job again (the pools keep their size)",
+                                     node_id=fenced.node_id, address=fenced.address)
+                    self.wake()
 
     def _restart_training(self, reason: str) -> dict[str, Any]:
         replanned = self.replan(training_lost=True, reason=reason)

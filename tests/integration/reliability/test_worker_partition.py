@@ -2,12 +2,14 @@
 namespaces of their own, vLLM-CPU, Megatron-Core on gloo; `partition_holder.py`): three worker nodes of 1
 logical GPU, the job trains on 2 of them and generates on the third. After step 2 and its checkpoint the two
 training nodes stop reaching each other. Ray counts every node alive and every actor answers; only the
-training collectives hang. The loop is held at a step boundary while the route is cut; the next step fails past its deadline (`train_hang_timeout_s`), the restarted pool's
-reachability check finds the pair that cannot connect before any collective waits on it, the job fences off
-the node of rank 1 and re-plans onto the two nodes left (training 1, rollout 1), goes back to its newest
-complete checkpoint and reaches its last step with every step once and all its samples; the fenced node is not
-used again and nothing of the job is left running. Launched on worker nodes that cannot reach each other, the
-job stops at once, naming them. Shared with benchmarks/reliability.py (`worker_partition`)."""
+training collectives hang. The loop is held at a step boundary while the route is cut; the next step fails
+past its deadline (`train_hang_timeout_s`), the restarted pool's reachability check finds the pair that cannot
+connect before any collective waits on it, the job fences off the node of rank 1 and re-plans onto the two
+nodes left (training 1, rollout 1), goes back to its newest complete checkpoint and reaches its last step with
+every step once and all its samples. Held after its recovery while the route comes back, the job finds the
+fenced node reaching its peer again and counts its GPU again (the pools keep their size); nothing of the job
+is left running. Launched on worker nodes that cannot reach each other, the job stops at once, naming them.
+Shared with benchmarks/reliability.py (`worker_partition`)."""
 
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ from .test_node_loss import LossCluster
 
 pytestmark = [pytest.mark.slow_job, pytest.mark.timeout(1500)]
 
-STEPS = 40  # the loop is held after step 2's checkpoint, a few steps in; the rest run after the partition
+STEPS = 100  # the loop is held after step 2's checkpoint and after the recovery: steps enough to catch both
+UNFENCED_S = 240.0  # FENCE_RECHECK_S (20 s) and a check's probes, which start Ray workers on loaded nodes
 SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4 of the job
 STARTUP_S = 600
 HANG_TIMEOUT_S = 30.0  # train_hang_timeout_s: the hung step fails 30 s after the partition, not 300 s
@@ -70,8 +73,9 @@ def job_on(cluster: LossCluster, root: Path, **options: Any) -> tuple[dict[str, 
 
 
 def partition_run(cluster: LossCluster, root: Path, steps: int = STEPS) -> dict[str, Any]:
-    """The job on `cluster`; after step 2 and its checkpoint its two training nodes are partitioned. The launch's
-    exit code, run directory, output, when the partition began and the metric rows written by then."""
+    """The job on `cluster`; after step 2 and its checkpoint its two training nodes are partitioned, and after
+    its recovery the partition heals. The launch's exit code, run directory, output, when the partition began and
+    the metric rows written by then, the nodes cut, and when the route came back."""
     ws, launches = job_on(cluster, root, train_hang_timeout_s=HANG_TIMEOUT_S,
                           checkpoint={"interval_steps": 1, "keep_last": 3})
     run_dir: Path = ws["run_dir"]
@@ -87,9 +91,19 @@ def partition_run(cluster: LossCluster, root: Path, steps: int = STEPS) -> dict[
         cut_at = time.time()
         partitioned = cluster.ask("partition-training")["partitioned"]
         operator(run_dir, "resume", "reliability: partitioned")
+        # once the job trains on what remains, the partition heals; the loop is held meanwhile, so the job is
+        # still running when the fenced node is checked again and counts again
+        wait_for(lambda: any(e["kind"] == "train_recovered" for e in events(run_dir)), STARTUP_S, "the recovery",
+                 launch, poll_s=0.1)
+        operator(run_dir, "pause", "reliability: the partition heals")
+        healed_at = time.time()
+        cluster.ask("heal")
+        wait_for(lambda: any(e["kind"] == "capacity_changed" and e["ts"] > healed_at and e["live_gpus"] == 3
+                             for e in events(run_dir)), UNFENCED_S, "the fenced node's GPU counted again", launch)
+        operator(run_dir, "resume", "reliability: healed")
         code = launch.wait(timeout=1200)
         return {"code": code, "run_dir": run_dir, "output": launch.output(), "cut_at": cut_at, "before": before,
-                "partitioned": partitioned}
+                "partitioned": partitioned, "healed_at": healed_at}
     finally:
         cluster.ask("heal")
         stop_everything(run_dir, launches)
@@ -147,10 +161,20 @@ def test_one_node_of_the_pair_is_fenced_off_and_the_job_re_plans_onto_the_rest(
     assert len(lost) == 1 and lost[0]["fits"] and (lost[0]["live_gpus"], lost[0]["was_gpus"]) == (2, 3), lost
     assert (lost[0]["train_gpus"], lost[0]["rollout_instances"]) == (1, 1)
     desired = json.loads((partitioned_job["run_dir"] / "desired_state.json").read_text())
-    assert (desired["train_gpus"], desired["rollout_instances"], desired["cluster_gpus"]) == (1, 1, 2), desired
+    # the pools keep the size they were re-planned to; the cluster counts the fenced node again once it healed
+    assert (desired["train_gpus"], desired["rollout_instances"], desired["cluster_gpus"]) == (1, 1, 3), desired
     # the rollout instance was on the third node: it served on, nothing of it failed
     assert not [e for e in log if e["kind"] == "member_failed" and e["pool"] == "rollout"]
     assert not [e["message"] for e in log if e["kind"] == "action_error"]
+
+
+def test_the_fenced_node_counts_again_once_it_reaches_its_peer(partitioned_job: dict[str, Any]) -> None:
+    log = events(partitioned_job["run_dir"])
+    (fenced,) = [e for e in log if e["kind"] == "node_fenced"]
+    unfenced = [e for e in log if e["kind"] == "node_unfenced"]
+    assert len(unfenced) == 1 and unfenced[0]["node_id"] == fenced["node_id"], unfenced
+    assert unfenced[0]["ts"] > partitioned_job["healed_at"]
+    assert any(e["kind"] == "capacity_changed" and e["live_gpus"] == 3 and e["ts"] >= unfenced[0]["ts"] for e in log)
 
 
 def test_nothing_of_the_job_is_left_running(partitioned_job: dict[str, Any]) -> None:

@@ -11,13 +11,15 @@ import dataclasses
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from libra.cluster.node_fence import NodeFence
+from libra.cluster.node_fence import FencedNode, NodeFence
 from libra.cluster.training_workers import NodesUnreachableError
 from libra.config import load_dict
+from libra.controller import node_loss
 from libra.controller.capacity import CapacityFit, CapacityLost, fit_to_capacity, shrink_to_capacity
 from libra.controller.control_loop import ControlLoop
 from libra.controller.desired_store import DesiredStore
@@ -100,7 +102,8 @@ class LossJob:
     """Fake pools driven by a real control loop in the background, a desired store and the recovery."""
 
     def __init__(self, tmp_path: Path, train: int, instances: int, min_train: int = 0, min_rollout: int = 0,
-                 policy: str = "replan", wait_s: float = 0.0) -> None:
+                 policy: str = "replan", wait_s: float = 0.0,
+                 reaches_again: Callable[[FencedNode], bool] | None = None) -> None:
         gpus = train + instances
         self.cfg = load_dict({
             "model_path": str(tmp_path / "m"), "rollout_kv_cache_bytes": 2**26,
@@ -120,12 +123,14 @@ class LossJob:
                                                      train_layout=TrainLayout(), rollout_fingerprint="fp",
                                                      cluster_gpus=gpus, generation=1))
         self.fence = NodeFence()
+        self.stopping = threading.Event()
         self.cluster = Cluster(gpus, self.fence)
         self.training_answers = True
         self.recovery = NodeLossRecovery(
             self.cfg, self.cluster, self.store, self.tracker, self.executor, self.events,
             fingerprint_for=lambda tp: "fp", train_problems=None, wake=lambda: None,
-            rollout_failed_within_s=1.0, training_answers=lambda: self.training_answers, fence=self.fence)
+            rollout_failed_within_s=1.0, training_answers=lambda: self.training_answers, fence=self.fence,
+            reaches_again=reaches_again, stopping=self.stopping)
         self.loop = ControlLoop(self.tracker, self.executor, self.rollout, self.train, self.store.get, self.events,
                                 interval_s=0.02, on_observed=lambda o, d: self.recovery.observe_capacity(
                                     force=any(m.state.value == "FAILED" for m in o.members)))
@@ -155,6 +160,7 @@ class LossJob:
         return [json.loads(line) for line in (self.events.path or Path()).read_text().splitlines()]
 
     def close(self) -> None:
+        self.stopping.set()
         self.loop.stop()
         self.executor.shutdown()
 
@@ -422,11 +428,9 @@ def test_a_step_boundary_reads_the_cluster_only_when_the_control_loop_saw_gpus_g
     assert job.store.get().rollout_instances == 3
 
 
-def test_a_restart_whose_nodes_cannot_reach_each_other_fences_one_off_and_re_plans(make_job) -> None:
-    """A partition between the two nodes of the training ranks (1 GPU each, both alive to Ray): the restart at
-    the same size finds it before forming its process group; the node the check chose is fenced off (its GPU no
-    longer counts) and the job re-plans onto the rest, restarting the training pool on the node left."""
-    job = make_job(train=2, instances=2)
+def restart_meeting_a_partition(job: LossJob) -> list[int | None]:
+    """The job's training restarts: the first finds node-a and node-b (1 GPU each) unable to reach each other and
+    names node-b to fence off; the GPU counts each restart was asked for."""
     job.training_answers = False
     original = job.train.restart
     calls: list[int | None] = []
@@ -440,6 +444,15 @@ def test_a_restart_whose_nodes_cannot_reach_each_other_fences_one_off_and_re_pla
         return original(gpus, layout)
 
     job.train.restart = restart  # type: ignore[method-assign]
+    return calls
+
+
+def test_a_restart_whose_nodes_cannot_reach_each_other_fences_one_off_and_re_plans(make_job) -> None:
+    """A partition between the two nodes of the training ranks (1 GPU each, both alive to Ray): the restart at
+    the same size finds it before forming its process group; the node the check chose is fenced off (its GPU no
+    longer counts) and the job re-plans onto the rest, restarting the training pool on the node left."""
+    job = make_job(train=2, instances=2)
+    calls = restart_meeting_a_partition(job)
     outcome = job.recovery.restart_training("a training worker hung")
     assert calls == [2, 1] and outcome["training_restarted"]
     assert job.fence.node_ids() == {"node-b"}
@@ -465,3 +478,28 @@ def test_a_restart_that_fails_for_another_reason_fences_nothing(make_job) -> Non
     with pytest.raises(RuntimeError, match="the model does not load"):
         job.recovery.restart_training("a training worker died")
     assert job.fence.node_ids() == frozenset() and "node_fenced" not in [e["kind"] for e in job.kinds()]
+
+
+def test_a_fenced_node_that_reaches_its_peers_again_counts_again(make_job, monkeypatch) -> None:
+    """The fenced node is checked again (here every 0.05 s): a check that fails keeps it fenced, the first that
+    passes lifts the fence (`node_unfenced`); its GPU counts again and the pools keep the size they were re-planned
+    to, as after a lost node came back."""
+    monkeypatch.setattr(node_loss, "FENCE_RECHECK_S", 0.05)
+    checks: list[FencedNode] = []
+
+    def reaches_again(fenced: FencedNode) -> bool:
+        checks.append(fenced)
+        return len(checks) >= 3
+
+    job = make_job(train=2, instances=2, reaches_again=reaches_again)
+    restart_meeting_a_partition(job)
+    job.recovery.restart_training("a training worker hung")
+    assert job.wait(lambda: job.fence.node_ids() == frozenset())
+    assert len(checks) == 3 and {(c.node_id, c.peers) for c in checks} == {("node-b", ("node-a",))}
+    assert job.wait(lambda: job.store.get().cluster_gpus == 4)
+    want = job.store.get()
+    assert (want.train_gpus, want.rollout_instances) == (1, 2)
+    (unfenced,) = [e for e in job.kinds() if e["kind"] == "node_unfenced"]
+    assert (unfenced["node_id"], unfenced["address"]) == ("node-b", "10.0.0.3")
+    time.sleep(0.2)
+    assert len(checks) == 3, "a node no longer fenced is not checked again"
