@@ -23,6 +23,7 @@ import ray
 
 from libra.cluster.ray_runtime import RayRuntime
 from libra.cluster.reachability import REACH_TIMEOUT_S, nodes_to_fence
+from libra.error_chain import causes
 
 log = logging.getLogger(__name__)
 
@@ -216,15 +217,8 @@ class TrainingWorkerGroup:
 
 
 def nodes_unreachable(exc: BaseException) -> NodesUnreachableError | None:
-    """The `NodesUnreachableError` that `exc` is or was raised from (its chain of causes, bounded), or None."""
-    seen: BaseException | None = exc
-    for _ in range(16):
-        if seen is None:
-            return None
-        if isinstance(seen, NodesUnreachableError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
+    """The `NodesUnreachableError` that `exc` is or was raised from, or None."""
+    return next((seen for seen in causes(exc) if isinstance(seen, NodesUnreachableError)), None)
 
 
 def collective_timed_out(error: str) -> bool:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from libra.controller.checkpoint_mirror import CheckpointMirror
+from libra.error_chain import causes
 from libra.run_dir import CHECKPOINT_PREFIX, CONTROLLER_STATE, CorruptRunStateError, RunDir, write_json_atomic
 
 TRAIN_SUBDIR = "train"
@@ -158,13 +159,8 @@ def _folder_bytes(folder: Path) -> int:
 def says_disk_full(exc: BaseException) -> bool:
     """`exc`, or an error in its chain of causes, is ENOSPC / EDQUOT or says so in its text (as an error
     raised in another process does)."""
-    cause: BaseException | None = exc
-    while cause is not None:
-        if getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
-                text in str(cause) for text in _DISK_FULL_TEXT):
-            return True
-        cause = cause.__cause__ or cause.__context__
-    return False
+    return any(getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+               or any(text in str(cause) for text in _DISK_FULL_TEXT) for cause in causes(exc))
 
 
 def _free_and_needed(root: Path, previous: Path | None) -> tuple[int, int]:

@@ -56,6 +56,7 @@ from libra.controller.executor import Executor
 from libra.controller.members import MemberState as S
 from libra.controller.state import ROLLOUT, DesiredState
 from libra.controller.tracker import MemberTracker
+from libra.error_chain import causes
 from planner.layout import TrainLayout
 
 log = logging.getLogger(__name__)
@@ -342,11 +343,4 @@ def _unreachable(exc: BaseException) -> Any:
 
 def _not_placed(exc: BaseException) -> bool:
     """Whether `exc` (or an error it came from) says a placement group was not placed in time."""
-    seen: BaseException | None = exc
-    for _ in range(16):
-        if seen is None:
-            return False
-        if isinstance(seen, TimeoutError) and "was not placed" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return any(isinstance(seen, TimeoutError) and "was not placed" in str(seen) for seen in causes(exc))

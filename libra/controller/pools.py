@@ -22,6 +22,7 @@ from libra.controller.state import RolloutSpec, TrainLayout
 from libra.controller.tracker import MemberView
 from libra.controller.train_plan import layout_fingerprint
 from libra.device import cuda_available
+from libra.error_chain import causes
 from libra.observability.phase_trace import TraceSettings, get_tracer, now_ns
 from libra.run_dir import RunDir
 
@@ -290,15 +291,11 @@ def training_worker_loss(exc: BaseException) -> str:
     ended), "hung" (a collective call outlived its deadline), or "" when it says neither."""
     from libra.cluster.training_workers import WorkerHungError, WorkerLostError
 
-    seen: BaseException | None = exc
-    for _ in range(16):  # the chain of causes, bounded
-        if seen is None:
-            return ""
+    for seen in causes(exc):
         if isinstance(seen, WorkerHungError):
             return "hung"
         if isinstance(seen, WorkerLostError):
             return "died"
-        seen = seen.__cause__ or seen.__context__
     return ""
 
 
