@@ -222,15 +222,12 @@ class RayRuntime:
     def live_gpus() -> int:
         """The logical GPUs of the nodes Ray counts alive now (a node that died or was removed drops out once
         Ray's health checks have marked it dead), less those of nodes the job fenced off (`node_fence`)."""
-        fenced = FENCE.node_ids()
-        return sum(int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"] and n["NodeID"] not in fenced)
+        return sum(_job_node_gpus().values())
 
     @staticmethod
     def node_gpus() -> dict[str, tuple[int, int]]:
         """Per alive node (by node id): (logical GPUs, GPUs in use)."""
-        fenced = FENCE.node_ids()
-        totals = {n["NodeID"]: int(n["Resources"].get("GPU", 0)) for n in ray.nodes()
-                  if n["Alive"] and n["NodeID"] not in fenced}
+        totals = _job_node_gpus()
         used = dict.fromkeys(totals, 0.0)
         for pg in ray.util.placement_group_table().values():
             if pg.get("state") != "CREATED":
@@ -361,3 +358,10 @@ class RayRuntime:
         if self._link_dir is not None:
             shutil.rmtree(self._link_dir, ignore_errors=True)
             self._link_dir = None
+
+
+def _job_node_gpus() -> dict[str, int]:
+    """The logical GPUs of each node Ray counts alive, by node id, leaving out the nodes the job fenced off."""
+    fenced = FENCE.node_ids()
+    return {n["NodeID"]: int(n["Resources"].get("GPU", 0)) for n in ray.nodes()
+            if n["Alive"] and n["NodeID"] not in fenced}

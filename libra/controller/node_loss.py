@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from libra.cluster.node_fence import FENCE, FencedNode, NodeFence
 from libra.config import Config
@@ -58,6 +58,9 @@ from libra.controller.state import ROLLOUT, DesiredState
 from libra.controller.tracker import MemberTracker
 from libra.error_chain import causes
 from planner.layout import TrainLayout
+
+if TYPE_CHECKING:
+    from libra.cluster.training_workers import NodesUnreachableError
 
 log = logging.getLogger(__name__)
 
@@ -211,17 +214,19 @@ class NodeLossRecovery:
         for the loss to show and re-plans. A restart whose nodes cannot reach each other (a partition between
         worker nodes, `NodesUnreachableError`) fences off the fewest nodes that lets the rest connect and
         re-plans onto the rest, as for a lost node."""
+        from libra.cluster.training_workers import nodes_unreachable
+
         for _ in range(MAX_FENCE_ROUNDS):
             try:
                 return self._restart_training(reason)
             except Exception as exc:
-                unreachable = _unreachable(exc)
+                unreachable = nodes_unreachable(exc)
                 if unreachable is None:
                     raise
                 reason = self._fence_off(unreachable, reason)
         return self._restart_training(reason)
 
-    def _fence_off(self, unreachable: Any, reason: str) -> str:
+    def _fence_off(self, unreachable: NodesUnreachableError, reason: str) -> str:
         """Fence off the nodes `unreachable` (a `NodesUnreachableError`) names; the restart's reason after it."""
         addresses = unreachable.addresses
         for node in unreachable.fence:
@@ -332,13 +337,6 @@ class NodeLossRecovery:
         the weight gate, which the training restart then holds while its placement group cannot be placed."""
         if not self._rollout_holds_at_most(gpus, time.monotonic() + SURPLUS_STOPPED_S, self._rollout_gpus_held):
             log.warning("the rollout pool still holds more than %d GPUs; restarting the training pool anyway", gpus)
-
-
-def _unreachable(exc: BaseException) -> Any:
-    """The `NodesUnreachableError` that `exc` is or was raised from, or None."""
-    from libra.cluster.training_workers import nodes_unreachable
-
-    return nodes_unreachable(exc)
 
 
 def _not_placed(exc: BaseException) -> bool:
