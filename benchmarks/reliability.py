@@ -156,7 +156,7 @@ NOT_COVERED = [
     "a partition between two worker nodes that both still reach the head is worker_partition (network "
     "namespaces on one machine: the cut drops packets between the two nodes' addresses, not a switch failing), "
     "met when the training pool restarts after its hung step; a partition found when the job first starts its "
-    "training pool stops the launch with the pair named (nothing is fenced at start); with "
+    "training pool (a node fenced off before the pool forms) is tested, not measured; with "
     "`runtime_node_loss_policy: wait`, a node that does not come back in time (then the job re-plans) is a unit "
     "case only",
     "a rollout server that hangs in the middle of a restart reload: measured while the new server starts "

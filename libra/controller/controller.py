@@ -40,7 +40,7 @@ from libra.controller.events import EventLog, started_generations
 from libra.controller.executor import Executor, PublishOutcome
 from libra.controller.gate import WeightGate, WeightsRef
 from libra.controller.members import MemberState, StateTimeouts
-from libra.controller.node_loss import NodeLossRecovery
+from libra.controller.node_loss import MAX_FENCE_ROUNDS, NodeLossRecovery
 from libra.controller.pools import (
     RolloutPoolEdge,
     TrainingPoolEdge,
@@ -279,15 +279,7 @@ class Controller:
                                 self.options.tick_interval_s, on_observed=self._on_observed)
         self.reporter.set_state("starting", message="starting the rollout and training pools")
         self.loop.start()
-        executor = self.executor
-        ready = self.loop.wait_until(lambda: self._pools_ready() or executor.training_nodes_unreachable is not None,
-                                     self.options.startup_timeout_s, self.stop.event)
-        if self.stop.requested:
-            raise StopRequested()
-        if executor.training_nodes_unreachable is not None:
-            raise TrainingNodesUnreachable(
-                f"{executor.training_nodes_unreachable}. The job does not start on nodes that cannot reach each "
-                "other: mend the network between them (or take one out of the Ray cluster) and launch again")
+        ready = self._wait_for_pools()
         if not ready:
             raise TimeoutError(
                 f"the pools were not ready within {self.options.startup_timeout_s:.0f}s: {self._pool_summary()}; "
@@ -296,6 +288,33 @@ class Controller:
         self.events.emit("pools_ready", self._pool_summary())
         self.reporter.pools(self.pool_status())
         self.reporter.set_state("starting", message="pools ready")
+
+    def _wait_for_pools(self) -> bool:
+        """Wait until both pools are ready (False past the start-up timeout). A training pool whose ranks' nodes
+        cannot reach each other fences off the fewest nodes that lets the rest connect and starts again at the
+        size the GPUs left allow (`NodeLossRecovery.fence_at_start`), up to `MAX_FENCE_ROUNDS` times."""
+        executor, node_loss, loop = self.executor, self.node_loss, self.loop
+        assert executor is not None and node_loss is not None and loop is not None
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        rounds = 0
+        while True:
+            ready = loop.wait_until(
+                lambda: self._pools_ready() or executor.training_nodes_unreachable is not None,
+                max(0.0, deadline - time.monotonic()), self.stop.event)
+            if self.stop.requested:
+                raise StopRequested()
+            unreachable = executor.training_nodes_unreachable
+            if unreachable is None:
+                return ready
+            executor.training_nodes_unreachable = None
+            if rounds == MAX_FENCE_ROUNDS:
+                break
+            rounds += 1
+            node_loss.fence_at_start(unreachable)
+        raise TrainingNodesUnreachable(
+            f"{unreachable}, also after fencing off {len(node_loss.fence.fenced())} nodes. The job does not start "
+            "on nodes that cannot reach each other: mend the network between them (or take one out of the Ray "
+            "cluster) and launch again")
 
     def _memory_dry_run(self) -> None:
         """With memory_budget_dry_run_enabled: one real recompute probe, compared with the planner's estimate."""

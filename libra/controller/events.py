@@ -20,7 +20,7 @@ from libra.run_dir import append_jsonl, read_jsonl
 
 log = logging.getLogger("libra.events")
 
-_WARNING_KINDS = frozenset({"action_error", "tick_error", "member_failed", "batch_timeout", "error"})
+_WARNING_KINDS = frozenset({"action_error", "tick_error", "member_failed", "batch_timeout", "error", "node_fenced"})
 
 
 class EventLog:

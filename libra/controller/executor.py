@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from libra.controller.actions import (
     Action,
@@ -41,6 +41,9 @@ from libra.controller.members import MemberState
 from libra.controller.state import ROLLOUT, TRAIN, RolloutSpec, TrainLayout
 from libra.controller.tracker import MemberTracker, MemberView
 from libra.controller.train_actions import TrainingResizer
+
+if TYPE_CHECKING:
+    from libra.cluster.training_workers import NodesUnreachableError
 
 log = logging.getLogger(__name__)
 S = MemberState
@@ -108,9 +111,10 @@ class Executor:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self.training = TrainingResizer(tracker, train, events, self.gate, clock)
-        # a training pool start that found nodes of its ranks unable to reach each other (a network partition):
-        # retrying places it on the same nodes, so the launch stops on it (`libra.cluster.reachability`)
-        self.training_nodes_unreachable: Exception | None = None
+        # a training pool start that found nodes of its ranks unable to reach each other (a network partition,
+        # `libra.cluster.reachability`): a retry would be placed on the same nodes, so the controller fences
+        # nodes off before it (`NodeLossRecovery.fence_at_start`) and clears this
+        self.training_nodes_unreachable: NodesUnreachableError | None = None
         self.handlers: dict[type[Action], Handler] = {
             MarkFailed: Handler("", self._nothing, self._begin_mark_failed, inline=True),
             StrategyFallback: Handler("", self._nothing, self._begin_fallback, inline=True),

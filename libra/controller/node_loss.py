@@ -25,7 +25,9 @@ holds (the runtime's `placement_guard`), waits for that at most `NODE_DEATH_SEEN
 restart whose ranks' nodes cannot reach each other (a partition between worker nodes that Ray counts alive,
 `NodesUnreachableError`) fences off the fewest nodes that lets the rest connect (`libra.cluster.node_fence`:
 their GPUs no longer count) and re-plans the same way (`node_fenced`); a fenced node that reaches its peers
-again is the job's again (`node_unfenced`), as a lost node that came back. Events:
+again is the job's again (`node_unfenced`), as a lost node that came back. At the first start there is no
+training pool to restart: the controller hands the error of the pool's start to `fence_at_start`, which fences
+the same way and sets the pools' new sizes, and the control loop creates the training pool on the rest. Events:
 `capacity_changed` (the cluster's GPUs moved), `capacity_wait` / `capacity_wait_over`, `capacity_lost` (the
 decision, with its numbers), `capacity_replan` (done, with its seconds).
 """
@@ -126,11 +128,14 @@ class NodeLossRecovery:
                          live_gpus=live, was_gpus=desired.cluster_gpus, in_use=gpus_in_use(desired))
 
     # ---- RL loop --------------------------------------------------------------------------------------
-    def replan(self, training_lost: bool, reason: str = "", observed: bool = False) -> dict[str, Any] | None:
+    def replan(self, training_lost: bool, reason: str = "", observed: bool = False,
+               starting: bool = False) -> dict[str, Any] | None:
         """Re-plan onto the GPUs alive when the pools hold more; None when nothing was lost. Returns
         `{"training_restarted": bool, ...the restart's cost}`; raises CapacityLost when the minimums do not fit.
         `observed` (a step boundary): trust the control loop's reading of the cluster (`cluster_gpus`, at most
-        `CAPACITY_CHECK_S` old) when it shows nothing lost, instead of asking Ray again every step."""
+        `CAPACITY_CHECK_S` old) when it shows nothing lost, instead of asking Ray again every step. `starting`:
+        the training pool has not started yet, so nothing is restarted; the control loop creates it at the
+        size this sets."""
         desired = self.store.get()
         held = gpus_in_use(desired)
         if observed and desired.cluster_gpus >= held > 0:
@@ -152,11 +157,11 @@ class NodeLossRecovery:
             live = self._wait_for_gpus(need, f"the {need} GPUs of its smallest pools")
             fit = self._fit(desired, live, training_lost)
         if fit is None:
-            message = (f"the cluster has {live} GPUs alive of the {held} this job holds, fewer than its smallest "
-                       f"pools need ({need}: min_train_gpus={gpr.min_train_gpus}, min_rollout_gpus="
-                       f"{gpr.min_rollout_gpus}, rollout TP {desired.rollout_tp}); the job stops. Launch it again "
-                       "on this run directory once the cluster has the GPUs back: it resumes from its newest "
-                       "checkpoint")
+            message = (f"the cluster has {live} GPUs alive{self._fenced_words()} of the {held} this job holds, "
+                       f"fewer than its smallest pools need ({need}: min_train_gpus={gpr.min_train_gpus}, "
+                       f"min_rollout_gpus={gpr.min_rollout_gpus}, rollout TP {desired.rollout_tp}); the job stops. "
+                       "Launch it again on this run directory once the cluster has the GPUs back: it resumes "
+                       "from its newest checkpoint")
             self.events.emit("capacity_lost", message, live_gpus=live, was_gpus=held, fits=False)
             raise CapacityLost(message)
         self.events.emit("capacity_lost", f"the cluster has {live} of the {held} GPUs this job holds: "
@@ -165,7 +170,7 @@ class NodeLossRecovery:
                          rollout_instances=fit.rollout_instances, reason=reason)
         fingerprint = self.fingerprint_for(desired.rollout_tp)
         cost: dict[str, Any] | None = None
-        if not training_lost:
+        if not training_lost or starting:
             self.store.change(lambda d: shrink_to_capacity(d, fit, fingerprint))
             self.wake()
         else:
@@ -225,6 +230,21 @@ class NodeLossRecovery:
                     raise
                 reason = self._fence_off(unreachable, reason)
         return self._restart_training(reason)
+
+    def fence_at_start(self, unreachable: NodesUnreachableError) -> None:
+        """The training pool's first start found nodes whose ranks cannot reach each other (`unreachable`):
+        fence off the fewest that lets the rest connect and set the pools' sizes for the GPUs left, as
+        `restart_training` does after a step (the control loop then creates the training pool at its new
+        size, off the fenced nodes). Raises CapacityLost when the smallest pools do not fit on the rest."""
+        reason = self._fence_off(unreachable, "the training pool's first start")
+        self.replan(training_lost=True, reason=reason, starting=True)
+
+    def _fenced_words(self) -> str:
+        """How the fence stands, for a message about the GPUs the job has ("" while no node is fenced)."""
+        fenced = self.fence.fenced()
+        if not fenced:
+            return ""
+        return " (not counting nodes fenced off: " + "; ".join(f"{f.address}, {f.reason}" for f in fenced) + ")"
 
     def _fence_off(self, unreachable: NodesUnreachableError, reason: str) -> str:
         """Fence off the nodes `unreachable` (a `NodesUnreachableError`) names; the restart's reason after it."""

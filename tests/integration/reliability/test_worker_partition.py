@@ -8,7 +8,9 @@ connect before any collective waits on it, the job fences off the node of rank 1
 nodes left (training 1, rollout 1), goes back to its newest complete checkpoint and reaches its last step with
 every step once and all its samples. Held after its recovery while the route comes back, the job finds the
 fenced node reaching its peer again and counts its GPU again (the pools keep their size); nothing of the job
-is left running. Launched on worker nodes that cannot reach each other, the job stops at once, naming them.
+is left running. Launched on worker nodes none of which reaches another, the job fences one off before its
+training pool forms, starts on the other two and reaches its last step; where the GPUs left are fewer than its
+smallest pools need, the launch stops at once with one line naming the fenced node.
 Shared with benchmarks/reliability.py (`worker_partition`)."""
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ UNFENCED_S = 240.0  # FENCE_RECHECK_S (20 s) and a check's probes, which start R
 SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4 of the job
 STARTUP_S = 600
 HANG_TIMEOUT_S = 30.0  # train_hang_timeout_s: the hung step fails 30 s after the partition, not 300 s
+START_STEPS = 4  # the jobs launched on partitioned nodes
 
 
 @contextlib.contextmanager
@@ -61,13 +64,15 @@ def partition_cluster() -> Iterator[LossCluster]:
         yield LossCluster(holder, info["address"])
 
 
-def job_on(cluster: LossCluster, root: Path, **options: Any) -> tuple[dict[str, Any], list[Any]]:
-    """The workspace of the job on `cluster`'s three nodes of 1 GPU: training 2, rollout 1, the tight health rule
-    and the top-level `options`."""
+def job_on(cluster: LossCluster, root: Path, planner: dict[str, Any] | None = None,
+           **options: Any) -> tuple[dict[str, Any], list[Any]]:
+    """The workspace of the job on `cluster`'s three nodes of 1 GPU: training 2, rollout 1, the tight health rule,
+    the top-level `options` and the `global_resource_planner` fields `planner`."""
     ws, launches = make_workspace(root, ray_address=cluster.address)
     with job_file(ws["config"]) as data:
         data["cluster"].update(num_nodes=3, gpus_per_node=1)
         data.update(train_gpus=2, rollout_gpus=1, **options)
+        data.setdefault("global_resource_planner", {}).update(planner or {})
         with_health_rule(data, TIGHT_HEALTH)
     return ws, launches
 
@@ -109,15 +114,16 @@ def partition_run(cluster: LossCluster, root: Path, steps: int = STEPS) -> dict[
         stop_everything(run_dir, launches)
 
 
-def partitioned_start(cluster: LossCluster, root: Path) -> dict[str, Any]:
-    """The same job launched on worker nodes none of which reaches another (each still reaches the head): the
-    launch's exit code and output, and what it left running."""
-    ws, launches = job_on(cluster, root)
+def partitioned_start(cluster: LossCluster, root: Path, planner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The same job (`planner`: its `global_resource_planner` fields) launched on worker nodes none of which
+    reaches another (each still reaches the head), for `START_STEPS` steps: the launch's exit code and output,
+    its run directory, and what it left running."""
+    ws, launches = job_on(cluster, root, planner)
     run_dir: Path = ws["run_dir"]
     cluster.ask("partition-workers")
     try:
-        launch = ws["launch"]("--max-steps", "4")
-        code = launch.wait(timeout=STARTUP_S)
+        launch = ws["launch"]("--max-steps", str(START_STEPS))
+        code = launch.wait(timeout=STARTUP_S + 300)
         return {"code": code, "output": launch.output(), "run_dir": run_dir, "servers": live(server_pids(run_dir)),
                 "processes": processes_using(run_dir)}
     finally:
@@ -127,11 +133,14 @@ def partitioned_start(cluster: LossCluster, root: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def partition_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """Both jobs on one cluster: the partition met while running, then the one met at the start."""
+    """The jobs on one cluster: the partition met while running, then met at the start by a job that fits on the
+    nodes left and by one whose smallest pools do not (`min_train_gpus` 2, no wait for GPUs)."""
     with partition_cluster() as cluster:
         running = partition_run(cluster, tmp_path_factory.mktemp("partition"))
         at_start = partitioned_start(cluster, tmp_path_factory.mktemp("partition-at-start"))
-    return {"running": running, "at_start": at_start}
+        too_few = partitioned_start(cluster, tmp_path_factory.mktemp("partition-at-start-too-few"),
+                                    {"min_train_gpus": 2, "runtime_node_loss_wait_s": 0})
+    return {"running": running, "at_start": at_start, "at_start_too_few": too_few}
 
 
 @pytest.fixture(scope="module")
@@ -183,15 +192,38 @@ def test_nothing_of_the_job_is_left_running(partitioned_job: dict[str, Any]) -> 
     assert processes_using(run_dir) == []
 
 
-def test_a_partition_met_at_the_start_stops_the_launch_naming_the_nodes(
+def test_a_partition_met_at_the_start_fences_a_node_and_the_job_runs_on_the_rest(
         partition_runs: dict[str, dict[str, Any]]) -> None:
-    """Nothing to fence at the start (no step to go back to, and a retry places the pool on the same nodes): the
-    launch stops at once with one line naming the two training nodes and what to do, and leaves nothing."""
+    """Every pair of worker nodes cut before the launch: the training pool's first start finds its two nodes
+    unable to connect, one is fenced off (a warning on the console), the pools are sized for the two nodes left
+    (training 1, rollout 1) and the job reaches its last step with every step once; nothing is left running."""
     run = partition_runs["at_start"]
+    assert run["code"] == 0, run["output"][-6000:]
+    rows = metric_rows(run["run_dir"])
+    assert [r["step"] for r in rows] == list(range(1, START_STEPS + 1)), [r["step"] for r in rows]
+    assert all(r["samples"] == SAMPLES_PER_STEP for r in rows)
+    log = events(run["run_dir"])
+    (fenced,) = [e for e in log if e["kind"] == "node_fenced"]
+    assert fenced["address"].startswith("10.213.7.") and len(fenced["unreachable"]) == 1, fenced
+    (lost,) = [e for e in log if e["kind"] == "capacity_lost"]
+    assert lost["fits"] and (lost["live_gpus"], lost["was_gpus"]) == (2, 3), lost
+    assert (lost["train_gpus"], lost["rollout_instances"]) == (1, 1)
+    assert lost["reason"].startswith("the training pool's first start; nodes fenced off: 10.213.7."), lost
+    assert any(line.startswith("WARNING") and "node_fenced" in line and fenced["address"] in line
+               for line in run["output"].splitlines()), run["output"][-6000:]
+    assert "Traceback" not in run["output"]
+    assert run["servers"] == [] and run["processes"] == []
+
+
+def test_a_partition_met_at_the_start_that_leaves_too_few_gpus_stops_the_launch_naming_the_node(
+        partition_runs: dict[str, dict[str, Any]]) -> None:
+    """The same with `min_train_gpus` 2: the two nodes left cannot hold the smallest pools, so the launch stops
+    at once with one line naming the fenced node and the peer it could not reach, and leaves nothing."""
+    run = partition_runs["at_start_too_few"]
     assert run["code"] != 0
     (line,) = [line for line in run["output"].splitlines() if line.startswith("libra: failed")]
-    assert line.startswith("libra: failed at step 0: TrainingNodesUnreachable: libra-train: the nodes of its ranks "
-                           "cannot all reach each other"), line
-    assert line.count("10.213.7.") >= 2 and "launch again" in line, line
+    assert line.startswith("libra: failed at step 0: CapacityLost: the cluster has 2 GPUs alive (not counting nodes "
+                           "fenced off: 10.213.7."), line
+    assert "training ranks there could not reach 10.213.7." in line and "min_train_gpus=2" in line, line
     assert "Traceback" not in run["output"]
     assert run["servers"] == [] and run["processes"] == []

@@ -467,6 +467,45 @@ def test_a_restart_whose_nodes_cannot_reach_each_other_fences_one_off_and_re_pla
     assert (lost["live_gpus"], lost["was_gpus"]) == (3, 4) and "nodes fenced off: 10.0.0.3" in lost["reason"]
 
 
+def partition_at_start() -> NodesUnreachableError:
+    """What the training pool's first start raises when its ranks on node-a and node-b cannot connect."""
+    return NodesUnreachableError("libra-train: the nodes of its ranks cannot all reach each other",
+                                 [("node-a", "node-b")], ["node-b"], {"node-a": "10.0.0.2", "node-b": "10.0.0.3"})
+
+
+def test_a_partition_met_at_the_first_start_fences_a_node_and_sizes_the_pools_for_the_rest(make_job) -> None:
+    """At the first start there is no pool to restart: the node is fenced off as after a step and the desired
+    state takes the sizes the GPUs left allow, for the control loop to create the training pool at; nothing is
+    restarted here."""
+    job = make_job(train=2, instances=2)
+    restarts: list[int | None] = []
+    job.train.restart = lambda gpus=None, layout=None: restarts.append(gpus)  # type: ignore[method-assign]
+    job.recovery.fence_at_start(partition_at_start())
+    assert restarts == [] and job.fence.node_ids() == {"node-b"}
+    want = job.store.get()
+    assert (want.train_gpus, want.rollout_instances, want.cluster_gpus) == (1, 2, 3)
+    assert want.reconfigure_strategy == "diff" and "3 GPUs" in want.reconfiguring
+    log = job.kinds()
+    assert [e["kind"] for e in log if e["kind"].startswith(("node_", "capacity_l", "capacity_r"))] == [
+        "node_fenced", "capacity_lost", "capacity_replan"]
+    (replanned,) = [e for e in log if e["kind"] == "capacity_replan"]
+    assert replanned["training_restarted"] is False
+    (lost,) = [e for e in log if e["kind"] == "capacity_lost"]
+    assert "the training pool's first start; nodes fenced off: 10.0.0.3" == lost["reason"]
+
+
+def test_a_partition_met_at_the_first_start_that_leaves_too_few_gpus_stops_naming_the_fenced_node(
+        make_job) -> None:
+    job = make_job(train=2, instances=1, min_train=2)
+    with pytest.raises(CapacityLost) as stopped:
+        job.recovery.fence_at_start(partition_at_start())
+    assert str(stopped.value).startswith(
+        "the cluster has 2 GPUs alive (not counting nodes fenced off: 10.0.0.3, training ranks there could not "
+        "reach 10.0.0.2) of the 3 this job holds, fewer than its smallest pools need (3: min_train_gpus=2"), \
+        stopped.value
+    assert job.store.get().train_gpus == 2, "a job that stops keeps the sizes it was launched with"
+
+
 def test_a_restart_that_fails_for_another_reason_fences_nothing(make_job) -> None:
     job = make_job(train=2, instances=2)
     job.training_answers = False
