@@ -25,6 +25,13 @@ the running job's policy on the window the runtime judges; its changes and undos
 runs of steps, each run at the pace of the static split fastest in it, switches free (`gain_bound_512` /
 `gain_bound_4096`: the largest over the cases of that size with the example's reload method).
 
+On-policy variants (`on_policy`): the same cases with `max_head_offpolicyness` 0 (each step generates on the
+weights of the step before, as synchronous GRPO runs), where each pool waits while the other works, so elastic
+hybrid parallelism has idle rollout GPUs to lend: every policy again, `elastic_ehp` (re-planning with EHP on)
+among them; `gain_with_ehp_512` / `gain_with_ehp_4096` are the smallest gain of `elastic_ehp` over the best
+static split over the two models with the example's reload method. The headline gains stay those of the
+examples as configured (asynchronous).
+
 Calibration: computed from benchmarks/results/elastic_gain.json when it exists, else null with the reason. The
 measured runs are replayed on their job's configuration (the document's `config`, else `--gain-config`) at the
 split each ran; the simulator's measured-cost constants (`planner.sim.costs.MeasuredCosts`: decode step =
@@ -63,10 +70,16 @@ from planner.sim.calibration import MeasuredRun, calibration_errors, measured_ru
 from planner.sim.engine import Engine, SimOptions  # noqa: E402
 from planner.sim.fit import Replayer, alternate_splits, holdout, leave_one_split_out, slice_cap_sweep  # noqa: E402
 from planner.sim.lengths import LengthModel  # noqa: E402
-from planner.sim.policies import ElasticPolicy, StaticPolicy, planner_allocation, run_policy  # noqa: E402
+from planner.sim.policies import (  # noqa: E402
+    POLICIES,
+    ElasticPolicy,
+    StaticPolicy,
+    planner_allocation,
+    run_policy,
+)
 from planner.sim.report import intervals  # noqa: E402
 from planner.sim.scenario import build_job, compare, scaled_inputs  # noqa: E402
-from planner.workload import PlannerInputs  # noqa: E402
+from planner.workload import EhpOptions, PlannerInputs  # noqa: E402
 
 MODELS = (("qwen3-30b-a3b", "configs/qwen3-30b-a3b-64gpu.yaml"), ("qwen2.5-32b", "configs/qwen2.5-32b-32gpu.yaml"))
 GPUS = (512, 4096)
@@ -75,6 +88,7 @@ ORACLE_PHASES = 20
 INTERVAL_STEPS = 40
 LLAMA3_FAILURES_PER_NODE_HOUR = 419 / (54 * 24 * 16384) * 8
 SEED = 0
+EHP_POLICIES = ("ehp", "elastic_ehp")  # on-policy: planned with EHP on
 Strategy = Literal["diff", "restart_all", "blue_green", "prewarm", "cluster_swap"]
 Reload = Literal["restart", "inplace"]
 STRATEGIES: tuple[Strategy, ...] = ("diff", "restart_all", "blue_green", "prewarm", "cluster_swap")
@@ -103,6 +117,8 @@ NOT_COVERED = [
     "second window and undone when its steps ran slower than the old split's expected, the next prediction for "
     "growing that pool discounted by what the model over-predicted)",
     "sim_10k_gpus_1000_steps_s is CPU time of one process (numpy single-threaded) on the shared machine",
+    "EHP in the asynchronous cases (the ehp and elastic_ehp rows of `cases`) is the simulator's: Libra's runtime "
+    "lends rollout GPUs only in a synchronous job, as the on_policy cases run it",
 ]
 
 
@@ -111,9 +127,47 @@ def drifting(inputs: PlannerInputs) -> LengthModel:
     return LengthModel(START_FRACTION * max_new, END_FRACTION * max_new, max_new, sigma=SIGMA, ramp=RAMP)
 
 
-def case_inputs(config: str, gpus: int) -> tuple[PlannerInputs, int]:
+def case_inputs(config: str, gpus: int, offpolicyness: int | None = None) -> tuple[PlannerInputs, int]:
+    """The example `config` scaled to `gpus` GPUs (`offpolicyness`: its `max_head_offpolicyness` instead of the
+    example's), and its total_steps."""
     cfg = load(os.path.join(ROOT, config), [], planning=True)
-    return scaled_inputs(planner_inputs(cfg), gpus), cfg.total_steps
+    inputs = scaled_inputs(planner_inputs(cfg), gpus)
+    if offpolicyness is not None:
+        inputs = replace(inputs, workload=replace(inputs.workload, max_head_offpolicyness=offpolicyness))
+    return inputs, cfg.total_steps
+
+
+def policy_rows(model: str, gpus: int, reload: str, results: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"model": model, "gpus": gpus, "policy": name, "reload": reload,
+             "samples_per_s": round(r.samples_per_s, 3), "gpu_idle_frac": round(r.gpu_idle_frac, 4),
+             "wall_h": round(r.wall_s / 3600, 3), "reconfigurations": r.reconfigurations, "failures": r.failures,
+             "split": r.initial} for name, r in results.items()]
+
+
+def on_policy_case(model: str, config: str, gpus: int, steps: int | None, reload: Reload | None) -> dict[str, Any]:
+    """The example at `gpus` GPUs run on-policy (`max_head_offpolicyness` 0): every policy, each one's ratio to
+    the best static split, and the changes `elastic_ehp` made. The EHP policies start from the split the planner
+    chooses with EHP on (`PlannerInputs.ehp`: the training phase priced on the GPUs the rollout pool lends, as
+    Libra plans a synchronous job that lends), the others from its split without; both runs draw the same
+    lengths."""
+    inputs, total_steps = case_inputs(config, gpus, offpolicyness=0)
+    steps = steps or total_steps
+    options = SimOptions(steps=steps, seed=SEED, node_failures_per_node_hour=LLAMA3_FAILURES_PER_NODE_HOUR)
+    job = build_job(inputs, drifting(inputs), steps, SEED, reload_method=reload)
+    comparison = compare(job, options, [p for p in POLICIES if p not in EHP_POLICIES])
+    lending = build_job(replace(inputs, ehp=EhpOptions()), drifting(inputs), steps, SEED, reload_method=reload)
+    with_ehp = compare(lending, options, EHP_POLICIES)
+    comparison.results.update(with_ehp.results)
+    label = job.inputs.rollout.reload_method
+    best = comparison.results["best_static"].samples_per_s
+    return {"rows": policy_rows(model, gpus, label, comparison.results), "comparison": comparison,
+            "gain": {"model": model, "gpus": gpus, "reload": label,
+                     **{name: round(r.samples_per_s / best, 4) for name, r in comparison.results.items()
+                        if name != "best_static"}},
+            "planner_split_with_ehp": with_ehp.start.label(),
+            "elastic_ehp_changes": {"model": model, "gpus": gpus, "reload": label,
+                                    "changes": [d for d in comparison.results["elastic_ehp"].decisions
+                                                if d["change"]]}}
 
 
 def run_case(model: str, config: str, gpus: int, steps: int | None, reload: Reload | None) -> dict[str, Any]:
@@ -123,12 +177,7 @@ def run_case(model: str, config: str, gpus: int, steps: int | None, reload: Relo
     options = SimOptions(steps=steps, seed=SEED, node_failures_per_node_hour=LLAMA3_FAILURES_PER_NODE_HOUR)
     began = time.process_time()
     comparison = compare(job, options)
-    rows = []
-    for name, r in comparison.results.items():
-        rows.append({"model": model, "gpus": gpus, "policy": name, "reload": job.inputs.rollout.reload_method,
-                     "samples_per_s": round(r.samples_per_s, 3), "gpu_idle_frac": round(r.gpu_idle_frac, 4),
-                     "wall_h": round(r.wall_s / 3600, 3), "reconfigurations": r.reconfigurations,
-                     "failures": r.failures, "split": r.initial})
+    rows = policy_rows(model, gpus, job.inputs.rollout.reload_method, comparison.results)
     others = [(f"elastic:{strategy}", run_policy(job, elastic_policy(job, comparison.start, options), replace(
         options, reconfigure_strategy=strategy))) for strategy in STRATEGIES[1:]]
     replay = elastic_policy(job, comparison.start, options, "replan")
@@ -142,7 +191,8 @@ def run_case(model: str, config: str, gpus: int, steps: int | None, reload: Relo
     early = slice(0, max(1, steps // 5))
     late = slice(steps - max(1, steps // 5), steps)
     elastic = comparison.results["elastic"]
-    return {"rows": rows, "gain": comparison.gain(), "comparison": comparison, "sim_cpu_s": time.process_time() - began,
+    return {"rows": rows, "gain": comparison.gain(), "gain_with_ehp": comparison.gain("elastic_ehp"),
+            "comparison": comparison, "sim_cpu_s": time.process_time() - began,
             "samples_per_step": inputs.workload.samples_per_step, "steps": steps,
             "mean_response_early": round(float(job.batches.total[early].sum() / job.batches.count[early].sum()), 1),
             "mean_response_late": round(float(job.batches.total[late].sum() / job.batches.count[late].sum()), 1),
@@ -336,6 +386,45 @@ def calibration(gain_path: str, gain_config: str) -> dict[str, Any]:
     }
 
 
+def on_policy_cases(steps: int | None, images: str = "") -> dict[str, Any]:
+    """Every case again on-policy (`on_policy_case`), with the smallest gain of `elastic_ehp` per size; with
+    `images`, the pictures of the cases with the example's reload method drawn into that folder."""
+    began = time.process_time()
+    rows: list[dict[str, Any]] = []
+    gains: list[dict[str, Any]] = []
+    changes: list[dict[str, Any]] = []
+    reloads: tuple[Reload | None, ...] = (None, "inplace")
+    for reload in reloads:
+        for gpus in GPUS:
+            for model, config in MODELS:
+                out = on_policy_case(model, config, gpus, steps, reload)
+                rows += out["rows"]
+                gains.append(out["gain"])
+                changes.append({**out["elastic_ehp_changes"], "planner_split_with_ehp": out["planner_split_with_ehp"]})
+                print(f"{model} {gpus} GPUs reload {out['gain']['reload']}, on-policy: elastic_ehp/best static "
+                      f"{out['gain']['elastic_ehp']:.3f}, colocated {out['gain']['colocated']:.3f}", flush=True)
+                if images and reload is None:
+                    from libra.cli.cmd_simulate import draw
+
+                    os.makedirs(images, exist_ok=True)
+                    draw(out["comparison"], os.path.join(images, f"sim_on_policy_{model}_{gpus}.png"),
+                         title=f"{model}, {gpus} GPUs, on-policy, drifting response lengths")
+    example_reload = [g for g in gains if g["reload"] != "inplace"] or gains
+    return {
+        "max_head_offpolicyness": 0,
+        "cases": rows,
+        "gains": gains,
+        "gain_with_ehp_512": min(g["elastic_ehp"] for g in example_reload if g["gpus"] == 512),
+        "gain_with_ehp_4096": min(g["elastic_ehp"] for g in example_reload if g["gpus"] == 4096),
+        "elastic_ehp_changes": changes,
+        "sim_cpu_s": round(time.process_time() - began, 2),
+        "note": "the examples run on-policy instead of with their own max_head_offpolicyness (2 and 1); gains are "
+                "each policy's samples/s over the best static split of the same on-policy job; ehp and "
+                "elastic_ehp start from the planner's split with EHP on (planner_split_with_ehp), the others from "
+                "its split without; the headline gain_512 / gain_4096 remain the examples' as configured",
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
@@ -355,7 +444,8 @@ def main() -> int:
                 out = run_case(model, config, gpus, steps, reload)
                 cases += out["rows"]
                 label = out["rows"][0]["reload"]
-                gains.append({"model": model, "gpus": gpus, "reload": label, "gain": round(out["gain"] or 0.0, 4)})
+                gains.append({"model": model, "gpus": gpus, "reload": label, "gain": round(out["gain"] or 0.0, 4),
+                              "gain_with_ehp": round(out["gain_with_ehp"] or 0.0, 4)})
                 details.append({k: out[k] for k in ("samples_per_step", "steps", "mean_response_early",
                                                     "mean_response_late", "best_static", "oracle",
                                                     "elastic_changes", "elastic_switch_pause_s",
@@ -373,6 +463,7 @@ def main() -> int:
                     draw(out["comparison"], os.path.join(args.images, f"sim_{model}_{gpus}.png"),
                          title=f"{model}, {gpus} GPUs, drifting response lengths")
     example_reload = [g for g in gains if g["reload"] != "inplace"] or gains
+    on_policy = on_policy_cases(steps, args.images)
     speed = sim_10k(60 if args.quick else 1000)
     result = {
         "benchmark": "elastic_sim",
@@ -387,6 +478,7 @@ def main() -> int:
                               if d["gpus"] == 512 and d["reload"] != "inplace"),
         "gain_bound_4096": max(d["oracle"]["gain_over_best_static"] for d in details
                                if d["gpus"] == 4096 and d["reload"] != "inplace"),
+        "on_policy": on_policy,
         "targets": {"gain": 1.3, "sim_10k_gpus_1000_steps_s": 60.0, "calibration_rel_error": 0.15},
         "sim_10k_gpus_1000_steps_s": speed["cpu_s"],
         "sim_10k": speed,
@@ -404,7 +496,8 @@ def main() -> int:
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(result, fh, indent=2)
     print(json.dumps({k: result[k] for k in ("gain_512", "gain_4096", "gain_bound_512", "gain_bound_4096",
-                                             "sim_10k_gpus_1000_steps_s")}))
+                                             "sim_10k_gpus_1000_steps_s")}
+                     | {k: on_policy[k] for k in ("gain_with_ehp_512", "gain_with_ehp_4096")}))
     return 0
 
 

@@ -24,7 +24,8 @@ if TYPE_CHECKING:  # the heavy modules load when the command runs, not when `lib
 EXIT_OK = 0
 EXIT_INVALID = 2
 # planner.sim.policies.ALL_POLICIES, spelled out so that building the parser does not load the simulator
-POLICY_CHOICES = ("best_static", "planner_initial", "elastic", "ehp", "colocated", "online_replanning")
+POLICY_CHOICES = ("best_static", "planner_initial", "elastic", "ehp", "elastic_ehp", "colocated",
+                  "online_replanning")
 STRATEGY_CHOICES = ("diff", "restart_all", "blue_green", "prewarm", "cluster_swap")
 DEFAULT_START_FRACTION = 0.1  # of max_new_tokens: mean response length at the start of the job
 DEFAULT_END_FRACTION = 0.8  # ... and at its end (before truncation at max_new_tokens)
@@ -44,7 +45,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--gpus", type=int, default=0,
                         help="scale the job to this many GPUs (whole nodes; the per-GPU batch is kept)")
     parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default=None,
-                        help="reconfiguration strategy of the re-planning policies (elastic, online_replanning) "
+                        help="reconfiguration strategy of the re-planning policies (elastic, elastic_ehp, "
+                             "online_replanning) "
                              "(default: global_resource_planner.runtime_rollout_reconfigure_strategy)")
     parser.add_argument("--reload-method", choices=("restart", "inplace"), default=None,
                         help="weight reload method (default: rollout_weight_reload_method)")
@@ -155,7 +157,7 @@ def render(result: Comparison, console: Any, source: str) -> None:
     for name, r in result.results.items():
         if r.outcome != "completed":
             console.print(f"{name}: ended early ({r.outcome}): {r.outcome_detail}")
-    for name in ("elastic", "online_replanning"):
+    for name in ("elastic", "elastic_ehp", "online_replanning"):
         replanned = result.results.get(name)
         if replanned is None or not replanned.decisions:
             continue

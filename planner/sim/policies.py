@@ -17,6 +17,9 @@
   `predictor="replan"`); `libra simulate` runs it, the default comparison of `POLICIES` does not (the
   simulator benchmark runs it beside as `elastic:replan_predictor`).
 - `ehp`: the planner's initial split with elastic hybrid parallelism (`planner.sim.engine`).
+- `elastic_ehp`: `elastic` with elastic hybrid parallelism: the predictor times every split with EHP on, so a
+  rollout-heavy split whose rollout GPUs train while the rollout pool waits for the weights of a step (a
+  synchronous job, or an asynchronous one whose rollout runs ahead to its staleness bound) can win.
 - `colocated`: every GPU both generates and trains, one after the other (time-shared, synchronous, as
   colocated RL systems run): generation on all GPUs, a switch (rollout weights and the training state moved
   off and back onto the GPUs over the host link, `CostParams.host_link_bytes_per_s`), training on all GPUs,
@@ -45,7 +48,7 @@ from planner.sim.engine import Engine, SimJob, SimOptions, SimResult
 from planner.sim.predictor import MIN_MEASURED_STEPS, fork_step_s, outlook
 from planner.workload import PlannerInputs
 
-POLICIES: tuple[str, ...] = ("best_static", "planner_initial", "elastic", "ehp", "colocated")
+POLICIES: tuple[str, ...] = ("best_static", "planner_initial", "elastic", "ehp", "elastic_ehp", "colocated")
 ONLINE_REPLANNING = "online_replanning"  # the runtime's re-planner replayed (`ElasticPolicy(predictor="replan")`)
 ALL_POLICIES: tuple[str, ...] = (*POLICIES, ONLINE_REPLANNING)  # what `libra simulate --policy` may name
 

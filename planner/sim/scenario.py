@@ -123,10 +123,10 @@ def compare(job: SimJob, options: SimOptions, policies: Sequence[str] = POLICIES
             out.results[name] = run_policy(job, StaticPolicy(start, name="planner_initial"), options)
         elif name == "ehp":
             out.results[name] = run_policy(job, StaticPolicy(start, name="ehp", ehp=True), options)
-        elif name in ("elastic", ONLINE_REPLANNING):
+        elif name in ("elastic", "elastic_ehp", ONLINE_REPLANNING):
             policy = ElasticPolicy(job.inputs, start, options.replan_interval_steps, options.replan_min_gain,
-                                   options.replan_horizon_steps, name=name,
-                                   predictor="tail" if name == "elastic" else "replan")
+                                   options.replan_horizon_steps, name=name, ehp=name == "elastic_ehp",
+                                   predictor="replan" if name == ONLINE_REPLANNING else "tail")
             out.results[name] = run_policy(job, policy, options)
         else:
             out.results[name] = colocated(job, start, options)

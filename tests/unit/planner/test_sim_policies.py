@@ -64,6 +64,23 @@ def test_every_policy_runs_on_the_same_draws() -> None:
     assert oracle["gain_over_best_static"] >= 1.0 - 1e-9 and len(oracle["phases"]) == 5
 
 
+def test_elastic_with_ehp_gives_a_synchronous_job_a_rollout_heavy_split_that_trains_on_every_gpu() -> None:
+    """In a synchronous job each pool waits while the other works. With EHP the rollout GPUs join each training
+    step, so the re-planner, timing the splits with EHP on, gives the rollout pool most of the GPUs and beats the
+    best static split and itself without EHP, which keeps the planner's training-heavy split."""
+    job = real_job(steps=30, lag=0)
+    result = compare(job, SimOptions(steps=30, replan_interval_steps=5),
+                     ("best_static", "elastic", "ehp", "elastic_ehp"))
+    start_train = int(result.start.label().split()[1])
+    with_ehp = result.results["elastic_ehp"]
+    changes = [d for d in with_ehp.decisions if d["change"]]
+    assert changes and int(changes[0]["target"].split()[1]) < job.total_gpus // 2 < start_train, changes
+    best = result.results["best_static"].samples_per_s
+    assert with_ehp.samples_per_s > 1.05 * best
+    assert with_ehp.samples_per_s > 1.05 * result.results["elastic"].samples_per_s
+    assert with_ehp.samples_per_s > 1.05 * result.results["ehp"].samples_per_s
+
+
 @dataclass
 class Replayed:
     """The replay policy, checked at every decision against the runtime's `OnlineReplanning` fed by the test
