@@ -15,13 +15,16 @@ from planner.layout import enumerate_layouts, layout_rule_violation, rollout_rul
 from planner.memory import MemoryEstimate, kv_capacity_sequences, train_memory
 from planner.plan import Evaluation, PhaseAdvice, Plan
 from planner.search import search_validated
-from planner.workload import PlannerInputs
+from planner.workload import EhpOptions, PlannerInputs
 
 MAX_NODES = 1024
 # a phase dominates the step when it takes more than this share of the step time
 DOMINANT_SHARE = 0.30
 # phase advice lists an option only when the re-run search predicts at least this gain in samples per second
 MIN_PHASE_GAIN = 0.01
+# what turns elastic hybrid parallelism on in a synchronous job (libra.config.elastic_hybrid.ehp_switch)
+EHP_SETTING = ("global_resource_planner.runtime_dynamic_reconfiguration_enabled: true with "
+               "runtime_reconfigure_training: true")
 
 
 def plan_warnings(inputs: PlannerInputs, ev: Evaluation) -> list[str]:
@@ -255,6 +258,14 @@ def _phase_trials(inputs: PlannerInputs) -> list[tuple[tuple[str, ...], str, str
         trials.append((("train",), "megatron_recompute_granularity: none",
                        "keeps activations instead of recomputing them in the backward pass; the search checks they fit",
                        replace(inputs, train=replace(inputs.train, recompute_granularity="none"))))
+    if not w.is_async and inputs.ehp is None:
+        # EHP borrows whole replicas of the layout, which an expert-parallel layout cannot lend (rule
+        # ehp_expert_parallel): the search is re-run with EP 1 only
+        lending = replace(inputs, ehp=EhpOptions(), space=replace(inputs.space, allowed_ep=(1,)))
+        trials.append((("train", "logprob_recompute"), EHP_SETTING,
+                       "elastic hybrid parallelism: in a synchronous job the rollout GPUs wait while a step trains, "
+                       "so each step also trains on them as extra data-parallel replicas; the split is planned "
+                       "for it", lending))
     more = w.max_head_offpolicyness + 1
     hidden = ("generation",) if w.is_async else ("generation", "weight_sync", "logprob_recompute", "train")
     trials.append((hidden, f"max_head_offpolicyness: {more}",

@@ -14,14 +14,14 @@ from planner_cases import ROOT, inputs
 
 from libra.config import load
 from libra.planning import plan_job
-from planner.advice import DOMINANT_SHARE
+from planner.advice import DOMINANT_SHARE, EHP_SETTING
 from planner.grp import plan
 from planner.layout import TrainLayout
 from planner.memory import MemoryEstimate, MemoryTerm
 from planner.plan import THROUGHPUT_TIE_TOLERANCE, Candidate, Evaluation, in_tie, rank
 from planner.report import plan_dict
 from planner.search import brute_force, evaluate, preferred_order, search
-from planner.workload import PlannerInputs, RolloutOptions
+from planner.workload import EhpOptions, PlannerInputs, RolloutOptions
 
 GB = 10**9
 
@@ -113,30 +113,47 @@ def _inplace(inp: PlannerInputs) -> PlannerInputs:
     return replace(inp, rollout=RolloutOptions(reload_method="inplace"))
 
 
-# (id, inputs, phase that dominates, options advised for it)
+# (id, inputs, the options advised and the dominating phase each is advised for)
 PHASE_CASES = [
-    ("7b-16gpu-restart-sync", _restart(inputs("qwen2.5-7b", nodes=2)), "weight_sync",
-     {"rollout_weight_reload_method: inplace", "sync_interval: 2 with max_head_offpolicyness: 1",
-      "max_head_offpolicyness: 1"}),
-    ("7b-16gpu-inplace-sync", _inplace(inputs("qwen2.5-7b", nodes=2, max_new_tokens=3072)), "generation",
-     {"max_head_offpolicyness: 1"}),
+    ("7b-16gpu-restart-sync", _restart(inputs("qwen2.5-7b", nodes=2)),
+     {"rollout_weight_reload_method: inplace": "weight_sync",
+      "sync_interval: 2 with max_head_offpolicyness: 1": "weight_sync", "max_head_offpolicyness: 1": "weight_sync"}),
+    ("7b-16gpu-inplace-sync", _inplace(inputs("qwen2.5-7b", nodes=2, max_new_tokens=3072)),
+     {"max_head_offpolicyness: 1": "generation", EHP_SETTING: "train"}),
     ("7b-16gpu-full-recompute-async", _inplace(inputs("qwen2.5-7b", nodes=2, max_head_offpolicyness=1,
-                                                      recompute_granularity="full")), "train",
-     {"megatron_recompute_granularity: none"}),
+                                                      recompute_granularity="full")),
+     {"megatron_recompute_granularity: none": "train"}),
 ]
 
 
-@pytest.mark.parametrize(("inp", "phase", "options"), [c[1:] for c in PHASE_CASES], ids=[c[0] for c in PHASE_CASES])
-def test_dominating_phase_gets_options_with_predicted_figures(inp: PlannerInputs, phase: str,
-                                                              options: set[str]) -> None:
+@pytest.mark.parametrize(("inp", "options"), [c[1:] for c in PHASE_CASES], ids=[c[0] for c in PHASE_CASES])
+def test_dominating_phase_gets_options_with_predicted_figures(inp: PlannerInputs, options: dict[str, str]) -> None:
     job = plan(inp)
     assert job.chosen is not None
-    assert job.chosen.phases[phase] / job.chosen.step_s > DOMINANT_SHARE
     advised = {a.option: a for a in job.phase_advice}
-    assert set(advised) == options
-    for a in advised.values():
+    assert set(advised) == set(options)
+    for option, a in advised.items():
+        phase = options[option]
+        assert job.chosen.phases[phase] / job.chosen.step_s > DOMINANT_SHARE
         assert a.phase == phase and a.gain > 0
         assert a.phase_s == job.chosen.phases[phase] and a.step_s == job.chosen.step_s
+
+
+def test_elastic_hybrid_advice_is_the_search_rerun_with_ehp_on_and_a_rollout_heavy_split() -> None:
+    """A synchronous job whose training dominates: the advice to turn EHP on carries the search re-run with the
+    training phase priced on the GPUs the rollout pool lends, which gives the rollout pool more GPUs; a job
+    with EHP on, or an asynchronous one, gets no such advice."""
+    inp = _inplace(inputs("qwen2.5-7b", nodes=2, max_new_tokens=3072))
+    job = plan(inp)
+    advice = {a.option: a for a in job.phase_advice}[EHP_SETTING]
+    rerun = search(replace(inp, ehp=EhpOptions())).chosen
+    assert rerun is not None and job.chosen is not None
+    assert (advice.new_step_s, advice.new_split) == (rerun.step_s, rerun.candidate.label())
+    assert rerun.candidate.rollout_gpus > job.chosen.candidate.rollout_gpus
+    assert advice.new_phase_s < advice.phase_s
+    lending = plan(replace(inp, ehp=EhpOptions()))
+    asynchronous = plan(replace(inp, workload=replace(inp.workload, max_head_offpolicyness=1)))
+    assert EHP_SETTING not in {a.option for a in lending.phase_advice + asynchronous.phase_advice}
 
 
 def test_phase_advice_figures_are_the_search_rerun_with_the_option() -> None:
