@@ -138,6 +138,7 @@ def case_inputs(config: str, gpus: int, offpolicyness: int | None = None) -> tup
 
 
 def policy_rows(model: str, gpus: int, reload: str, results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row of the result's `cases` per policy's run in `results` (by policy name)."""
     return [{"model": model, "gpus": gpus, "policy": name, "reload": reload,
              "samples_per_s": round(r.samples_per_s, 3), "gpu_idle_frac": round(r.gpu_idle_frac, 4),
              "wall_h": round(r.wall_s / 3600, 3), "reconfigurations": r.reconfigurations, "failures": r.failures,
@@ -182,12 +183,9 @@ def run_case(model: str, config: str, gpus: int, steps: int | None, reload: Relo
         options, reconfigure_strategy=strategy))) for strategy in STRATEGIES[1:]]
     replay = elastic_policy(job, comparison.start, options, "replan")
     mean_only = run_policy(job, replay, options)
-    for name, other in [*others, ("elastic:replan_predictor", mean_only)]:
-        rows.append({"model": model, "gpus": gpus, "policy": name,
-                     "reload": job.inputs.rollout.reload_method, "samples_per_s": round(other.samples_per_s, 3),
-                     "gpu_idle_frac": round(other.gpu_idle_frac, 4), "wall_h": round(other.wall_s / 3600, 3),
-                     "reconfigurations": other.reconfigurations, "failures": other.failures,
-                     "strategy_fallbacks": other.strategy_fallbacks, "split": other.initial})
+    variants = dict([*others, ("elastic:replan_predictor", mean_only)])
+    rows += [{**row, "strategy_fallbacks": variants[row["policy"]].strategy_fallbacks}
+             for row in policy_rows(model, gpus, job.inputs.rollout.reload_method, variants)]
     early = slice(0, max(1, steps // 5))
     late = slice(steps - max(1, steps // 5), steps)
     elastic = comparison.results["elastic"]
