@@ -109,23 +109,27 @@ class Comparison:
 
 
 def compare(job: SimJob, options: SimOptions, policies: Sequence[str] = POLICIES) -> Comparison:
-    """Run each of `policies` on `job` (same lengths, same seed)."""
+    """Run each of `policies` on `job` (same lengths, same seed). A job that lends (`PlannerInputs.ehp`: Libra
+    runs a synchronous job with elastic hybrid parallelism on, and plans its split for it) lends in the policies
+    that stand for Libra's runtime too (`planner_initial`, `elastic`, `online_replanning`), as it would run;
+    the best static split stays the baseline without any elasticity."""
     unknown = [p for p in policies if p not in ALL_POLICIES]
     if unknown:
         raise ValueError(f"policy: {', '.join(unknown)}: choose from {', '.join(ALL_POLICIES)}")
     start = planner_allocation(job.inputs)
+    lends = job.inputs.ehp is not None
     out = Comparison(job, start)
     for name in policies:
         began = time.process_time()
         if name == "best_static":
             out.results[name], out.statics = best_static(job, start, options)
         elif name == "planner_initial":
-            out.results[name] = run_policy(job, StaticPolicy(start, name="planner_initial"), options)
+            out.results[name] = run_policy(job, StaticPolicy(start, name="planner_initial", ehp=lends), options)
         elif name == "ehp":
             out.results[name] = run_policy(job, StaticPolicy(start, name="ehp", ehp=True), options)
         elif name in ("elastic", "elastic_ehp", ONLINE_REPLANNING):
             policy = ElasticPolicy(job.inputs, start, options.replan_interval_steps, options.replan_min_gain,
-                                   options.replan_horizon_steps, name=name, ehp=name == "elastic_ehp",
+                                   options.replan_horizon_steps, name=name, ehp=lends or name == "elastic_ehp",
                                    predictor="replan" if name == ONLINE_REPLANNING else "tail")
             out.results[name] = run_policy(job, policy, options)
         else:

@@ -3,26 +3,29 @@ split, online re-planning decisions, EHP and the colocated baseline, and the com
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
-from sim_cases import real_job
+from sim_cases import real_inputs, real_job
 
 from planner.plan import Candidate
 from planner.replan import ReplanPolicy, switch_cost_s
 from planner.replan_review import OnlineReplanning
 from planner.sim.allocation import static_splits
 from planner.sim.engine import Engine, SimOptions
+from planner.sim.lengths import LengthModel
 from planner.sim.policies import (
     ALL_POLICIES,
     ONLINE_REPLANNING,
     POLICIES,
     ElasticPolicy,
+    StaticPolicy,
     best_static,
     planner_allocation,
     run_policy,
 )
-from planner.sim.scenario import compare, nearest_smooth, scaled_inputs
+from planner.sim.scenario import build_job, compare, nearest_smooth, scaled_inputs
+from planner.workload import EhpOptions
 
 
 def test_best_static_is_the_max_over_every_static_split() -> None:
@@ -79,6 +82,21 @@ def test_elastic_with_ehp_gives_a_synchronous_job_a_rollout_heavy_split_that_tra
     assert with_ehp.samples_per_s > 1.05 * best
     assert with_ehp.samples_per_s > 1.05 * result.results["elastic"].samples_per_s
     assert with_ehp.samples_per_s > 1.05 * result.results["ehp"].samples_per_s
+
+
+def test_a_job_that_lends_lends_in_the_policies_that_stand_for_libras_runtime() -> None:
+    """A synchronous job with EHP on (`PlannerInputs.ehp`) is planned for lending and runs lending: the planner's
+    split and the re-planners lend as the runtime would (so `planner_initial` is `ehp` and `elastic` is
+    `elastic_ehp`), while the best static split stays the baseline without elasticity."""
+    base = replace(real_inputs(lag=0), ehp=EhpOptions())
+    job = build_job(base, LengthModel(400, 3000, base.workload.max_new_tokens), 30, 0)
+    result = compare(job, SimOptions(steps=30, replan_interval_steps=5), ALL_POLICIES)
+    rate = {name: r.samples_per_s for name, r in result.results.items()}
+    assert rate["planner_initial"] == rate["ehp"] and rate["elastic"] == rate["elastic_ehp"]
+    assert rate["planner_initial"] > 1.05 * rate["best_static"]
+    assert rate["online_replanning"] > 1.05 * rate["best_static"]
+    plain = run_policy(job, StaticPolicy(result.start, name="planner_initial"), SimOptions(steps=30))
+    assert plain.samples_per_s < rate["planner_initial"], "the split planned for lending runs without it slower"
 
 
 @dataclass
