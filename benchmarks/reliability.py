@@ -71,6 +71,12 @@ Faults (`--faults` picks some):
                               reachability check finds the pair, one node is fenced off and the job re-plans
                               onto the other two; held after its recovery while the route comes back, until
                               the fenced node counts again; then it runs to step 100 (needs root for `ip netns`)
+  ehp_lender_partition        the same cluster; a synchronous job of 1 training GPU whose 2 rollout instances lend
+                              their GPUs to each training step (elastic hybrid parallelism); held once both lent,
+                              the training node and one lending node stop reaching each other; the step that
+                              meets it runs on the training pool alone, the node is held back from lending, the
+                              steps borrow the other node's GPU; held again while the route comes back, until the
+                              node may lend again; then it runs to step 24 (needs root for `ip netns`)
   disk_full_mid_trace         only the run directory's trace folder on a small tmpfs, filled after step 2;
                               the same launch trains on to step END (trace records dropped with a warning)
   load_queue_and_status       10,000 queued prompts through the job's producer and buffer under
@@ -548,6 +554,46 @@ def worker_partition(root: Path) -> dict[str, Any]:
     return figures
 
 
+def ehp_lender_partition(root: Path) -> dict[str, Any]:
+    """The worker-partition cluster; a synchronous job whose two rollout instances lend their GPUs to its training
+    step; its training node and one lending node stop reaching each other, and it runs on to its last step
+    (tests/integration/reliability/test_worker_partition.py, `lender_partition_run`). None when network
+    namespaces cannot be made."""
+    from tests.integration.reliability.test_worker_partition import (
+        LENDER_STEPS,
+        lender_partition_run,
+        partition_cluster,
+    )
+
+    with partition_cluster() as cluster:
+        run = lender_partition_run(cluster, root)
+    found, final = events(run["run_dir"]), metric_rows(run["run_dir"])
+    after = sorted((float(r["wall_time"]), int(r["step"]), float(r.get("train_ehp_replicas", 0.0)))
+                   for r in final if float(r["wall_time"]) > run["cut_at"])
+    held = [e for e in found if e["kind"] == "ehp_held_back"]
+    back = [e for e in found if e["kind"] == "ehp_lender_back"]
+    alone = [at for at, step, replicas in after if held and step > int(held[0]["step"]) and replicas == 1.0]
+    figures = in_run_figures("", final, SAMPLES_PER_STEP, LENDER_STEPS, 1, LENDER_STEPS, run["cut_at"],
+                             after[0][0] if after else None, run["code"])
+    figures["details"] = {
+        "exit_code": run["code"], "checkpoint_interval": 1, "end_step": LENDER_STEPS, "partitioned": run["partitioned"],
+        "lender": run["lender"], "train_hang_timeout_s": HANG_TIMEOUT_S,
+        "failed": [{"step": e["step"], "stage": e["stage"]} for e in found if e["kind"] == "ehp_failed"],
+        "training_restarted": any(e["kind"] == "train_restart" for e in found),
+        "held_back_after_s": round(float(held[0]["ts"]) - run["cut_at"], 1) if held else None,
+        "borrowing_the_other_lender_after_s": round(alone[0] - run["cut_at"], 1) if alone else None,
+        "lends_again_after_healed_s": round(float(back[0]["ts"]) - run["healed_at"], 1) if back else None,
+        "steps_before_the_partition": [int(r["step"]) for r in run["before"]],
+        "recovery_covers": "from the cut (the loop held at a step boundary, then resumed at once) to the first step "
+                           "after it, which ran on the training pool alone once its training rank had waited 0.8 "
+                           "of the step's deadline (train_hang_timeout_s) for the borrowed gradients",
+        "held_back_covers": "the next borrow: the borrowed workers' start on both lenders, then the reachability "
+                            "probe (a TCP connection that never opens, 5 s)",
+        "lends_again_covers": "from the route's return (the loop held) to ehp_lender_back: up to RECHECK_S (20 s) "
+                              "until the next check, and its probes"}
+    return figures
+
+
 def _server_fault(name: str, job: str) -> Callable[[Path], dict[str, Any]]:
     return lambda root: dict(server_faults(root, job)[name])
 
@@ -577,6 +623,7 @@ FAULTS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "node_partition": lambda root: node_loss(root, frozen=True),
     "raylet_hung": lambda root: node_loss(root, frozen=True, raylet_only=True),
     "worker_partition": worker_partition,
+    "ehp_lender_partition": ehp_lender_partition,
 }
 
 

@@ -8,8 +8,9 @@ Three pure functions, each a decision the runtime carries out (`libra/training/e
   one complete copy of the model (EP folds into data parallelism, so a replica of a MoE model spans EP
   model-parallel groups; for a dense model EP = 1 and the unit is TP x PP x CP, one core DP replica).
 - `plan_borrow(instances, replica_size, min_rollout_gpus)`: a rollout instance is lent whole (its TP group
-  cannot serve with part of its GPUs), only a healthy one, and never so many that fewer than
-  `min_rollout_gpus` GPUs of healthy instances keep serving. A replica's GPUs are on one node (its TP / PP
+  cannot serve with part of its GPUs), only a healthy one that may lend (`lendable`: the runtime holds back an
+  instance whose node cannot reach the training pool's nodes; it serves and counts as serving), and never so
+  many that fewer than `min_rollout_gpus` GPUs of healthy instances keep serving. A replica's GPUs are on one node (its TP / PP
   traffic stays inside the node); instances are taken in the order given, node by node, and an instance
   that would complete no replica is not lent. GPUs of a lent instance that no replica uses are reported
   as `idle_gpu_ids` (an instance with more GPUs than the replica needs, e.g. rollout TP 3 and replica 2).
@@ -71,6 +72,7 @@ class RolloutInstanceGpus:
     gpu_ids: tuple[str, ...]
     node: str = ""
     healthy: bool = True
+    lendable: bool = True  # False: it serves (and counts as serving) but is not lent
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,8 @@ def plan_borrow(
     for node_instances in nodes.values():
         carry: list[tuple[str, str]] = []  # (GPU, its instance): lent GPUs of this node no replica uses yet
         for inst in node_instances:
+            if not inst.lendable:
+                continue
             lent_gpus = sum(len(r) for r in replicas) + len(idle) + len(carry)
             if lent_gpus + len(inst.gpu_ids) > budget:
                 skipped_for_budget = True
@@ -158,6 +162,8 @@ def plan_borrow(
 def _nothing_lent_reason(healthy: Sequence[RolloutInstanceGpus], size: int, keep: int, total: int) -> str:
     if not healthy:
         return "no healthy rollout instance"
+    if not any(i.lendable for i in healthy):
+        return "every healthy rollout instance is held back from lending"
     if total - keep < size:
         return (f"{total} serving GPUs less elastic_hybrid_min_rollout_gpus={keep} leave {max(0, total - keep)}, "
                 f"fewer than one replica of {size}")

@@ -5,7 +5,8 @@ A lent GPU stays reserved by the rollout instance that lends it (its placement g
 running, the server asleep or resident): the borrowed worker joins that instance's bundle with no Ray
 resources of its own and sees the GPU through `CUDA_VISIBLE_DEVICES`, as a co-located process does. A
 `LentGpu` without a placement group is a GPU reserved afresh (one `{"GPU": 1, "CPU": 1}` bundle), for a
-server that was stopped rather than put to sleep.
+server that was stopped rather than put to sleep. `LendersUnreachableError` says that nodes of lent GPUs cannot
+reach the training pool's nodes (`EhpSession` checks before a borrowed world forms).
 """
 
 from __future__ import annotations
@@ -18,9 +19,21 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, get_placement_group
 
+from libra.cluster.node_fence import FencedNode
 from libra.cluster.ray_runtime import RayRuntime
 from libra.cluster.rollout_hosts import group_name
 from libra.cluster.training_workers import FORWARDED_ENV, TrainingWorkerGroup
+
+
+class LendersUnreachableError(RuntimeError):
+    """Nodes of lent GPUs cannot reach the training pool's nodes (or, in one borrowed world, each other): a
+    network partition that would hang a shared step. `nodes`: each such node, with the peers it could not reach
+    (what a later check tries again); `instances`: node id -> the lending instances on it."""
+
+    def __init__(self, message: str, nodes: list[FencedNode], instances: dict[str, list[str]]) -> None:
+        super().__init__(message)
+        self.nodes = nodes
+        self.instances = instances
 
 
 @dataclass(frozen=True)
@@ -75,11 +88,15 @@ class BorrowedWorkerGroup(TrainingWorkerGroup):
                 num_gpus=num_gpus, num_cpus=num_cpus, env=env or None,
             ))
 
+    def rank_nodes(self) -> list[str]:
+        """The node id of each rank's bundle (in the lending instance's placement group or in a fresh one)."""
+        return [self._bundle_node(pg, index) for pg, index in self._placements]
+
     def rendezvous_host(self) -> str:
-        nodes = {self._bundle_node(pg, index) for pg, index in self._placements}
-        if len(nodes) <= 1:
+        nodes = self.rank_nodes()
+        if len(set(nodes)) <= 1:
             return "127.0.0.1"
-        node_id = self._bundle_node(*self._placements[0])
+        node_id = nodes[0]
         for node in ray.nodes():
             if node.get("NodeID") == node_id:
                 return str(node["NodeManagerAddress"])
@@ -120,6 +137,17 @@ def wait_done(refs: list[Any], timeout: float | None) -> bool:
     call that raised is found by whoever gathers it)."""
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
     return len(done) == len(refs)
+
+
+def fetch_within(refs: list[Any], timeout_s: float) -> tuple[list[Any], str]:
+    """The values of `refs`, fetched by the calling process within `timeout_s`; with '' or, where they could not
+    all be fetched in time, why not (and no values)."""
+    try:
+        return list(ray.get(refs, timeout=timeout_s)) if refs else [], ""
+    except ray.exceptions.GetTimeoutError:
+        return [], f"waited {timeout_s:.0f}s for them"
+    except ray.exceptions.RayError as exc:
+        return [], f"could not fetch them ({type(exc).__name__})"
 
 
 def share(value: Any) -> Any:

@@ -9,7 +9,8 @@ rank's own error), so the caller can start the pool again rather than fail. A ca
 deadline, or whose rank says its collective timed out waiting for a peer, is a `WorkerHungError` (a kind of lost
 worker: the pool is stopped, which kills the hung processes, and started again). Before a group spread over
 several nodes forms its process group, `check_reachability` checks that its nodes reach each other
-(`libra.cluster.reachability`) and raises `NodesUnreachableError` naming the pairs that do not.
+(`libra.cluster.reachability`) and raises `NodesUnreachableError` naming the pairs that do not; `probe_reach`
+is the probe itself, also between two groups (elastic hybrid parallelism's borrowed worlds and the core pool).
 """
 
 from __future__ import annotations
@@ -110,45 +111,35 @@ class TrainingWorkerGroup:
         bundle_nodes = ray.util.placement_group_table(self._pg).get("bundles_to_node_id", {})
         return [str(bundle_nodes[rank]) for rank in range(self.num_workers)]
 
+    def first_rank_per_node(self) -> dict[str, int]:
+        """Node id -> the lowest rank on it, in rank order."""
+        first_rank: dict[str, int] = {}
+        for rank, node in enumerate(self.rank_nodes()):
+            first_rank.setdefault(node, rank)
+        return first_rank
+
     def check_reachability(self, timeout: float) -> None:
         """When the ranks are on several nodes: the first rank of each node listens on its node's address and
         connects to every other node's (`libra.cluster.reachability`); raises `NodesUnreachableError` when a
         pair of nodes cannot connect (`timeout`: each round of calls, the actors' start included)."""
         nodes = self.rank_nodes()
-        first_rank: dict[str, int] = {}
-        for rank, node in enumerate(nodes):
-            first_rank.setdefault(node, rank)
-        if len(first_rank) <= 1:
+        if len(set(nodes)) <= 1:
             return
-        order = list(first_rank)
-        listeners = self._gather("reach_listen", [self.actors[first_rank[n]].reach_listen.remote() for n in order],
-                                 timeout)
-        try:
-            address_of = {node: (str(host), int(port)) for node, (host, port) in zip(order, listeners, strict=True)}
-            checks = self._gather(
-                "reach_check",
-                [self.actors[first_rank[n]].reach_check.remote([address_of[o] for o in order if o != n])
-                 for n in order], timeout + REACH_TIMEOUT_S)
-        finally:
-            for node in order:
-                self.actors[first_rank[node]].reach_close.remote()
-        broken: dict[tuple[str, str], str] = {}
-        for node, results in zip(order, checks, strict=True):
-            for other, why in zip([o for o in order if o != node], results, strict=True):
-                if why:
-                    broken.setdefault((min(node, other), max(node, other)), why)
+        broken, hosts = probe_reach(self, self, timeout)
         if not broken:
             return
-        counts = {node: nodes.count(node) for node in order}
-        fence = nodes_to_fence(list(broken), counts, keep=nodes[0])
-        hosts = {node: host for node, (host, _) in address_of.items()}
+        pairs: dict[tuple[str, str], str] = {}
+        for (a, b), why in broken.items():
+            pairs.setdefault((min(a, b), max(a, b)), why)
+        counts = {node: nodes.count(node) for node in set(nodes)}
+        fence = nodes_to_fence(list(pairs), counts, keep=nodes[0])
         said = "; ".join(f"{hosts[a]} (node {a[:8]}) and {hosts[b]} (node {b[:8]}): {why}"
-                         for (a, b), why in sorted(broken.items()))
+                         for (a, b), why in sorted(pairs.items()))
         raise NodesUnreachableError(
             f"{self.name}: the nodes of its ranks cannot all reach each other, so its collectives would hang "
             f"(a network partition between nodes that Ray still counts alive): {said}. Leaving out "
             f"{', '.join(hosts[n] for n in fence)} lets the rest connect",
-            sorted(broken), fence, hosts)
+            sorted(pairs), fence, hosts)
 
     def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """Call `method(*args)` on every rank (large arguments travel once through the object store)."""
@@ -228,3 +219,31 @@ def collective_timed_out(error: str) -> bool:
 
 def _is_large(value: Any) -> bool:
     return isinstance(value, list | tuple | dict) and len(value) > 16
+
+
+def probe_reach(listening: TrainingWorkerGroup, connecting: TrainingWorkerGroup,
+                timeout: float) -> tuple[dict[tuple[str, str], str], dict[str, str]]:
+    """The first rank of each node of `listening` listens on its node's address; the first rank of each node of
+    `connecting` connects to every listener on another node (`libra.cluster.reachability`). The pairs that
+    could not, (connecting node, listening node) -> why, and the address of every node of either group;
+    `timeout` bounds each round of calls."""
+    listen_first, connect_first = listening.first_rank_per_node(), connecting.first_rank_per_node()
+    order = list(listen_first)
+    addresses = listening._gather("reach_listen", [listening.actors[listen_first[n]].reach_listen.remote()
+                                                   for n in order], timeout)
+    try:
+        address_of = {node: (str(host), int(port)) for node, (host, port) in zip(order, addresses, strict=True)}
+        targets = {node: [o for o in order if o != node] for node in connect_first}
+        checks = connecting._gather(
+            "reach_check", [connecting.actors[rank].reach_check.remote([address_of[o] for o in targets[node]])
+                            for node, rank in connect_first.items()], timeout + REACH_TIMEOUT_S)
+    finally:
+        for node in order:
+            listening.actors[listen_first[node]].reach_close.remote()
+    broken = {(node, other): why for node, results in zip(connect_first, checks, strict=True)
+              for other, why in zip(targets[node], results, strict=True) if why}
+    hosts = {node: host for node, (host, _) in address_of.items()}
+    missing = set(connect_first) - set(hosts)
+    if missing:
+        hosts.update({str(n["NodeID"]): str(n["NodeManagerAddress"]) for n in ray.nodes() if n["NodeID"] in missing})
+    return broken, hosts

@@ -138,6 +138,7 @@ class Controller:
         self.step_gate = StepGate()  # operator pause / resume / drain at step boundaries
         self.api: Any = None  # the operator API server (libra.api.server)
         self.replanner: Replanner | None = None  # runtime_online_replanning
+        self.borrower: EhpBorrower | None = None  # elastic hybrid parallelism, where it acts
         self.task: Any = None
         self.tokenizer: Any = None
         self._tracer: PhaseTracer | None = None
@@ -415,9 +416,11 @@ class Controller:
             return None
         assert self.tracker is not None
         borrower = EhpBorrower(self.cfg, switch, self.rollout_edge, self.train_edge, self.tracker, self.gate,
-                               self.events, self.desired_state, observe_now=self.wake_reconciler)
+                               self.events, self.desired_state, observe_now=self.wake_reconciler,
+                               reaches_again=fenced_node_reaches_again)
         assert self.reporter is not None
         self.reporter.set_state("starting", message="starting the borrowed training replicas on rollout GPUs")
+        self.borrower = borrower
         borrower.prewarm()
         return borrower.train_step
 
@@ -567,6 +570,8 @@ class Controller:
             self.loop.stop()
         if self.replanner is not None:  # no decision after the loop stopped; it leaves the event log
             self.replanner.close()
+        if self.borrower is not None:  # no more checks of held-back rollout nodes
+            self.borrower.held_back.close()
         if self.executor is not None:
             if not self.executor.wait_idle(900):
                 log.warning("pool actions still running after 900s; stopping anyway")

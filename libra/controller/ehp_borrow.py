@@ -29,7 +29,8 @@ event naming the reason.
 
 A failure while borrowed costs the step its borrowed replicas, never the step: the session reruns it on the
 training pool alone (a borrowed rank failed), or the step runs there after a failed lend or attach; the job
-continues.
+continues. An attach that found lending nodes unable to reach the training pool's nodes holds them back from
+lending (`libra.controller.ehp_lenders`) until they reach them again.
 """
 
 from __future__ import annotations
@@ -41,8 +42,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from libra.cluster.ehp_workers import LendersUnreachableError
+from libra.cluster.node_fence import FencedNode
 from libra.config import Config
 from libra.config.elastic_hybrid import EhpSwitch
+from libra.controller.ehp_lenders import HeldBackLenders
 from libra.controller.events import EventLog
 from libra.controller.gate import WeightGate
 from libra.controller.members import Member, MemberState
@@ -56,12 +60,15 @@ log = logging.getLogger(__name__)
 SETTLE_S = 10.0  # how long a step waits for a transient refusal to clear before training without borrowing
 
 
-def lendable_instances(members: Sequence[Member]) -> list[RolloutInstanceGpus]:
+def lendable_instances(members: Sequence[Member],
+                       held_back: Callable[[Member], bool] = lambda m: False) -> list[RolloutInstanceGpus]:
     """The live rollout members as the borrow planner sees them: an instance may lend only when it is READY,
-    serving and has no action in flight (`healthy`); ordered by member id, node by node in `plan_borrow`."""
+    serving and has no action in flight (`healthy`) and is not `held_back` (it then serves, not lends);
+    ordered by member id, node by node in `plan_borrow`."""
     return [
         RolloutInstanceGpus(instance_id=m.key or m.id, gpu_ids=tuple(m.gpu_ids), node=str(m.info.get("host", "")),
-                            healthy=m.state == MemberState.READY and m.serving and not m.busy)
+                            healthy=m.state == MemberState.READY and m.serving and not m.busy,
+                            lendable=not held_back(m))
         for m in sorted(members, key=lambda m: m.id) if m.live and m.gpu_ids
     ]
 
@@ -82,14 +89,14 @@ class BorrowDecision:
 
 def decide_borrow(
     members: Sequence[Member], replica_size: int, min_rollout_gpus: int, residency: Callable[[int], Residency],
-    busy_reason: str = "",
+    busy_reason: str = "", held_back: Callable[[Member], bool] = lambda m: False,
 ) -> BorrowDecision:
     """The borrow of one step boundary (pure). `residency(replicas)` is the planner's memory decision for a
     lending GPU; `busy_reason` (a reconfiguration, a training pool change, rollout work in flight) borrows
-    nothing."""
+    nothing; a `held_back` member serves and does not lend."""
     if busy_reason:
         return BorrowDecision((), (), False, "", busy_reason)
-    plan = plan_borrow(lendable_instances(members), replica_size, min_rollout_gpus)
+    plan = plan_borrow(lendable_instances(members, held_back), replica_size, min_rollout_gpus)
     if not plan.replicas:
         return BorrowDecision((), (), False, "", plan.reason, plan.serving_gpus)
     decision = residency(plan.num_replicas)
@@ -155,7 +162,8 @@ class EhpBorrower:
 
     def __init__(self, cfg: Config, switch: EhpSwitch, rollout: Any, train: Any, tracker: MemberTracker,
                  gate: WeightGate, events: EventLog, desired: Callable[[], DesiredState],
-                 observe_now: Callable[[], None] = lambda: None) -> None:
+                 observe_now: Callable[[], None] = lambda: None,
+                 reaches_again: Callable[[FencedNode], bool] | None = None) -> None:
         self.cfg = cfg
         self.switch = switch
         self.rollout = rollout
@@ -170,6 +178,7 @@ class EhpBorrower:
         self._parked: ParkedBorrow | None = None
         self._session: Any = None  # the session whose replicas may be parked
         self._lock = threading.Lock()
+        self.held_back = HeldBackLenders(events, reaches_again)
         watch = getattr(rollout, "watch_stops", None)
         if watch is not None:
             watch(self.instance_stopping)
@@ -230,7 +239,8 @@ class EhpBorrower:
         def residency(replicas: int) -> Residency:
             return self._residency(layout, replicas, desired.rollout_tp)
 
-        return decide_borrow(members, size, session.settings.min_rollout_gpus, residency, busy), True
+        return decide_borrow(members, size, session.settings.min_rollout_gpus, residency, busy,
+                             self.held_back.held_back), True
 
     def _residency(self, layout: Any, replicas: int, rollout_tp: int) -> Residency:
         from libra.planning import planner_inputs
@@ -328,6 +338,8 @@ class EhpBorrower:
                 after = "the step ran" if metrics is not None else f"step {step} trains on the training pool alone"
                 self.events.emit("ehp_failed", f"{stage} of the borrowed replicas failed ({type(exc).__name__}: "
                                  f"{exc}); {after}", step=step, stage=stage, instances=keys)
+                if isinstance(exc, LendersUnreachableError):
+                    self.held_back.hold_back(exc.nodes, exc.instances, step)
             self._give_back(keys, member_ids, lent, step, times, failed="" if metrics is not None else stage)
         if metrics is None:
             metrics = dict(session.train_step(samples, step))
@@ -427,7 +439,8 @@ class EhpBorrower:
             session.release(f"lending instance {key} is being stopped")
 
     def close(self, reason: str = "the job ends") -> None:
-        """Stop parked replicas (nothing left running)."""
+        """Stop parked replicas (nothing left running) and the checks of held-back nodes."""
+        self.held_back.close()
         with self._lock:
             session = self._session
         if session is not None:

@@ -20,7 +20,8 @@ from libra.run_dir import append_jsonl, read_jsonl
 
 log = logging.getLogger("libra.events")
 
-_WARNING_KINDS = frozenset({"action_error", "tick_error", "member_failed", "batch_timeout", "error", "node_fenced"})
+_WARNING_KINDS = frozenset({"action_error", "tick_error", "member_failed", "batch_timeout", "error", "node_fenced",
+                            "ehp_held_back"})
 
 
 class EventLog:

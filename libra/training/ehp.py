@@ -42,7 +42,11 @@ steps (`libra.training.ehp_steps` explains why that gradient equals the fixed po
 per-token numerators over a global unit count). The core ranks' finish is submitted with the rest of the step,
 its arguments the borrowed ranks' results, so it starts when they exist rather than after a round trip through
 the driver. A borrowed rank that fails costs the step its speed-up, not its correctness: the session detaches
-(which fails the finish that waits on it before it runs) and the core pool reruns the step alone.
+(which fails the finish that waits on it before it runs) and the core pool reruns the step alone; so do borrowed
+gradients that cannot reach the core ranks (`ehp_steps.GRADS_NOT_RECEIVED`: each core rank fetches its share within
+a deadline and all agree before the finish's collectives). Before a borrowed world forms, its nodes are probed
+against the core pool's (`_check_reach`): a node that cannot connect fails the attach (`LendersUnreachableError`),
+so the controller holds its lenders back instead of meeting the partition in every step.
 
 Not covered: expert parallelism (EP > 1: expert gradients reduce over expert-DP groups that a borrowed
 world would have to mirror rank by rank) is refused at `attach`.
@@ -60,10 +64,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from libra.cluster import ehp_workers
-from libra.cluster.ehp_workers import BorrowedWorkerGroup, LentGpu
-from libra.cluster.training_workers import CollectiveCallError
+from libra.cluster.ehp_workers import BorrowedWorkerGroup, LendersUnreachableError, LentGpu
+from libra.cluster.node_fence import FencedNode
+from libra.cluster.reachability import nodes_to_fence
+from libra.cluster.training_workers import CollectiveCallError, probe_reach
 from libra.device import cuda_available
 from libra.metering.spec import OFF as METERING_OFF
+from libra.training.ehp_steps import GRADS_NOT_RECEIVED
 from libra.training.pool import TrainingPool
 from libra.training.spec import TrainingPoolSpec, TrainSample, check_spec
 from libra.training.worker import TrainingWorker
@@ -74,6 +81,9 @@ log = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 30.0  # a parked worker answers a call at once; one that does not is treated as failed
 EHP_STEP = "ehp_train_step"  # the kind of call whose history sets the deadline of each wait of a shared step
+# the share of that deadline a core rank waits for the borrowed gradients it adds: its error reaches the driver
+# before the driver's own wait for the finish (which starts no earlier than the fetch) runs out
+GRADS_WAIT_SHARE = 0.8
 
 
 class EhpError(RuntimeError):
@@ -339,6 +349,7 @@ class EhpSession:
                 world = BorrowedWorld(group, spec, holders=[g.holder for g in world_gpus])
                 self.worlds.append(world)
                 group.start()
+                self._check_reach(world, timeout)
                 addr = group.rendezvous_host()
                 if pool.spec.metering.enabled:  # each rank computes on its lent GPU's share of the CPU
                     refs = ehp_workers.call_each(group, "ehp", [("join_lent_slice", pool.spec.metering, g.holder)
@@ -355,6 +366,39 @@ class EhpSession:
         self._layout, self._core_gpus, self._core_group = layout, pool.spec.num_gpus, pool.group
         log.info("%s: %d borrowed replicas of %d GPUs in %d world(s) attached in %.1fs", self.name,
                  len(gpus) // size, size, len(self.worlds), time.perf_counter() - t0)
+
+    def _check_reach(self, world: BorrowedWorld, timeout: float) -> None:
+        """Before a borrowed world forms (its rendezvous, then each step's parameter copy and gradient transfer
+        between its nodes and the core pool's): every node of it reaches every node of the core pool and, for a
+        world on several nodes, the world's other nodes. Raises `LendersUnreachableError` naming the nodes to
+        leave out (the lending instances there) and the peers each could not reach."""
+        core, nodes = self.pool.group, world.group.rank_nodes()
+        if len(set(nodes) | set(core.rank_nodes())) <= 1:
+            return
+        broken, hosts = probe_reach(core, world.group, timeout)  # (world node, core node) -> why
+        out = {node for node, _ in broken}
+        if len(set(nodes) - out) > 1:  # the world's other nodes: the fewest to leave out so that the rest connect
+            inner, inner_hosts = probe_reach(world.group, world.group, timeout)
+            hosts.update(inner_hosts)
+            pairs = sorted({(min(a, b), max(a, b)) for a, b in inner if a not in out and b not in out})
+            if pairs:
+                out.update(nodes_to_fence(pairs, {n: nodes.count(n) for n in set(nodes)}))
+                broken.update(inner)
+        if not out:
+            return
+        unreachable = []
+        for node in sorted(out):
+            peers = sorted({peer for (a, b) in broken for here, peer in ((a, b), (b, a)) if here == node})
+            why = "; ".join(sorted({why for (a, b), why in broken.items() if node in (a, b)}))
+            unreachable.append(FencedNode(node, hosts.get(node, node), f"it could not reach "
+                                          f"{', '.join(hosts.get(p, p) for p in peers)} ({why})", tuple(peers)))
+        instances = {node: sorted({h for h, n in zip(world.holders, nodes, strict=True) if n == node and h})
+                     for node in out}
+        said = "; ".join(f"{n.address} (lent by {', '.join(instances[n.node_id]) or 'no instance'}): {n.reason}"
+                         for n in unreachable)
+        raise LendersUnreachableError(
+            f"{self.name}: nodes of the lent GPUs cannot reach the training pool's nodes, so a shared step would "
+            f"hang (a network partition between nodes that Ray still counts alive): {said}", unreachable, instances)
 
     def detach(self, clean: bool = True) -> None:
         """Stop every borrowed worker; the lent GPUs go back to their rollout instances. `clean=False` kills
@@ -421,7 +465,7 @@ class EhpSession:
                 results.append(ehp_workers.call_each(
                     w.group, "ehp", [("borrowed_forward_backward", share, step, load, join)
                                      for load, join in zip(world_loads, moved, strict=True)], num_returns=2))
-            finishes = self._submit_finish(step, core_dp, active, results, to_park)
+            finishes = self._submit_finish(step, core_dp, active, results, to_park, GRADS_WAIT_SHARE * timeout)
             finish_refs = [metrics for metrics, _ in finishes]
             marks = {"submit": time.perf_counter()}
             for (w, _), refs in zip(active, loads, strict=True):  # a failed load or move fails the step's borrow
@@ -438,7 +482,12 @@ class EhpSession:
         marks["core_forward_backward"] = time.perf_counter()
         try:
             metrics = dict(ehp_workers.gather(pool.group, "core_finish", finish_refs, timeout)[0])
-        except CollectiveCallError:
+        except CollectiveCallError as exc:
+            said = next((line for line in str(exc).splitlines() if GRADS_NOT_RECEIVED in line), "")
+            if said:  # every core rank stopped before the finish's collectives: the borrowed side failed
+                said = said[said.index(GRADS_NOT_RECEIVED):]
+                return self._fall_back(samples, step, [], [], CollectiveCallError(f"{pool.group.name}.core_finish: "
+                                                                                  f"{said}"), borrowed=True)
             self.detach(clean=False)
             raise
         self._finish_exports = [params for _, params in finishes] if to_park else []
@@ -452,20 +501,23 @@ class EhpSession:
         return metrics
 
     def _submit_finish(self, step: int, core_dp: int, active: list[tuple[BorrowedWorld, tuple[int, int]]],
-                       results: list[list[tuple[Any, Any]]], export: bool = True) -> list[tuple[Any, Any]]:
+                       results: list[list[tuple[Any, Any]]], export: bool,
+                       grads_timeout_s: float) -> list[tuple[Any, Any]]:
         """Submit every core rank's `core_finish` of `step`: the summary of every borrowed rank of the active
-        worlds (so that every core rank finishes or none does: `libra.training.ehp_steps`, step 3) and, per core
-        shard, the summed grads of the borrowed leaders of that shard; object references, which the ranks
-        receive as values once the borrowed ranks made them. Per core rank: (metrics, the stepped parameters it
-        exports for the next step's copy, or None without `export`)."""
+        worlds (so that every core rank finishes or none does: `libra.training.ehp_steps`, step 3), object
+        references the ranks receive as values once the borrowed ranks made them, and, per core shard, the
+        summed grads of the borrowed leaders of that shard, as references each rank fetches within
+        `grads_timeout_s`. Per core rank: (metrics, the stepped parameters it exports for the next step's copy,
+        or None without `export`)."""
         sizes = [len(refs) for refs in results]
         summaries = [summary for refs in results for summary, _ in refs]
-        per_rank: list[list[Any]] = [["core_finish", step, export, sizes, *summaries] for _ in self._core_keys]
+        per_rank: list[list[Any]] = [["core_finish", step, export, sizes, grads_timeout_s, *summaries]
+                                     for _ in self._core_keys]
         for i, ((world, _), refs) in enumerate(zip(active, results, strict=True)):
             target_dp = 0 if self.settings.decouple_communication_domains else i % core_dp
             for key, (_, grads) in zip(world.keys, refs, strict=True):
-                if key[2] == 0:  # a leader: its shard's sum over the world
-                    per_rank[self._core_keys.index((key[0], key[1], target_dp))].append(grads)
+                if key[2] == 0:  # a leader: its shard's sum over the world (in a list: fetched by the rank)
+                    per_rank[self._core_keys.index((key[0], key[1], target_dp))].append([grads])
         return ehp_workers.call_each(self.pool.group, "ehp", per_rank, num_returns=2)
 
     def _send_params(self, worlds: list[BorrowedWorld]) -> tuple[list[Any], list[list[Any]]]:
@@ -483,14 +535,14 @@ class EhpSession:
                                                           for k in world.keys]) for world in worlds]
 
     def _fall_back(self, samples: list[TrainSample], step: int, core_refs: list[Any], finish_refs: list[Any],
-                   exc: CollectiveCallError) -> dict[str, float]:
+                   exc: CollectiveCallError, borrowed: bool = False) -> dict[str, float]:
         """A borrowed rank failed: detach (the borrowed calls still pending fail, and with them the core ranks'
         finish that waits on their results), let the core ranks finish what they started, and run the step
         on the pool alone (same gradient, without the speed-up). Only where the core ranks' finish ran after
         all (every borrowed rank had made its results before the failure was seen, e.g. a wait that outlived
         its deadline by a little) is the step already done: its metrics are returned, the step is not run
-        twice. A core rank's failure is raised."""
-        if not any(f"{w.group.name}." in str(exc) for w in self.worlds):
+        twice. A core rank's failure is raised (`borrowed`: the error is known to be the borrowed side's)."""
+        if not borrowed and not any(f"{w.group.name}." in str(exc) for w in self.worlds):
             self.detach(clean=False)
             raise exc
         log.warning("%s: a borrowed replica failed (%s); step %d runs on the training pool alone", self.name, exc,

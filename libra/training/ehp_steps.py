@@ -23,7 +23,11 @@ ranks, however the batch is split. A step with borrowed replicas keeps numerator
    optimizer step; metric sums are combined the same way before `step_metrics` totals them. Every core
    rank's `core_finish` takes the summary of every borrowed rank as an argument, so either every core rank
    finishes or none does (a borrowed rank that failed fails them all before they run): no core rank can be
-   left alone in a collective of the finish.
+   left alone in a collective of the finish. The grads travel as references the rank fetches itself, within
+   a deadline, and the core ranks agree (one small all-reduce) that every one of them has its share before
+   any collective of the finish: grads that cannot reach a core rank (a partition between its node and a
+   borrowed one, where the summaries still reach the driver) fail every core rank alike
+   (`GRADS_NOT_RECEIVED`), which the driver meets as a borrowed failure, not a hung training pool.
 
 Only the model parameters travel to borrowed ranks (`export_params` / `load_params`): a borrowed rank never
 steps its optimizer.
@@ -173,7 +177,26 @@ def combine_summaries(world_sizes: list[int], summaries: list[dict[str, Any]]) -
     return {"units": units, "sums": sums, "loss_scale": scale}
 
 
-def core_finish(worker: TrainingWorker, step: int, export: bool, world_sizes: list[int],
+GRADS_NOT_RECEIVED = "the borrowed replicas' gradients did not reach every core rank"
+
+
+def _receive_grads(worker: TrainingWorker, held: tuple[list[Any], ...], timeout_s: float) -> list[Any]:
+    """The borrowed gradients this rank adds: `held` are one-element lists of object references (so the call
+    started without waiting for them), fetched here within `timeout_s`; then every core rank learns whether
+    every one got its share (an all-reduce of one flag over the pool), and all raise `GRADS_NOT_RECEIVED`
+    where one did not, before any collective of the finish."""
+    from libra.cluster.ehp_workers import fetch_within
+
+    grads, why = fetch_within([box[0] for box in held], timeout_s)
+    received = torch.tensor([0 if why else 1], dtype=torch.int32, device=torch_device())
+    dist.all_reduce(received, op=dist.ReduceOp.MIN)
+    if not int(received.item()):
+        said = f"rank {worker.rank} {why}" if why else f"another core rank than {worker.rank} lacks its share"
+        raise RuntimeError(f"{GRADS_NOT_RECEIVED} ({said})")
+    return grads
+
+
+def core_finish(worker: TrainingWorker, step: int, export: bool, world_sizes: list[int], grads_timeout_s: float,
                 *parts: Any) -> tuple[dict[str, float], ChunkTensors | None]:
     """Add the borrowed replicas' grads, units and metric sums, finalize, step the optimizer; the metrics, and
     (second result) with `export` the stepped parameters this rank exports for the borrowed ranks' next copy
@@ -182,12 +205,17 @@ def core_finish(worker: TrainingWorker, step: int, export: bool, world_sizes: li
 
     `parts`: the summaries of every borrowed rank (world by world, `world_sizes` ranks each:
     `borrowed_forward_backward`'s first result), then the borrowed gradients this rank adds (its shard), any
-    number."""
+    number, each a one-element list holding the reference (`_receive_grads`, within `grads_timeout_s`)."""
     from libra.training.worker import METRIC_ORDER
 
     count = sum(world_sizes)
     extra = combine_summaries(world_sizes, list(parts[:count]))
-    grads: tuple[ChunkTensors | None, ...] = parts[count:]
+    with cpu_compat.device_scope():
+        try:
+            grads: list[ChunkTensors | None] = _receive_grads(worker, parts[count:], grads_timeout_s)
+        except RuntimeError:
+            _PENDING.pop(worker, None)
+            raise
     with cpu_compat.device_scope(), worker.tracer.span("train.optimizer", step, ehp=1, borrowed_shards=len(grads)):
         pending = _take_pending(worker, step)
         t0 = time.perf_counter()

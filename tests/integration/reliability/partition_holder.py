@@ -6,8 +6,9 @@ CAP_NET_ADMIN) and `ip`; without them the first line out is {"error": why}.
 
 Commands, one a line on stdin, each answered by one JSON line on stdout: `partition-training` (the two worker
 nodes that hold the training pool's placement group stop reaching each other: what each sends the other is
-lost on the way, as in a partition: {"partitioned": [their addresses]}), `partition-workers` (every pair of worker nodes
-the same way), `heal` (the routes back: {"healed": [...]}),
+lost on the way, as in a partition: {"partitioned": [their addresses]}), `partition-lender` (the one worker node of the
+training pool and the first other worker node the same way: {"partitioned": [...], "lender": its address}),
+`partition-workers` (every pair of worker nodes the same way), `heal` (the routes back: {"healed": [...]}),
 `gpus` ({"gpus": the GPUs Ray counts alive}). The first line out is {"address": ...}. The cluster, the
 namespaces and the bridge go when stdin closes (and a run that died before is cleaned up at the next start)."""
 
@@ -116,6 +117,15 @@ def partition_training() -> dict[str, Any]:
     return {"partitioned": nodes}
 
 
+def partition_lender() -> dict[str, Any]:
+    training = training_addresses()
+    if len(training) != 1:
+        return {"error": f"the training pool is on {training}, not on one worker node"}
+    lender = min(node_address(i) for i in range(WORKER_NODES) if node_address(i) != training[0])
+    cut([training[0], lender])
+    return {"partitioned": [training[0], lender], "lender": lender}
+
+
 def heal() -> dict[str, Any]:
     index = {node_address(i): i for i in range(WORKER_NODES)}
     healed = []
@@ -129,6 +139,8 @@ def heal() -> dict[str, Any]:
 def answer(command: str) -> dict[str, Any]:
     if command == "partition-training":
         return partition_training()
+    if command == "partition-lender":
+        return partition_lender()
     if command == "partition-workers":
         nodes = [node_address(i) for i in range(WORKER_NODES)]
         cut(nodes)

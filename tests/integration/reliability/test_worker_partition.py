@@ -10,7 +10,10 @@ every step once and all its samples. Held after its recovery while the route com
 fenced node reaching its peer again and counts its GPU again (the pools keep their size); nothing of the job
 is left running. Launched on worker nodes none of which reaches another, the job fences one off before its
 training pool forms, starts on the other two and reaches its last step; where the GPUs left are fewer than its
-smallest pools need, the launch stops at once with one line naming the fenced node.
+smallest pools need, the launch stops at once with one line naming the fenced node. A synchronous job that
+lends both rollout instances' GPUs to its training step (elastic hybrid parallelism) meets a partition between
+its training node and one lending node: that node is held back from lending (its instance serves on), the
+steps borrow the other node's GPU until the held-back node reaches the training node again, then both lend.
 Shared with benchmarks/reliability.py (`worker_partition`)."""
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ SAMPLES_PER_STEP = 16  # batch_size 4 x n_samples 4 of the job
 STARTUP_S = 600
 HANG_TIMEOUT_S = 30.0  # train_hang_timeout_s: the hung step fails 30 s after the partition, not 300 s
 START_STEPS = 4  # the jobs launched on partitioned nodes
+LENDER_STEPS = 24  # the lending job: the steps until the lender is held back, borrows alone, and lends again
+EHP = {"runtime_dynamic_reconfiguration_enabled": True, "runtime_reconfigure_training": True,
+       "elastic_hybrid_replica_size_gpus": 1, "elastic_hybrid_min_rollout_gpus": 0}
 
 
 @contextlib.contextmanager
@@ -66,12 +72,13 @@ def partition_cluster() -> Iterator[LossCluster]:
 
 def job_on(cluster: LossCluster, root: Path, planner: dict[str, Any] | None = None,
            **options: Any) -> tuple[dict[str, Any], list[Any]]:
-    """The workspace of the job on `cluster`'s three nodes of 1 GPU: training 2, rollout 1, the tight health rule,
-    the top-level `options` and the `global_resource_planner` fields `planner`."""
+    """The workspace of the job on `cluster`'s three nodes of 1 GPU: training 2 and rollout 1 unless `options`
+    say otherwise, the tight health rule, the top-level `options` and the `global_resource_planner` fields
+    `planner`."""
     ws, launches = make_workspace(root, ray_address=cluster.address)
     with job_file(ws["config"]) as data:
         data["cluster"].update(num_nodes=3, gpus_per_node=1)
-        data.update(train_gpus=2, rollout_gpus=1, **options)
+        data.update({"train_gpus": 2, "rollout_gpus": 1, **options})
         data.setdefault("global_resource_planner", {}).update(planner or {})
         with_health_rule(data, TIGHT_HEALTH)
     return ws, launches
@@ -131,6 +138,48 @@ def partitioned_start(cluster: LossCluster, root: Path, planner: dict[str, Any] 
         stop_everything(run_dir, launches)
 
 
+def lender_partition_run(cluster: LossCluster, root: Path) -> dict[str, Any]:
+    """A synchronous job (training 1, rollout 2, both instances lending their GPU to each training step) on
+    `cluster`; once both lend, its training node and one lending node stop reaching each other; once the job
+    borrows the other node's GPU alone, the partition heals and the job runs on until both lend again. The
+    launch's exit code, run directory and output, when the route was cut and the metric rows written by then, the
+    nodes cut, and when the route came back."""
+    ws, launches = job_on(cluster, root, {**EHP}, train_gpus=1, rollout_gpus=2, max_head_offpolicyness=0,
+                          train_hang_timeout_s=HANG_TIMEOUT_S, checkpoint={"interval_steps": 1, "keep_last": 3})
+    run_dir: Path = ws["run_dir"]
+
+    def borrowed(replicas: float, after_step: int = 0) -> bool:
+        return any(r["step"] > after_step and r.get("train_ehp_replicas") == replicas for r in metric_rows(run_dir))
+
+    def event(kind: str) -> dict[str, Any] | None:
+        return next((e for e in events(run_dir) if e["kind"] == kind), None)
+
+    try:
+        launch = ws["launch"]("--max-steps", str(LENDER_STEPS))
+        wait_for(lambda: borrowed(2.0), STARTUP_S, "a step on both lenders' GPUs", launch)
+        operator(run_dir, "pause", "reliability: a partition between the training node and a lender")
+        wait_for(lambda: event("paused") is not None, STARTUP_S, "the loop held", launch)
+        before = metric_rows(run_dir)
+        cut_at = time.time()
+        cut = cluster.ask("partition-lender")
+        operator(run_dir, "resume", "reliability: partitioned")
+        wait_for(lambda: event("ehp_held_back") is not None, STARTUP_S, "the lender held back", launch)
+        held = event("ehp_held_back")
+        assert held is not None
+        wait_for(lambda: borrowed(1.0, held["step"]), STARTUP_S, "a step on the other lender's GPU alone", launch)
+        operator(run_dir, "pause", "reliability: the partition heals")
+        healed_at = time.time()
+        cluster.ask("heal")
+        wait_for(lambda: event("ehp_lender_back") is not None, UNFENCED_S, "the lender back", launch)
+        operator(run_dir, "resume", "reliability: healed")
+        code = launch.wait(timeout=1200)
+        return {"code": code, "run_dir": run_dir, "output": launch.output(), "cut_at": cut_at, "before": before,
+                "partitioned": cut["partitioned"], "lender": cut["lender"], "healed_at": healed_at}
+    finally:
+        cluster.ask("heal")
+        stop_everything(run_dir, launches)
+
+
 @pytest.fixture(scope="module")
 def partition_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """The jobs on one cluster: the partition met while running, then met at the start by a job that fits on the
@@ -140,7 +189,18 @@ def partition_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[s
         at_start = partitioned_start(cluster, tmp_path_factory.mktemp("partition-at-start"))
         too_few = partitioned_start(cluster, tmp_path_factory.mktemp("partition-at-start-too-few"),
                                     {"min_train_gpus": 2, "runtime_node_loss_wait_s": 0})
-    return {"running": running, "at_start": at_start, "at_start_too_few": too_few}
+        lender = lender_partition_run(cluster, tmp_path_factory.mktemp("partition-lender"))
+    return {"running": running, "at_start": at_start, "at_start_too_few": too_few, "lender": lender}
+
+
+def every_step_once(run: dict[str, Any], steps: int) -> list[dict[str, Any]]:
+    """Assert that the launch of `run` exited 0 with every step 1..`steps` recorded once, with all its samples;
+    its metric rows."""
+    assert run["code"] == 0, run["output"][-6000:]
+    rows = metric_rows(run["run_dir"])
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), [r["step"] for r in rows]
+    assert all(r["samples"] == SAMPLES_PER_STEP for r in rows)
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -149,10 +209,7 @@ def partitioned_job(partition_runs: dict[str, dict[str, Any]]) -> dict[str, Any]
 
 
 def test_the_job_reaches_its_last_step_with_every_step_once(partitioned_job: dict[str, Any]) -> None:
-    assert partitioned_job["code"] == 0, partitioned_job["output"][-6000:]
-    rows = metric_rows(partitioned_job["run_dir"])
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), [r["step"] for r in rows]
-    assert all(r["samples"] == SAMPLES_PER_STEP for r in rows)
+    every_step_once(partitioned_job, STEPS)
     recovered = [e for e in events(partitioned_job["run_dir"]) if e["kind"] == "train_recovered"]
     assert recovered and recovered[-1]["steps_repeated"] == 0, recovered
 
@@ -198,10 +255,7 @@ def test_a_partition_met_at_the_start_fences_a_node_and_the_job_runs_on_the_rest
     unable to connect, one is fenced off (a warning on the console), the pools are sized for the two nodes left
     (training 1, rollout 1) and the job reaches its last step with every step once; nothing is left running."""
     run = partition_runs["at_start"]
-    assert run["code"] == 0, run["output"][-6000:]
-    rows = metric_rows(run["run_dir"])
-    assert [r["step"] for r in rows] == list(range(1, START_STEPS + 1)), [r["step"] for r in rows]
-    assert all(r["samples"] == SAMPLES_PER_STEP for r in rows)
+    every_step_once(run, START_STEPS)
     log = events(run["run_dir"])
     (fenced,) = [e for e in log if e["kind"] == "node_fenced"]
     assert fenced["address"].startswith("10.213.7.") and len(fenced["unreachable"]) == 1, fenced
@@ -227,3 +281,41 @@ def test_a_partition_met_at_the_start_that_leaves_too_few_gpus_stops_the_launch_
     assert "training ranks there could not reach 10.213.7." in line and "min_train_gpus=2" in line, line
     assert "Traceback" not in run["output"]
     assert run["servers"] == [] and run["processes"] == []
+
+
+def test_a_lender_cut_from_the_training_node_is_held_back_until_it_reaches_it_again(
+        partition_runs: dict[str, dict[str, Any]]) -> None:
+    """The lending node cut from the training node: the step that meets the cut loses its borrowed replicas and
+    runs on the training pool alone (the borrowed gradients never reach the training rank, which says so within
+    its wait instead of hanging the pool); the next borrow finds the node unreachable before its replicas form
+    and holds it back (a warning on the console; its instance keeps serving), the steps after borrow the other
+    node's GPU alone without another failure, and once the route is back the node lends again. The job reaches
+    its last step with every step once, the training pool never restarted; nothing is fenced, nothing is left
+    running."""
+    run = partition_runs["lender"]
+    rows = every_step_once(run, LENDER_STEPS)
+    log = events(run["run_dir"])
+    (held,) = [e for e in log if e["kind"] == "ehp_held_back"]
+    training = next(a for a in run["partitioned"] if a != run["lender"])
+    assert held["address"] == run["lender"] and len(held["instances"]) == 1, held
+    assert training in held["message"], held
+    (back,) = [e for e in log if e["kind"] == "ehp_lender_back"]
+    assert back["address"] == run["lender"] and back["ts"] > run["healed_at"], back
+    replicas = {r["step"]: r.get("train_ehp_replicas", 0.0) for r in rows}
+    failed = [e for e in log if e["kind"] == "ehp_failed"]
+    # the step that met the cut, then the borrow that found the node unreachable; none once it was held back
+    assert [(e["stage"], e["step"]) for e in failed] == [("step", held["step"] - 1), ("attach", held["step"])], failed
+    assert "gradients did not reach every core rank" in failed[0]["message"], failed[0]
+    assert "LendersUnreachableError" in failed[1]["message"], failed[1]
+    assert not [e for e in log if e["kind"] in ("train_restart", "train_worker_lost")]
+    idle = {e["step"] for e in log if e["kind"] == "ehp_idle"}
+    after = [replicas[s] for s in sorted(replicas) if s > held["step"] and s not in idle]
+    # the other lender alone until the route came back (the loop was held meanwhile), then both again
+    alone = after.index(2.0) if 2.0 in after else len(after)
+    assert alone >= 1 and set(after[:alone]) == {1.0} and set(after[alone:]) == {2.0}, (held["step"], replicas)
+    assert replicas[LENDER_STEPS] == 2.0, replicas
+    assert not [e for e in log if e["kind"] == "node_fenced" or (e["kind"] == "member_failed"
+                                                                 and e["pool"] == "rollout")]
+    assert any(line.startswith("WARNING") and "ehp_held_back" in line and run["lender"] in line
+               for line in run["output"].splitlines()), run["output"][-6000:]
+    assert live(server_pids(run["run_dir"])) == [] and processes_using(run["run_dir"]) == []

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from libra.cluster.ehp_workers import LendersUnreachableError
+from libra.cluster.node_fence import FencedNode
 from libra.config.elastic_hybrid import EhpSwitch
 from libra.controller.ehp_borrow import (
     BorrowDecision,
@@ -52,6 +54,8 @@ def no_fit(replicas: int) -> Residency:
 
 
 TWO = [member(0, ("2",)), member(1, ("3",))]
+# the node of rollout-1's GPU, cut from the training pool's node
+UNREACHABLE = FencedNode("node-b", "10.0.0.3", "it could not reach 10.0.0.2 (timed out)", ("node-a",))
 
 # (members, replica size, min rollout GPUs, residency, busy reason) -> (lent instances, replicas, sleep)
 DECISIONS = [
@@ -72,13 +76,18 @@ DECISIONS = [
     pytest.param(TWO, 1, 0, asleep, "", ("rollout-0", "rollout-1"), (("2",), ("3",)), True, id="servers-sleep"),
     pytest.param(TWO, 1, 0, no_fit, "", (), (), False, id="no-fit-lends-nothing"),
     pytest.param(TWO, 1, 0, resident, "the rollout pool is being reconfigured", (), (), False, id="busy-pools"),
+    pytest.param(TWO, 1, 1, resident, "held:rollout-0", ("rollout-1",), (("3",),), False,
+                 id="held-back-member-serves-and-counts"),
+    pytest.param(TWO, 1, 0, resident, "held:rollout-0,rollout-1", (), (), False, id="all-held-back"),
 ]
 
 
 @pytest.mark.parametrize(("members", "size", "keep", "residency", "busy", "lend", "replicas", "sleep"), DECISIONS)
 def test_borrow_decision(members: list[Member], size: int, keep: int, residency: Any, busy: str,
                          lend: tuple[str, ...], replicas: tuple[tuple[str, ...], ...], sleep: bool) -> None:
-    decision = decide_borrow(members, size, keep, residency, busy)
+    held = set(busy.removeprefix("held:").split(",")) if busy.startswith("held:") else set()
+    busy = "" if held else busy
+    decision = decide_borrow(members, size, keep, residency, busy, held_back=lambda m: m.key in held)
     assert (decision.lend, decision.replicas, decision.sleep) == (lend, replicas, sleep)
     assert decision.reason  # why it lends, or why not
     if busy:
@@ -189,6 +198,9 @@ class FakeSession:
             assert self.attach_gate.wait(10)
         if self.fail == "attach":
             raise RuntimeError("a borrowed worker did not start")
+        if self.fail == "unreachable" and "rollout-1" in [g.holder for g in gpus]:
+            raise LendersUnreachableError("ehp0: nodes of the lent GPUs cannot reach the training pool's nodes",
+                                          [UNREACHABLE], {UNREACHABLE.node_id: ["rollout-1"]})
         ids = [g.gpu_id for g in gpus]
         self.holders = [g.holder for g in gpus]
         reused = self.parked_on == ids
@@ -728,3 +740,41 @@ def test_lenders_on_two_nodes_with_the_same_gpu_id_each_lend_their_own_gpu() -> 
     metrics = r.borrower.train_step([object()] * 4, step=1)
     assert metrics["ehp_replicas"] == 2.0
     assert [(g.gpu_id, g.node, g.holder) for g in gpus] == [("2", "n0", "rollout-0"), ("2", "n1", "rollout-1")]
+
+
+def test_lenders_that_cannot_reach_the_training_pool_are_held_back_until_they_do() -> None:
+    """Borrowed replicas could not start on rollout-1's node (it cannot reach the training pool's node): that
+    step trains alone, the node is held back (a warning event) and the next steps borrow rollout-0 alone while
+    rollout-1 keeps serving; once the node's check says it reaches its peers again, both lend again."""
+    r = rig(fail="unreachable")
+    reachable = threading.Event()
+    checked: list[str] = []
+
+    def reaches_again(node: FencedNode) -> bool:
+        checked.append(node.node_id)
+        return reachable.is_set()
+
+    r.borrower.held_back.reaches_again, r.borrower.held_back.recheck_s = reaches_again, 0.02
+    first = r.borrower.train_step([object()] * 4, step=1)
+    assert first["ehp_fallback"] == 1.0 and r.kinds() == ["ehp_failed", "ehp_held_back", "ehp_return"]
+    held = next(e for e in r.events if e["kind"] == "ehp_held_back")
+    assert (held["address"], held["instances"], held["unreachable"]) == ("10.0.0.3", ["rollout-1"], ["node-a"])
+    assert "rollout node 10.0.0.3 no longer lends" in held["message"] and "keep serving" in held["message"]
+    second = r.borrower.train_step([object()] * 4, step=2)
+    assert second["ehp_replicas"] == 1.0 and "ehp_fallback" not in second
+    assert r.rollout.ops[-5:] == ["lend ['rollout-0'] sleep=False", "attach ['2']", "step 2 on 1 borrowed GPU(s)", "park",
+                                 "give_back ['rollout-0']"]
+    assert serving(r.tracker) == ["rollout-0", "rollout-1"]
+    deadline = time.monotonic() + 5
+    while len(checked) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert checked[:2] == ["node-b", "node-b"]  # checked again and again while it does not reach them
+    r.session.fail = ""
+    reachable.set()
+    while "ehp_lender_back" not in r.kinds() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    back = next(e for e in r.events if e["kind"] == "ehp_lender_back")
+    assert (back["address"], back["instances"]) == ("10.0.0.3", ["rollout-1"])
+    third = r.borrower.train_step([object()] * 4, step=3)
+    assert third["ehp_replicas"] == 2.0
+    r.borrower.close()

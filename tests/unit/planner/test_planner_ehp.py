@@ -49,8 +49,8 @@ def test_replica_size_refused(configured: int, layout: TrainLayout, message: str
     assert "elastic_hybrid_replica_size_gpus" in str(err.value)
 
 
-def _inst(iid: str, *gpus: str, node: str = "", healthy: bool = True) -> RolloutInstanceGpus:
-    return RolloutInstanceGpus(iid, tuple(gpus), node=node, healthy=healthy)
+def _inst(iid: str, *gpus: str, node: str = "", healthy: bool = True, lendable: bool = True) -> RolloutInstanceGpus:
+    return RolloutInstanceGpus(iid, tuple(gpus), node=node, healthy=healthy, lendable=lendable)
 
 
 FOUR_TP1 = [_inst(f"r{i}", str(i)) for i in range(4)]
@@ -76,6 +76,12 @@ BORROW_CASES = [
     ("lone-gpu-on-a-node-not-lent", [_inst("a", "0", node="n0"), _inst("b", "1", node="n1"),
                                      _inst("c", "2", node="n1")], 2, 0,
      [("1", "2")], ["b", "c"], 1, []),
+    ("held-back-serves-and-counts", [_inst("r0", "0", lendable=False), *FOUR_TP1[1:]], 1, 1,
+     [("1",), ("2",), ("3",)], ["r1", "r2", "r3"], 1, []),
+    ("held-back-node-lends-nothing", [_inst("a", "0", node="n0", lendable=False), _inst("b", "1", node="n0"),
+                                      _inst("c", "2", node="n1"), _inst("d", "3", node="n1")], 2, 0,
+     [("2", "3")], ["c", "d"], 2, []),
+    ("all-held-back", [_inst(f"r{i}", str(i), lendable=False) for i in range(2)], 1, 0, [], [], 2, []),
     ("no-instances", [], 1, 0, [], [], 0, []),
 ]
 
@@ -93,6 +99,12 @@ def test_plan_borrow(instances: list[RolloutInstanceGpus], size: int, keep: int,
     assert set(plan.serving_instances) == {i.instance_id for i in instances if i.healthy} - set(lent)
     assert all(len(r) == size for r in plan.replicas)
     assert plan.reason
+    assert not {i.instance_id for i in instances if not i.lendable} & set(plan.lent_instances)
+
+
+def test_an_instance_held_back_says_so_when_nothing_is_lent() -> None:
+    plan = plan_borrow([_inst("a", "0", lendable=False), _inst("b", "1", healthy=False)], 1, 0)
+    assert not plan.replicas and plan.reason == "every healthy rollout instance is held back from lending"
 
 
 def test_replica_owners_name_each_gpu_where_ids_repeat_across_nodes() -> None:

@@ -595,6 +595,9 @@ def test_a_reattached_step_moves_back_first_and_parking_loads_the_finishs_export
                    ("core", "core_finish")]
     fb_args = log[2][2]
     assert fb_args[-2:] == ("w0.0:load_params", "w0.0:join_lent_slice")  # the copy at park, then the move
+    # the finish: the step, export, world sizes, the wait for the grads (a share of the step's 60 s deadline),
+    # the borrowed summary (resolved by Ray), and the grads as a reference in a list (fetched by the rank)
+    assert log[3][2] == (3, True, [1], 48.0, "w0.0:borrowed_forward_backward/0", ["w0.0:borrowed_forward_backward/1"])
     del log[:]
     session.park()
     assert [(g, op, args) for g, op, args in log] == [
@@ -667,6 +670,48 @@ def test_a_fall_back_reruns_the_step_only_if_the_finish_did_not_run(monkeypatch:
         assert metrics == {"loss": 1.0, "ehp_fallback": 1.0} and pool.trained == [4] and pool.told == []
 
 
+@pytest.mark.parametrize(("error", "falls_back"), [
+    pytest.param("core.core_finish failed on rank 0: RuntimeError: the borrowed replicas' gradients did not reach "
+                 "every core rank (rank 0 waited 48s for them)", True, id="grads-not-received-falls-back"),
+    pytest.param("core.core_finish failed on rank 0: RuntimeError: grad norm is nan", False, id="other-error-raised"),
+])
+def test_a_finish_without_the_borrowed_grads_reruns_the_step_on_the_pool_alone(
+        monkeypatch: pytest.MonkeyPatch, error: str, falls_back: bool) -> None:
+    """Grads that could not reach the core ranks (all of them raise before the finish's collectives) cost the step
+    its borrowed replicas, not the training pool: the step runs on the pool alone. Any other failure of the
+    finish is the pool's own and is raised."""
+    from libra.cluster import ehp_workers
+    from libra.cluster.training_workers import CollectiveCallError
+
+    _recorded_calls(monkeypatch)
+    recorded_gather = ehp_workers.gather
+
+    def gather(group: Any, method: str, refs: list[Any], timeout: float | None) -> list[Any]:
+        if method == "core_finish":
+            raise CollectiveCallError(error)
+        return recorded_gather(group, method, refs, timeout)
+
+    monkeypatch.setattr(ehp_workers, "gather", gather)
+    pool = _CorePool(BASE)
+    trained: list[int] = []
+    pool.train_step = lambda samples, step: trained.append(step) or {"loss": 1.0}  # type: ignore[attr-defined]
+    session = EhpSession(pool, EhpSettings())  # type: ignore[arg-type]
+    session.worlds = [BorrowedWorld(_Group("w0", [(0, 0, 0)], []), BASE, [(0, 0, 0)])]  # type: ignore[arg-type]
+    session.gpus = [LentGpu("2", "rollout-0-pg")]
+    session._layout, session._core_gpus, session._core_group = pool.layout, pool.spec.num_gpus, pool.group
+    session._core_keys = [(0, 0, 0)]
+    if falls_back:
+        assert session.train_step(list(range(8)), step=5) == {"loss": 1.0, "ehp_fallback": 1.0}
+        assert trained == [5] and session.last_fallback_reason == (
+            "core.core_finish: the borrowed replicas' gradients did not reach every core rank (rank 0 waited 48s "
+            "for them)")
+    else:
+        with pytest.raises(CollectiveCallError, match="grad norm is nan"):
+            session.train_step(list(range(8)), step=5)
+        assert trained == []
+    assert not session.worlds and pool.told == []
+
+
 def test_a_core_failure_is_raised_not_fallen_back() -> None:
     from libra.cluster.training_workers import CollectiveCallError
 
@@ -677,3 +722,68 @@ def test_a_core_failure_is_raised_not_fallen_back() -> None:
         session._fall_back([object()], 4, ["core"], ["finish"],
                            CollectiveCallError("pool.core_forward_backward failed on rank 1: died"))
     assert pool.trained == [] and not session.worlds
+
+
+@dataclass
+class _NodeGroup:
+    """A worker group whose ranks sit on the nodes given (by node id)."""
+
+    nodes: list[str]
+    name: str = "group"
+
+    def rank_nodes(self) -> list[str]:
+        return list(self.nodes)
+
+
+HOSTS = {"a": "10.0.0.2", "b": "10.0.0.3", "c": "10.0.0.4"}
+REACH_CASES = [
+    # id, core pool nodes, the world's nodes, pairs that cannot connect (core probe, probe inside the world)
+    #   -> nodes left out, their peers
+    ("one-node-no-probe", ["a"], ["a"], None, None, {}),
+    ("reached", ["a"], ["b"], {}, None, {}),
+    ("world-cut-from-core", ["a"], ["b"], {("b", "a"): "timed out"}, None, {"b": ("a",)}),
+    ("world-beside-a-core-rank", ["a", "b"], ["b"], {("b", "a"): "timed out"}, None, {"b": ("a",)}),
+    ("world-across-nodes-cut-inside", ["a"], ["b", "c"], {}, {("b", "c"): "timed out", ("c", "b"): "timed out"},
+     {"b": ("c",)}),
+    ("one-node-cut-from-core-no-inner-probe", ["a"], ["b", "c"], {("b", "a"): "refused"}, None, {"b": ("a",)}),
+]
+
+
+@pytest.mark.parametrize(("core", "world", "cross", "inner", "left_out"),
+                         [pytest.param(*c[1:], id=c[0]) for c in REACH_CASES])
+def test_a_borrowed_world_that_cannot_reach_the_pool_is_not_formed(
+        monkeypatch: pytest.MonkeyPatch, core: list[str], world: list[str],
+        cross: dict[tuple[str, str], str] | None, inner: dict[tuple[str, str], str] | None,
+        left_out: dict[str, tuple[str, ...]]) -> None:
+    """Before a borrowed world forms, its nodes are probed against the core pool's (and, when it spans nodes,
+    against each other's): a node that cannot connect is named with the lending instances on it and the peers
+    it could not reach (`LendersUnreachableError`); nothing is probed when everything is on one node."""
+    from libra.cluster.ehp_workers import LendersUnreachableError
+    from libra.training import ehp
+
+    core_group, world_group = _NodeGroup(core, "core"), _NodeGroup(world, "w0")
+    probes: list[str] = []
+
+    def probe(listening: _NodeGroup, connecting: _NodeGroup, timeout: float) -> tuple[dict[Any, str], dict[str, str]]:
+        inside = listening is connecting
+        probes.append("inner" if inside else "cross")
+        found = inner if inside else cross
+        assert found is not None, f"an unexpected {probes[-1]} probe"
+        return dict(found), dict(HOSTS)
+
+    monkeypatch.setattr(ehp, "probe_reach", probe)
+    pool = _RunningPool(BASE, TrainLayout(), group=core_group)
+    session = EhpSession(pool, EhpSettings())  # type: ignore[arg-type]
+    holders = [f"rollout-{i + 1}" for i in range(len(world))]
+    borrowed = BorrowedWorld(world_group, BASE, holders=holders)  # type: ignore[arg-type]
+    if not left_out:
+        session._check_reach(borrowed, 5.0)
+    else:
+        with pytest.raises(LendersUnreachableError) as err:
+            session._check_reach(borrowed, 5.0)
+        assert {n.node_id: n.peers for n in err.value.nodes} == left_out
+        assert err.value.instances == {n: [holders[world.index(n)]] for n in left_out}
+        for node in err.value.nodes:
+            assert node.address == HOSTS[node.node_id] and HOSTS[node.peers[0]] in node.reason
+            assert f"{node.address} (lent by {holders[world.index(node.node_id)]})" in str(err.value)
+    assert probes == [p for p, found in (("cross", cross), ("inner", inner)) if found is not None]
