@@ -385,6 +385,8 @@ class EhpBorrower:
                 self._parked = None
                 self.events.emit("ehp_prewarm", f"starting the borrowed replicas ahead of the first step failed "
                                  f"({type(exc).__name__}: {exc}); the first borrow starts them", started=False)
+                if isinstance(exc, LendersUnreachableError):  # the first borrow leaves those nodes out
+                    self.held_back.hold_back(exc.nodes, exc.instances, step=0)
                 return False
         seconds = time.monotonic() - started
         self.events.emit("ehp_prewarm", f"{len(decision.replicas)} borrowed replica(s) started on "

@@ -778,3 +778,14 @@ def test_lenders_that_cannot_reach_the_training_pool_are_held_back_until_they_do
     third = r.borrower.train_step([object()] * 4, step=3)
     assert third["ehp_replicas"] == 2.0
     r.borrower.close()
+
+
+def test_lenders_found_unreachable_at_prewarm_are_held_back_from_the_first_borrow() -> None:
+    r = rig(fail="unreachable")
+    assert r.borrower.prewarm() is False
+    assert r.kinds() == ["ehp_prewarm", "ehp_held_back"]
+    assert next(e for e in r.events if e["kind"] == "ehp_held_back")["step"] == 0
+    metrics = r.borrower.train_step([object()] * 4, step=1)
+    assert metrics["ehp_replicas"] == 1.0 and "ehp_fallback" not in metrics
+    assert r.rollout.ops[-5:-2] == ["lend ['rollout-0'] sleep=False", "attach ['2']", "step 1 on 1 borrowed GPU(s)"]
+    r.borrower.close()
