@@ -5,20 +5,19 @@ lent GPUs could not reach the training pool's nodes when borrowed replicas were 
 Their instances keep serving and count as serving; they only stop lending, so that a borrowed replica there does
 not hang every step that would borrow it until its deadline. A held-back node is checked again from time to time
 (`libra.cluster.fence_probe.reaches_again`, as a fenced node is); once it reaches the nodes it could not, its
-instances may lend again. Each change is an event: `ehp_held_back` (a warning) and `ehp_lender_back`.
+instances may lend again (`libra.controller.rechecks`, the checks the fence uses too). Each change is an event:
+`ehp_held_back` (a warning) and `ehp_lender_back`.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 
 from libra.cluster.node_fence import FencedNode
 from libra.controller.events import EventLog
 from libra.controller.members import Member
-
-log = logging.getLogger(__name__)
+from libra.controller.rechecks import NodeRechecks
 
 RECHECK_S = 20.0  # how often a held-back node is checked for whether it reaches the training pool's nodes again
 
@@ -30,12 +29,11 @@ class HeldBackLenders:
     def __init__(self, events: EventLog, reaches_again: Callable[[FencedNode], bool] | None = None,
                  recheck_s: float = RECHECK_S) -> None:
         self.events = events
-        self.reaches_again = reaches_again
-        self.recheck_s = recheck_s
         self._lock = threading.Lock()
         self._nodes: dict[str, tuple[FencedNode, tuple[str, ...]]] = {}
         self._stopping = threading.Event()
-        self._rechecks: threading.Thread | None = None
+        self.rechecks = NodeRechecks("libra-ehp-lender-rechecks", recheck_s, self.nodes, reaches_again, self._back,
+                                     self._stopping)
 
     def hold_back(self, nodes: list[FencedNode], instances: dict[str, list[str]], step: int) -> None:
         """Hold back `nodes` (with the lending instances on each) from lending, from the next step on."""
@@ -49,7 +47,7 @@ class HeldBackLenders:
                                  f"step: {node.reason}; its instances ({', '.join(on_node) or 'none'}) keep serving, "
                                  "and it is checked again until it reaches them", step=step, node_id=node.node_id,
                                  address=node.address, instances=list(on_node), unreachable=list(node.peers))
-        self._start_rechecks()
+        self.rechecks.start()
 
     def held_back(self, member: Member) -> bool:
         """Whether `member` may not lend: it is one of the instances found on a held-back node, or its server's
@@ -65,34 +63,11 @@ class HeldBackLenders:
     def close(self) -> None:
         self._stopping.set()
 
-    def _start_rechecks(self) -> None:
-        if self.reaches_again is None:
-            return
+    def _back(self, node: FencedNode) -> None:
+        """`node` reaches the training pool's nodes again (`NodeRechecks`): its instances may lend again."""
         with self._lock:
-            if self._rechecks is None:
-                self._rechecks = threading.Thread(target=self._recheck, name="libra-ehp-lender-rechecks", daemon=True)
-                self._rechecks.start()
-
-    def _recheck(self) -> None:
-        """Every `recheck_s` while nodes are held back: let go of each that reaches its peers again. Ends, under
-        the lock, once none is held back (so a node held back meanwhile starts it again)."""
-        assert self.reaches_again is not None
-        while not self._stopping.wait(self.recheck_s):
-            with self._lock:
-                if not self._nodes:
-                    self._rechecks = None
-                    return
-            for node in self.nodes():
-                try:
-                    back = self.reaches_again(node)
-                except Exception:
-                    log.info("checking held-back rollout node %s failed", node.address, exc_info=True)
-                    back = False
-                if not back:
-                    continue
-                with self._lock:
-                    released = self._nodes.pop(node.node_id, None)
-                if released is not None:
-                    self.events.emit("ehp_lender_back", f"rollout node {node.address} reaches the training pool's "
-                                     "nodes again: its instances may lend GPUs to the training step again",
-                                     node_id=node.node_id, address=node.address, instances=list(released[1]))
+            released = self._nodes.pop(node.node_id, None)
+        if released is not None:
+            self.events.emit("ehp_lender_back", f"rollout node {node.address} reaches the training pool's nodes "
+                             "again: its instances may lend GPUs to the training step again", node_id=node.node_id,
+                             address=node.address, instances=list(released[1]))

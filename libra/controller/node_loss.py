@@ -56,6 +56,7 @@ from libra.controller.desired_store import DesiredStore
 from libra.controller.events import EventLog
 from libra.controller.executor import Executor
 from libra.controller.members import MemberState as S
+from libra.controller.rechecks import NodeRechecks
 from libra.controller.state import ROLLOUT, DesiredState
 from libra.controller.tracker import MemberTracker
 from libra.error_chain import causes
@@ -101,9 +102,8 @@ class NodeLossRecovery:
         self.placement_guard = placement_guard or (lambda check: contextlib.nullcontext())
         self.fence = fence  # nodes left out after training ranks on them could not reach their peers
         # whether a fenced node reaches its peers again (`libra.cluster.fence_probe`); None: fenced for good
-        self.reaches_again = reaches_again
-        self._rechecks: threading.Thread | None = None
-        self._rechecks_lock = threading.Lock()
+        self.rechecks = NodeRechecks("libra-fence-rechecks", FENCE_RECHECK_S, self.fence.fenced, reaches_again,
+                                     self._unfenced, self.stopping)
 
     # ---- control loop ---------------------------------------------------------------------------------
     def observe_capacity(self, now: float | None = None, force: bool = False) -> None:
@@ -257,41 +257,18 @@ class NodeLossRecovery:
                 self.events.emit("node_fenced", f"node {addresses.get(node, node)} is fenced off: {why}; the job "
                                  "re-plans onto the other nodes, as for a lost node", node_id=node,
                                  address=addresses.get(node, ""), unreachable=peers)
-        self._start_rechecks()
+        self.rechecks.start()
         return f"{reason}; nodes fenced off: {', '.join(addresses.get(n, n) for n in unreachable.fence)}"
 
-    def _start_rechecks(self) -> None:
-        """Start the thread of `_recheck_fenced` unless it runs (it ends, under the same lock, only once no node
-        is fenced, so a node fenced while it ends is not left unchecked)."""
-        if self.reaches_again is None:
-            return
-        with self._rechecks_lock:
-            if self._rechecks is None:
-                self._rechecks = threading.Thread(target=self._recheck_fenced, name="libra-fence-rechecks",
-                                                  daemon=True)
-                self._rechecks.start()
-
-    def _recheck_fenced(self) -> None:
-        """Every `FENCE_RECHECK_S` while nodes are fenced: lift the fence on each that reaches its peers again
-        (`node_unfenced`); its GPUs then count again (the control loop's next reading raises `cluster_gpus`),
-        and the pools keep their size, as after a lost node came back."""
-        assert self.reaches_again is not None
-        while not self.stopping.wait(FENCE_RECHECK_S):
-            with self._rechecks_lock:
-                if not self.fence.fenced():
-                    self._rechecks = None
-                    return
-            for fenced in self.fence.fenced():
-                try:
-                    back = self.reaches_again(fenced)
-                except Exception:
-                    log.info("checking fenced node %s failed", fenced.address, exc_info=True)
-                    back = False
-                if back and self.fence.lift(fenced.node_id) is not None:
-                    self.events.emit("node_unfenced", f"node {fenced.address} reaches the nodes it could not "
-                                     "again: its GPUs count for the job again (the pools keep their size)",
-                                     node_id=fenced.node_id, address=fenced.address)
-                    self.wake()
+    def _unfenced(self, fenced: FencedNode) -> None:
+        """`fenced` reaches its peers again (`NodeRechecks`): lift the fence (`node_unfenced`); its GPUs then count
+        again (the control loop's next reading raises `cluster_gpus`), and the pools keep their size, as after a
+        lost node came back."""
+        if self.fence.lift(fenced.node_id) is not None:
+            self.events.emit("node_unfenced", f"node {fenced.address} reaches the nodes it could not again: its "
+                             "GPUs count for the job again (the pools keep their size)", node_id=fenced.node_id,
+                             address=fenced.address)
+            self.wake()
 
     def _restart_training(self, reason: str) -> dict[str, Any]:
         replanned = self.replan(training_lost=True, reason=reason)

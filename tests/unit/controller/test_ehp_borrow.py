@@ -754,7 +754,7 @@ def test_lenders_that_cannot_reach_the_training_pool_are_held_back_until_they_do
         checked.append(node.node_id)
         return reachable.is_set()
 
-    r.borrower.held_back.reaches_again, r.borrower.held_back.recheck_s = reaches_again, 0.02
+    r.borrower.held_back.rechecks.check, r.borrower.held_back.rechecks.interval_s = reaches_again, 0.02
     first = r.borrower.train_step([object()] * 4, step=1)
     assert first["ehp_fallback"] == 1.0 and r.kinds() == ["ehp_failed", "ehp_held_back", "ehp_return"]
     held = next(e for e in r.events if e["kind"] == "ehp_held_back")
