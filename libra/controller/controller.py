@@ -74,11 +74,12 @@ from libra.run_dir import RunDir, write_json_atomic
 log = logging.getLogger(__name__)
 
 
-def fenced_node_reaches_again(fenced: FencedNode) -> bool:
-    """Whether a fenced node reaches the peers it could not (Ray probes on the nodes, `fence_probe`)."""
+def node_reaches_peers_again(node: FencedNode) -> bool:
+    """Whether a node left out (a fenced training node, a held-back lending node) reaches the peers it could
+    not (Ray probes on the nodes, `fence_probe`)."""
     from libra.cluster.fence_probe import reaches_again
 
-    return reaches_again(fenced)
+    return reaches_again(node)
 
 
 class TrainingNodesUnreachable(RuntimeError):
@@ -274,7 +275,7 @@ class Controller:
             train_problems=training_target_problems(cfg, run), wake=self.wake_reconciler,
             rollout_failed_within_s=rollout_spec(cfg, run, 1).health.hang_detection_bound_s,
             training_answers=self._training_answers, stopping=self.stop.event,
-            placement_guard=self.runtime.placement_guard, reaches_again=fenced_node_reaches_again)
+            placement_guard=self.runtime.placement_guard, reaches_again=node_reaches_peers_again)
         self.loop = ControlLoop(self.tracker, self.executor, self.rollout_edge, self.train_edge,
                                 self.desired_state, self.events, self.options.timeouts,
                                 self.options.tick_interval_s, on_observed=self._on_observed)
@@ -417,7 +418,7 @@ class Controller:
         assert self.tracker is not None
         borrower = EhpBorrower(self.cfg, switch, self.rollout_edge, self.train_edge, self.tracker, self.gate,
                                self.events, self.desired_state, observe_now=self.wake_reconciler,
-                               reaches_again=fenced_node_reaches_again)
+                               reaches_again=node_reaches_peers_again)
         assert self.reporter is not None
         self.reporter.set_state("starting", message="starting the borrowed training replicas on rollout GPUs")
         self.borrower = borrower
@@ -570,8 +571,8 @@ class Controller:
             self.loop.stop()
         if self.replanner is not None:  # no decision after the loop stopped; it leaves the event log
             self.replanner.close()
-        if self.borrower is not None:  # no more checks of held-back rollout nodes
-            self.borrower.held_back.close()
+        if self.borrower is not None:
+            self.borrower.stop_rechecks()
         if self.executor is not None:
             if not self.executor.wait_idle(900):
                 log.warning("pool actions still running after 900s; stopping anyway")

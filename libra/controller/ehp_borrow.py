@@ -440,9 +440,13 @@ class EhpBorrower:
         if parked is not None and session is not None and key in {lender[0] for lender in parked.lenders}:
             session.release(f"lending instance {key} is being stopped")
 
+    def stop_rechecks(self) -> None:
+        """No more checks of held-back lending nodes (the job's control loop stops)."""
+        self.held_back.close()
+
     def close(self, reason: str = "the job ends") -> None:
         """Stop parked replicas (nothing left running) and the checks of held-back nodes."""
-        self.held_back.close()
+        self.stop_rechecks()
         with self._lock:
             session = self._session
         if session is not None:

@@ -118,14 +118,29 @@ class NodeLossRecovery:
         except Exception:
             log.debug("reading the cluster's GPUs failed", exc_info=True)
             return
-        desired = self.store.get()
-        if not desired.cluster_gpus or live == desired.cluster_gpus:
+        self._record_capacity(live, now)
+
+    def _record_capacity(self, live: int, now: float) -> None:
+        """Set `cluster_gpus` to `live` with a `capacity_changed` event when it differs: once per change,
+        from whichever loop reads the cluster first (the control loop's throttled reading, or the RL loop's
+        re-plan after a step failed on a lost node)."""
+        if not self.store.get().cluster_gpus or live == self.store.get().cluster_gpus:
             return
-        if live < desired.cluster_gpus:
+        was: list[DesiredState] = []
+
+        def record(d: DesiredState) -> DesiredState:
+            if not d.cluster_gpus or live == d.cluster_gpus:
+                return d
+            was.append(d)
+            return dataclasses.replace(d, cluster_gpus=live)
+
+        self.store.change(record)
+        if not was:
+            return
+        if live < was[0].cluster_gpus:
             self._lost_seen_at = now
-        self.store.change(lambda d: dataclasses.replace(d, cluster_gpus=live))
-        self.events.emit("capacity_changed", f"the cluster has {live} GPUs alive (was {desired.cluster_gpus})",
-                         live_gpus=live, was_gpus=desired.cluster_gpus, in_use=gpus_in_use(desired))
+        self.events.emit("capacity_changed", f"the cluster has {live} GPUs alive (was {was[0].cluster_gpus})",
+                         live_gpus=live, was_gpus=was[0].cluster_gpus, in_use=gpus_in_use(was[0]))
 
     # ---- RL loop --------------------------------------------------------------------------------------
     def replan(self, training_lost: bool, reason: str = "", observed: bool = False,
@@ -144,6 +159,7 @@ class NodeLossRecovery:
         if live >= held:
             return None
         started = time.monotonic()
+        self._record_capacity(live, started)
         gpr = self.cfg.global_resource_planner
         if gpr.runtime_node_loss_policy == "wait":
             live = self._wait_for_gpus(held, f"all {held} GPUs its pools hold")

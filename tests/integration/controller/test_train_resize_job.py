@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import pytest
-
 from libra.cluster.ray_runtime import RayRuntime
 from libra.controller.reconfigure import ReconfigureTarget
 from libra.controller.state import ROLLOUT, TRAIN
@@ -20,8 +18,6 @@ from .reconfigure_rig import RequestStream, running
 from .train_swap_rig import TrainingDriver, build_swap_rig
 
 TIMEOUT_S = 1200.0
-
-pytestmark = pytest.mark.slow_job
 
 
 def test_cluster_swap_two_two_to_three_one_and_back(ray_runtime: RayRuntime, tmp_path: Path) -> None:

@@ -191,6 +191,27 @@ def test_the_control_loop_keeps_cluster_gpus_at_what_is_alive_and_starts_no_repl
     assert changed and (changed[0]["live_gpus"], changed[0]["was_gpus"]) == (2, 4)
 
 
+@pytest.mark.parametrize("first", ["control-loop", "rl-loop-re-plan"])
+def test_a_loss_is_recorded_once_by_whichever_loop_reads_it_first(make_job, monkeypatch, first: str) -> None:
+    """The RL loop's re-plan after a failed step may read the cluster before the control loop's throttled
+    reading does; the change of `cluster_gpus` is recorded (`capacity_changed`) either way, and only once."""
+    job = make_job(train=2, instances=4)
+    reading = job.recovery.observe_capacity
+    if first == "rl-loop-re-plan":  # the control loop's reading comes late (a busy tick on a loaded machine)
+        monkeypatch.setattr(job.recovery, "observe_capacity", lambda *args, **kwargs: None)
+    job.lose(gpus=1, rollout_keys=1)
+    if first == "control-loop":
+        assert job.wait(lambda: job.store.get().cluster_gpus == 5)
+    outcome = job.recovery.replan(training_lost=False)
+    assert outcome is not None and not outcome["training_restarted"]
+    monkeypatch.setattr(job.recovery, "observe_capacity", reading)
+    reading(force=True)
+    time.sleep(0.1)  # control-loop ticks that could record the same change again
+    changed = [(e["live_gpus"], e["was_gpus"]) for e in job.kinds() if e["kind"] == "capacity_changed"]
+    assert changed == [(5, 6)]
+    assert job.store.get().cluster_gpus == 5
+
+
 def test_rollout_node_lost_survivors_keep_their_places(make_job) -> None:
     job = make_job(train=2, instances=4)
     kept = set(job.rollout.instances) - {sorted(job.rollout.instances)[0]}
