@@ -125,6 +125,7 @@ from reliability_accounting import (  # noqa: E402
 from reliability_disk import disk_full_mid_checkpoint, disk_full_mid_trace  # noqa: E402
 from reliability_load import load_queue_and_status  # noqa: E402
 
+from libra.config.schema import Config  # noqa: E402
 from libra.rollout.spec import HealthRule  # noqa: E402
 from tests.integration.controller.conftest import (  # noqa: E402
     events,
@@ -577,7 +578,7 @@ def ehp_lender_partition(root: Path) -> dict[str, Any]:
                              after[0][0] if after else None, run["code"])
     figures["details"] = {
         "exit_code": run["code"], "checkpoint_interval": 1, "end_step": LENDER_STEPS, "partitioned": run["partitioned"],
-        "lender": run["lender"], "train_hang_timeout_s": HANG_TIMEOUT_S,
+        "lender": run["lender"], "train_hang_timeout_s": Config.__dataclass_fields__["train_hang_timeout_s"].default,
         "failed": [{"step": e["step"], "stage": e["stage"]} for e in found if e["kind"] == "ehp_failed"],
         "training_restarted": any(e["kind"] == "train_restart" for e in found),
         "held_back_after_s": round(float(held[0]["ts"]) - run["cut_at"], 1) if held else None,
@@ -585,8 +586,9 @@ def ehp_lender_partition(root: Path) -> dict[str, Any]:
         "lends_again_after_healed_s": round(float(back[0]["ts"]) - run["healed_at"], 1) if back else None,
         "steps_before_the_partition": [int(r["step"]) for r in run["before"]],
         "recovery_covers": "from the cut (the loop held at a step boundary, then resumed at once) to the first step "
-                           "after it, which ran on the training pool alone once its training rank had waited 0.8 "
-                           "of the step's deadline (train_hang_timeout_s) for the borrowed gradients",
+                           "after it, which ran on the training pool alone once its training rank had waited for "
+                           "the borrowed gradients 10 times the slowest shared step, at least 30 s "
+                           "(libra.training.ehp.borrowed_wait_s; 0.8 of the 300 s hang deadline before it)",
         "held_back_covers": "the next borrow: the borrowed workers' start on both lenders, then the reachability "
                             "probe (a TCP connection that never opens, 5 s)",
         "lends_again_covers": "from the route's return (the loop held) to ehp_lender_back: up to RECHECK_S (20 s) "

@@ -44,7 +44,9 @@ its arguments the borrowed ranks' results, so it starts when they exist rather t
 the driver. A borrowed rank that fails costs the step its speed-up, not its correctness: the session detaches
 (which fails the finish that waits on it before it runs) and the core pool reruns the step alone; so do borrowed
 gradients that cannot reach the core ranks (`ehp_steps.GRADS_NOT_RECEIVED`: each core rank fetches its share within
-a deadline and all agree before the finish's collectives). Before a borrowed world forms, its nodes are probed
+a deadline and all agree before the finish's collectives). What borrowed ranks make is waited for
+`borrowed_wait_s`: once shared steps have run, a multiple of the slowest (at least 30 s), not the pool's hang
+deadline, since a borrowed failure costs a rerun on the pool alone rather than the pool. Before a borrowed world forms, its nodes are probed
 against the core pool's (`_check_reach`): a node that cannot connect fails the attach (`LendersUnreachableError`),
 so the controller holds its lenders back instead of meeting the partition in every step.
 
@@ -84,6 +86,23 @@ EHP_STEP = "ehp_train_step"  # the kind of call whose history sets the deadline 
 # the share of that deadline a core rank waits for the borrowed gradients it adds: its error reaches the driver
 # before the driver's own wait for the finish (which starts no earlier than the fetch) runs out
 GRADS_WAIT_SHARE = 0.8
+# A borrowed failure costs a step its speed-up (the step reruns on the pool alone), not the pool, so once shared
+# steps have run at the pool's shape the waits for what borrowed ranks make are bounded by these times the
+# slowest of them, at least the floor, rather than by the pool's hang deadline (train_hang_timeout_s, 300 s by
+# default): a lending node cut off while its replicas are parked costs the next step seconds, not minutes
+BORROWED_WAIT_FACTOR = 10.0
+BORROWED_WAIT_FLOOR_S = 30.0
+
+
+def borrowed_wait_s(deadline_s: float, slowest_step_s: float | None) -> float:
+    """How long a shared step waits for what its borrowed ranks make (their parameter loads and summaries at
+    the driver, their gradients at the core ranks) before it runs on the pool alone: `GRADS_WAIT_SHARE` of the
+    step's deadline `deadline_s`, and, once a shared step has completed at this pool shape (`slowest_step_s`,
+    the slowest), at most `BORROWED_WAIT_FACTOR` times that step but not less than `BORROWED_WAIT_FLOOR_S`."""
+    bound = GRADS_WAIT_SHARE * deadline_s
+    if slowest_step_s is None:
+        return bound
+    return min(bound, max(BORROWED_WAIT_FLOOR_S, BORROWED_WAIT_FACTOR * slowest_step_s))
 
 
 class EhpError(RuntimeError):
@@ -440,7 +459,8 @@ class EhpSession:
         shares = split_shares(len(samples), core_dp, [w.dp for w in self.worlds])
         active = [(w, s) for w, s in zip(self.worlds, shares[1:], strict=True) if s[1] > s[0]]
         core_samples = samples[shares[0][0]:shares[0][1]]
-        timeout = pool.deadlines.deadline(EHP_STEP)  # each wait of the step; a borrowed world past it falls back
+        timeout = pool.deadlines.deadline(EHP_STEP)  # each wait of the core ranks
+        borrowed_wait = borrowed_wait_s(timeout, pool.deadlines.history().get(EHP_STEP))  # a world past it falls back
         core_refs: list[Any] = []
         finish_refs: list[Any] = []
         self._finish_exports = []
@@ -465,16 +485,16 @@ class EhpSession:
                 results.append(ehp_workers.call_each(
                     w.group, "ehp", [("borrowed_forward_backward", share, step, load, join)
                                      for load, join in zip(world_loads, moved, strict=True)], num_returns=2))
-            finishes = self._submit_finish(step, core_dp, active, results, to_park, GRADS_WAIT_SHARE * timeout)
+            finishes = self._submit_finish(step, core_dp, active, results, to_park, borrowed_wait)
             finish_refs = [metrics for metrics, _ in finishes]
             marks = {"submit": time.perf_counter()}
             for (w, _), refs in zip(active, loads, strict=True):  # a failed load or move fails the step's borrow
-                ehp_workers.gather(w.group, "load_params", refs, timeout)
+                ehp_workers.gather(w.group, "load_params", refs, borrowed_wait)
                 if id(w) in rejoins:
-                    ehp_workers.gather(w.group, "join_lent_slice", rejoins[id(w)], timeout)
+                    ehp_workers.gather(w.group, "join_lent_slice", rejoins[id(w)], borrowed_wait)
             marks["params"] = time.perf_counter()
-            summaries = [ehp_workers.gather(w.group, "borrowed_forward_backward", [ref for ref, _ in refs], timeout)
-                         for (w, _), refs in zip(active, results, strict=True)]
+            summaries = [ehp_workers.gather(w.group, "borrowed_forward_backward", [ref for ref, _ in refs],
+                                            borrowed_wait) for (w, _), refs in zip(active, results, strict=True)]
             marks["borrowed_forward_backward"] = time.perf_counter()
         except CollectiveCallError as exc:
             return self._fall_back(samples, step, core_refs, finish_refs, exc)

@@ -55,6 +55,7 @@ STARTUP_S = 600
 HANG_TIMEOUT_S = 30.0  # train_hang_timeout_s: the hung step fails 30 s after the partition, not 300 s
 START_STEPS = 4  # the jobs launched on partitioned nodes
 LENDER_STEPS = 24  # the lending job: the steps until the lender is held back, borrows alone, and lends again
+LENDER_STEP_MET_S = 150.0  # the borrowed wait's floor (30 s) and the rerun on a loaded machine; 240 s before it
 EHP = {"runtime_dynamic_reconfiguration_enabled": True, "runtime_reconfigure_training": True,
        "elastic_hybrid_replica_size_gpus": 1, "elastic_hybrid_min_rollout_gpus": 0}
 
@@ -144,8 +145,10 @@ def lender_partition_run(cluster: LossCluster, root: Path) -> dict[str, Any]:
     borrows the other node's GPU alone, the partition heals and the job runs on until both lend again. The
     launch's exit code, run directory and output, when the route was cut and the metric rows written by then, the
     nodes cut, and when the route came back."""
+    # the default train_hang_timeout_s (300 s): the step that meets the cut waits for the borrowed gradients a
+    # multiple of the slowest shared step (at least 30 s), not 0.8 of that deadline
     ws, launches = job_on(cluster, root, {**EHP}, train_gpus=1, rollout_gpus=2, max_head_offpolicyness=0,
-                          train_hang_timeout_s=HANG_TIMEOUT_S, checkpoint={"interval_steps": 1, "keep_last": 3})
+                          checkpoint={"interval_steps": 1, "keep_last": 3})
     run_dir: Path = ws["run_dir"]
 
     def borrowed(replicas: float, after_step: int = 0) -> bool:
@@ -306,6 +309,9 @@ def test_a_lender_cut_from_the_training_node_is_held_back_until_it_reaches_it_ag
     # the step that met the cut, then the borrow that found the node unreachable; none once it was held back
     assert [(e["stage"], e["step"]) for e in failed] == [("step", held["step"] - 1), ("attach", held["step"])], failed
     assert "gradients did not reach every core rank" in failed[0]["message"], failed[0]
+    # the step that met the cut ran on the pool alone well before 0.8 of the hang deadline (240 s) had passed
+    met = min(float(r["wall_time"]) for r in rows if float(r["wall_time"]) > run["cut_at"])
+    assert met - run["cut_at"] < LENDER_STEP_MET_S, met - run["cut_at"]
     assert "LendersUnreachableError" in failed[1]["message"], failed[1]
     assert not [e for e in log if e["kind"] in ("train_restart", "train_worker_lost")]
     idle = {e["step"] for e in log if e["kind"] == "ehp_idle"}

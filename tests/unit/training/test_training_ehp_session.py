@@ -20,6 +20,7 @@ from libra.config.sections import PlannerConfig
 from libra.metering.spec import CpuMetering
 from libra.observability.phase_trace import TraceSettings
 from libra.training.batching import dp_block
+from libra.training.call_deadlines import CallDeadlines, HangRule
 from libra.training.ehp import (
     BorrowedWorld,
     EhpError,
@@ -27,6 +28,7 @@ from libra.training.ehp import (
     EhpSettings,
     borrowed_spec,
     borrowed_timings,
+    borrowed_wait_s,
     split_shares,
     step_segments,
 )
@@ -509,20 +511,12 @@ def test_only_worlds_that_left_a_slice_rejoin_with_the_step(monkeypatch: pytest.
     assert [c for c in calls if "slice" in c] == ["w0.0 leave_lent_slice rollout-0", "w0.0 join_lent_slice rollout-0"]
 
 
-class _Deadlines:
-    def deadline(self, kind: str) -> float:
-        return 60.0
-
-    def completed(self, kind: str, seconds: float) -> None:
-        pass
-
-
 class _CorePool(_RunningPool):
     """A running core pool of one rank (DP 1) as a shared step sees it."""
 
     def __init__(self, spec: TrainingPoolSpec) -> None:
         super().__init__(spec, TrainLayout(), group=_Group("core", [(0, 0, 0)], []))
-        self.deadlines = _Deadlines()
+        self.deadlines = CallDeadlines(HangRule(timeout_s=60.0, factor=0.0, first_call_s=60.0))
         self.told: list[int] = []
 
     def stepped(self, step: int) -> None:
@@ -603,6 +597,63 @@ def test_a_reattached_step_moves_back_first_and_parking_loads_the_finishs_export
     assert [(g, op, args) for g, op, args in log] == [
         ("w0", "load_params", ("core.0:core_finish/1",)), ("w0", "leave_lent_slice", (spec.metering, "rollout-0"))]
     assert session._take_prefetched() == [["w0.0:load_params"]]
+
+
+# (id, the step's deadline, the slowest shared step at this shape or None, the wait for what borrowed ranks make)
+BORROWED_WAITS = [
+    ("no-shared-step-yet-a-share-of-the-deadline", 300.0, None, 240.0),
+    ("first-call-deadline-without-history", 3600.0, None, 2880.0),
+    ("fast-steps-the-floor", 300.0, 0.4, 30.0),
+    ("slower-steps-ten-times-the-slowest", 300.0, 12.0, 120.0),
+    ("slow-steps-never-past-the-deadlines-share", 300.0, 100.0, 240.0),
+    ("a-deadline-made-by-the-hang-factor", 1000.0, 60.0, 600.0),
+    ("a-short-hang-timeout-keeps-its-share", 30.0, 0.4, 24.0),
+]
+
+
+@pytest.mark.parametrize(("deadline", "slowest", "expected"), [pytest.param(*c[1:], id=c[0]) for c in BORROWED_WAITS])
+def test_borrowed_wait(deadline: float, slowest: float | None, expected: float) -> None:
+    assert borrowed_wait_s(deadline, slowest) == pytest.approx(expected)
+
+
+def test_once_a_shared_step_ran_borrowed_work_is_waited_for_a_multiple_of_it_not_the_hang_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first shared step at the pool's shape waits for the borrowed ranks' loads, summaries and gradients a
+    share of the step's deadline; later ones `borrowed_wait_s` of the slowest shared step (the floor, for steps
+    this fast); the core ranks' own calls keep the deadline."""
+    from libra.cluster import ehp_workers
+    from libra.training.ehp import BORROWED_WAIT_FLOOR_S, BorrowedWorld
+
+    log = _recorded_calls(monkeypatch)
+    waits: list[tuple[str, float | None]] = []
+    recorded_gather = ehp_workers.gather
+
+    def gather(group: Any, method: str, refs: list[Any], timeout: float | None) -> list[Any]:
+        waits.append((method, timeout))
+        return recorded_gather(group, method, refs, timeout)
+
+    monkeypatch.setattr(ehp_workers, "gather", gather)
+    pool = _CorePool(BASE)
+    pool.deadlines = CallDeadlines(HangRule(timeout_s=300.0, factor=0.0, first_call_s=3600.0))
+    session = EhpSession(pool, EhpSettings())  # type: ignore[arg-type]
+
+    def start(wanted: Sequence[LentGpu]) -> None:
+        session.worlds = [BorrowedWorld(_Group("w0", [(0, 0, 0)], []), BASE, [(0, 0, 0)], [""])]  # type: ignore[arg-type]
+        session.gpus = list(wanted)
+        session._layout, session._core_gpus, session._core_group = pool.layout, pool.spec.num_gpus, pool.group
+        session._core_keys = [(0, 0, 0)]
+
+    session._start = start  # type: ignore[method-assign]
+    expected = {1: (2880.0, 3600.0), 2: (BORROWED_WAIT_FLOOR_S, 300.0)}  # step: (borrowed wait, core deadline)
+    for step, (borrowed, core) in expected.items():
+        del log[:], waits[:]
+        session.attach([LentGpu("2", "rollout-0-pg")])
+        session.train_step(list(range(8)), step=step, to_park=False)
+        session.detach()
+        finish = next(args for _, op, args in log if op == "core_finish")
+        assert finish[3] == pytest.approx(borrowed), step  # the core ranks' wait for the borrowed gradients
+        assert waits == [("load_params", borrowed), ("borrowed_forward_backward", borrowed),
+                         ("core_forward_backward", core), ("core_finish", core)], step
 
 
 # ---- the core ranks' finish: every borrowed world's totals, and a fall-back that never steps twice -----------
