@@ -578,7 +578,7 @@ def ehp_lender_partition(root: Path) -> dict[str, Any]:
                              after[0][0] if after else None, run["code"])
     figures["details"] = {
         "exit_code": run["code"], "checkpoint_interval": 1, "end_step": LENDER_STEPS, "partitioned": run["partitioned"],
-        "lender": run["lender"], "train_hang_timeout_s": Config.__dataclass_fields__["train_hang_timeout_s"].default,
+        "lender": run["lender"], "train_hang_timeout_s": Config.train_hang_timeout_s,
         "failed": [{"step": e["step"], "stage": e["stage"]} for e in found if e["kind"] == "ehp_failed"],
         "training_restarted": any(e["kind"] == "train_restart" for e in found),
         "held_back_after_s": round(float(held[0]["ts"]) - run["cut_at"], 1) if held else None,

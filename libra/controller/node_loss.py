@@ -124,23 +124,16 @@ class NodeLossRecovery:
         """Set `cluster_gpus` to `live` with a `capacity_changed` event when it differs: once per change,
         from whichever loop reads the cluster first (the control loop's throttled reading, or the RL loop's
         re-plan after a step failed on a lost node)."""
-        if not self.store.get().cluster_gpus or live == self.store.get().cluster_gpus:
-            return
-        was: list[DesiredState] = []
-
-        def record(d: DesiredState) -> DesiredState:
-            if not d.cluster_gpus or live == d.cluster_gpus:
-                return d
-            was.append(d)
-            return dataclasses.replace(d, cluster_gpus=live)
-
-        self.store.change(record)
-        if not was:
-            return
-        if live < was[0].cluster_gpus:
+        while True:  # a change made in between (by the other loop, or any other) is read again
+            desired = self.store.get()
+            if not desired.cluster_gpus or live == desired.cluster_gpus:
+                return
+            if self.store.replace_if(desired, dataclasses.replace(desired, cluster_gpus=live)):
+                break
+        if live < desired.cluster_gpus:
             self._lost_seen_at = now
-        self.events.emit("capacity_changed", f"the cluster has {live} GPUs alive (was {was[0].cluster_gpus})",
-                         live_gpus=live, was_gpus=was[0].cluster_gpus, in_use=gpus_in_use(was[0]))
+        self.events.emit("capacity_changed", f"the cluster has {live} GPUs alive (was {desired.cluster_gpus})",
+                         live_gpus=live, was_gpus=desired.cluster_gpus, in_use=gpus_in_use(desired))
 
     # ---- RL loop --------------------------------------------------------------------------------------
     def replan(self, training_lost: bool, reason: str = "", observed: bool = False,

@@ -46,9 +46,10 @@ the driver. A borrowed rank that fails costs the step its speed-up, not its corr
 gradients that cannot reach the core ranks (`ehp_steps.GRADS_NOT_RECEIVED`: each core rank fetches its share within
 a deadline and all agree before the finish's collectives). What borrowed ranks make is waited for
 `borrowed_wait_s`: once shared steps have run, a multiple of the slowest (at least 30 s), not the pool's hang
-deadline, since a borrowed failure costs a rerun on the pool alone rather than the pool. Before a borrowed world forms, its nodes are probed
-against the core pool's (`_check_reach`): a node that cannot connect fails the attach (`LendersUnreachableError`),
-so the controller holds its lenders back instead of meeting the partition in every step.
+deadline, since a borrowed failure costs a rerun on the pool alone rather than the pool. Before a borrowed world
+forms, its nodes are probed against the core pool's (`_check_reach`): a node that cannot connect fails the attach
+(`LendersUnreachableError`), so the controller holds its lenders back instead of meeting the partition in every
+step.
 
 Not covered: expert parallelism (EP > 1: expert gradients reduce over expert-DP groups that a borrowed
 world would have to mirror rank by rank) is refused at `attach`.
@@ -460,7 +461,8 @@ class EhpSession:
         active = [(w, s) for w, s in zip(self.worlds, shares[1:], strict=True) if s[1] > s[0]]
         core_samples = samples[shares[0][0]:shares[0][1]]
         timeout = pool.deadlines.deadline(EHP_STEP)  # each wait of the core ranks
-        borrowed_wait = borrowed_wait_s(timeout, pool.deadlines.history().get(EHP_STEP))  # a world past it falls back
+        # each wait of the borrowed ranks: a world past it falls back
+        borrowed_wait = borrowed_wait_s(timeout, pool.deadlines.history().get(EHP_STEP))
         core_refs: list[Any] = []
         finish_refs: list[Any] = []
         self._finish_exports = []

@@ -524,6 +524,23 @@ class _CorePool(_RunningPool):
         self.weights_version += 1
 
 
+def _one_world_session(pool: _CorePool, spec: TrainingPoolSpec, holder: str) -> EhpSession:
+    """A session on `pool` whose attach forms one borrowed world of one rank ("w0", on a GPU `holder` lends)
+    without starting a process."""
+    from libra.training.ehp import BorrowedWorld
+
+    session = EhpSession(pool, EhpSettings())  # type: ignore[arg-type]
+
+    def start(wanted: Sequence[LentGpu]) -> None:
+        session.worlds = [BorrowedWorld(_Group("w0", [(0, 0, 0)], []), spec, [(0, 0, 0)], [holder])]  # type: ignore[arg-type]
+        session.gpus = list(wanted)
+        session._layout, session._core_gpus, session._core_group = pool.layout, pool.spec.num_gpus, pool.group
+        session._core_keys = [(0, 0, 0)]
+
+    session._start = start  # type: ignore[method-assign]
+    return session
+
+
 def _recorded_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, tuple[Any, ...]]]:
     """Replace the worker calls of a shared step with a log: (group, op, args) per call; a call's reference is
     "<group>.<rank>:<op>" (two of them, "/0" and "/1", for calls with two results)."""
@@ -560,21 +577,12 @@ def test_a_reattached_step_moves_back_first_and_parking_loads_the_finishs_export
     """Metered: the re-attached rank's forward/backward takes its move back into the slice as an argument (a rank
     that could not move back never computes), and the parameters the next step copies come from the core
     finish's second result, with no export call at park."""
-    from libra.training.ehp import BorrowedWorld
 
     log = _recorded_calls(monkeypatch)
     spec = replace(BASE, metering=CpuMetering(cores_per_gpu=0.5, job="j", cgroup_root=""))
     pool = _CorePool(spec)
-    session = EhpSession(pool, EhpSettings())  # type: ignore[arg-type]
+    session = _one_world_session(pool, spec, "rollout-0")
     gpus = [LentGpu("2", "rollout-0-pg", holder="rollout-0")]
-
-    def start(wanted: Sequence[LentGpu]) -> None:
-        session.worlds = [BorrowedWorld(_Group("w0", [(0, 0, 0)], []), spec, [(0, 0, 0)], ["rollout-0"])]  # type: ignore[arg-type]
-        session.gpus = list(wanted)
-        session._layout, session._core_gpus, session._core_group = pool.layout, pool.spec.num_gpus, pool.group
-        session._core_keys = [(0, 0, 0)]
-
-    session._start = start  # type: ignore[method-assign]
     session.attach(gpus)
     session.park()  # parked without a step (as at prewarm): the core ranks export, the borrowed rank loads
     assert [(g, op) for g, op, _ in log] == [("core", "export_params"), ("w0", "load_params"),
@@ -622,7 +630,7 @@ def test_once_a_shared_step_ran_borrowed_work_is_waited_for_a_multiple_of_it_not
     share of the step's deadline; later ones `borrowed_wait_s` of the slowest shared step (the floor, for steps
     this fast); the core ranks' own calls keep the deadline."""
     from libra.cluster import ehp_workers
-    from libra.training.ehp import BORROWED_WAIT_FLOOR_S, BorrowedWorld
+    from libra.training.ehp import BORROWED_WAIT_FLOOR_S
 
     log = _recorded_calls(monkeypatch)
     waits: list[tuple[str, float | None]] = []
@@ -635,15 +643,7 @@ def test_once_a_shared_step_ran_borrowed_work_is_waited_for_a_multiple_of_it_not
     monkeypatch.setattr(ehp_workers, "gather", gather)
     pool = _CorePool(BASE)
     pool.deadlines = CallDeadlines(HangRule(timeout_s=300.0, factor=0.0, first_call_s=3600.0))
-    session = EhpSession(pool, EhpSettings())  # type: ignore[arg-type]
-
-    def start(wanted: Sequence[LentGpu]) -> None:
-        session.worlds = [BorrowedWorld(_Group("w0", [(0, 0, 0)], []), BASE, [(0, 0, 0)], [""])]  # type: ignore[arg-type]
-        session.gpus = list(wanted)
-        session._layout, session._core_gpus, session._core_group = pool.layout, pool.spec.num_gpus, pool.group
-        session._core_keys = [(0, 0, 0)]
-
-    session._start = start  # type: ignore[method-assign]
+    session = _one_world_session(pool, BASE, "")
     expected = {1: (2880.0, 3600.0), 2: (BORROWED_WAIT_FLOOR_S, 300.0)}  # step: (borrowed wait, core deadline)
     for step, (borrowed, core) in expected.items():
         del log[:], waits[:]
