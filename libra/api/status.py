@@ -3,7 +3,9 @@ API) or from its run directory (`desired_state.json`, `events.jsonl`) once it ha
 
 Top-level keys: `state`, `step`, `rollout_gpus`, `rollout_instances`, `rollout_tp_size`, `train_gpus`,
 `train_layout`, `reconfiguring`, `last_reconfiguration` (request, strategy, state, timings),
-`last_replan_decision` (the newest `replan_decision` event of online re-planning, or None).
+`last_replan_decision` (the newest `replan_decision` event of online re-planning, or None), `nodes_left_out`
+(the nodes the running launch leaves out because they could not reach their peers: fenced training nodes and
+rollout nodes held back from lending, each until it reaches them again).
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from libra.run_dir import RunDir, read_jsonl
 
 _RECONFIGURE_KINDS = ("reconfigure_requested", "reconfigure_done")
 REPLAN_KIND = "replan_decision"
+# node left out -> (what it is left out of, the event that ends it)
+_LEFT_OUT_KINDS = {"node_fenced": ("fenced", "node_unfenced"), "ehp_held_back": ("held back from lending",
+                                                                               "ehp_lender_back")}
+_LEFT_OUT_END_KINDS = {end: start for start, (_, end) in _LEFT_OUT_KINDS.items()}
+# a launch starts with no node left out, and a controller that shut down leaves none (the fence lives in it)
+_AFRESH_KINDS = ("launch", "shutdown")
 
 
 def pool_fields(desired: DesiredState | None) -> dict[str, Any]:
@@ -76,13 +84,46 @@ def last_replan_decision(events: Iterable[dict[str, Any]]) -> dict[str, Any] | N
     return last
 
 
+class NodesLeftOut:
+    """The nodes the newest launch leaves out, followed event by event: a `node_fenced` or `ehp_held_back` event
+    adds one, its `node_unfenced` or `ehp_lender_back` takes it out, and a `launch` or a `shutdown` leaves none."""
+
+    def __init__(self) -> None:
+        self._left: dict[tuple[str, str], dict[str, Any]] = {}
+
+    @staticmethod
+    def reads(event: dict[str, Any]) -> bool:
+        kind = event.get("kind")
+        return kind in _LEFT_OUT_KINDS or kind in _LEFT_OUT_END_KINDS or kind in _AFRESH_KINDS
+
+    def add(self, event: dict[str, Any]) -> None:
+        """Follow `event` (any event: those it does not read change nothing)."""
+        kind = str(event.get("kind"))
+        if kind in _AFRESH_KINDS:
+            self._left.clear()
+        elif kind in _LEFT_OUT_KINDS:
+            self._left[(kind, str(event.get("node_id")))] = {
+                "address": event.get("address", ""), "node_id": event.get("node_id"),
+                "left_out": _LEFT_OUT_KINDS[kind][0], "since": event.get("ts"), "step": event.get("step"),
+                "reason": event.get("reason", ""), "instances": list(event.get("instances") or [])}
+        elif kind in _LEFT_OUT_END_KINDS:
+            self._left.pop((_LEFT_OUT_END_KINDS[kind], str(event.get("node_id"))), None)
+
+    def fields(self) -> list[dict[str, Any]]:
+        return sorted(self._left.values(), key=lambda n: (float(n.get("since") or 0.0), str(n["address"])))
+
+
 def run_dir_fields(run: RunDir) -> dict[str, Any]:
     """The pool and reconfiguration fields as the run directory records them."""
     fields = pool_fields(DesiredState.load(run.desired_state_json) if run.desired_state_json.exists() else None)
-    events = [e for e in read_jsonl(run.events_jsonl)
-              if e.get("kind") in (*_RECONFIGURE_KINDS, "operator", REPLAN_KIND)]
-    fields["last_reconfiguration"] = last_reconfiguration(events)
-    fields["last_replan_decision"] = last_replan_decision(events)
+    events = list(read_jsonl(run.events_jsonl))
+    reconfigurations = [e for e in events if e.get("kind") in (*_RECONFIGURE_KINDS, "operator", REPLAN_KIND)]
+    fields["last_reconfiguration"] = last_reconfiguration(reconfigurations)
+    fields["last_replan_decision"] = last_replan_decision(reconfigurations)
+    left_out = NodesLeftOut()
+    for event in events:
+        left_out.add(event)
+    fields["nodes_left_out"] = left_out.fields()
     return fields
 
 
@@ -107,7 +148,13 @@ class StatusDigest:
     def __init__(self) -> None:
         self._reconfiguration: deque[dict[str, Any]] = deque(maxlen=self.KEEP_RECONFIGURATION_EVENTS)
         self._replan: dict[str, Any] | None = None
+        self._left_out = NodesLeftOut()
         self._lock = threading.Lock()
+
+    @staticmethod
+    def reads(event: dict[str, Any]) -> bool:
+        """Whether the digest keeps or follows `event`."""
+        return _reconfiguration_event(event) or event.get("kind") == REPLAN_KIND or NodesLeftOut.reads(event)
 
     def add(self, event: dict[str, Any]) -> None:
         with self._lock:
@@ -115,6 +162,8 @@ class StatusDigest:
                 self._reconfiguration.append(event)
             elif event.get("kind") == REPLAN_KIND:
                 self._replan = event
+            elif NodesLeftOut.reads(event):
+                self._left_out.add(event)
 
     @classmethod
     def follow(cls, subscribe: Callable[[Callable[[dict[str, Any]], None]], Callable[[], None]],
@@ -136,7 +185,7 @@ class StatusDigest:
         unsubscribe = subscribe(listener)
         on_file = set()
         for event in read_jsonl(events_jsonl):
-            if _reconfiguration_event(event) or event.get("kind") == REPLAN_KIND:
+            if digest.reads(event):
                 digest.add(event)
                 on_file.add(_event_key(event))
         with handoff:
@@ -147,8 +196,11 @@ class StatusDigest:
         return digest, unsubscribe
 
     def fields(self) -> dict[str, Any]:
-        """`last_reconfiguration` and `last_replan_decision`, as `run_dir_fields` reads them from the file."""
+        """`last_reconfiguration`, `last_replan_decision` and `nodes_left_out`, as `run_dir_fields` reads them
+        from the file."""
         with self._lock:
             reconfiguration = list(self._reconfiguration)
             replan = self._replan
-        return {"last_reconfiguration": last_reconfiguration(reconfiguration), "last_replan_decision": replan}
+            left_out = self._left_out.fields()
+        return {"last_reconfiguration": last_reconfiguration(reconfiguration), "last_replan_decision": replan,
+                "nodes_left_out": left_out}

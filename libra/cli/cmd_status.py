@@ -2,9 +2,9 @@
 
 Works while the job runs and after it ended (or died): state, step, reward, pools, checkpoints and the last
 controller events, from `status.json`, `metrics.jsonl`, `events.jsonl` and `checkpoints/`. While the job runs,
-state, step, the pools (`rollout_gpus`, `rollout_instances`, `rollout_tp_size`, `train_gpus`, `train_layout`)
-and `last_reconfiguration` come from its operator API (`live: true`); otherwise from `desired_state.json` and
-the event log.
+state, step, the pools (`rollout_gpus`, `rollout_instances`, `rollout_tp_size`, `train_gpus`, `train_layout`),
+`last_reconfiguration` and the nodes left out (`nodes_left_out`: fenced, or held back from lending) come from
+its operator API (`live: true`); otherwise from `desired_state.json` and the event log.
 """
 
 from __future__ import annotations
@@ -122,6 +122,12 @@ def _format(info: dict[str, Any]) -> list[str]:
         memory = _replan_memory(decision)
         if memory:
             lines.append(f"re-planner: {memory}")
+    for node in info.get("nodes_left_out") or []:
+        when = f" since step {node['step']}" if node.get("step") is not None else ""
+        why = f": {node['reason']}" if node.get("reason") else ""
+        serving = f"; its instances serve: {', '.join(node['instances'])}" if node.get("instances") else ""
+        lines.append(f"node {node.get('address') or node.get('node_id')} {node.get('left_out')}{when}{why}"
+                     f"{serving}; checked again until it reaches them")
     for name, pool in (info.get("pools") or {}).items():
         members = ", ".join(f"{k} {v}" for k, v in sorted((pool.get("members") or {}).items()))
         extra = pool.get("layout") or f"{pool.get('desired_instances', '?')} instances wanted"

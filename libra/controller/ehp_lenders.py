@@ -46,7 +46,8 @@ class HeldBackLenders:
                 self.events.emit("ehp_held_back", f"rollout node {node.address} no longer lends GPUs to the training "
                                  f"step: {node.reason}; its instances ({', '.join(on_node) or 'none'}) keep serving, "
                                  "and it is checked again until it reaches them", step=step, node_id=node.node_id,
-                                 address=node.address, instances=list(on_node), unreachable=list(node.peers))
+                                 address=node.address, instances=list(on_node), unreachable=list(node.peers),
+                                 reason=node.reason)
         self.rechecks.start()
 
     def held_back(self, member: Member) -> bool:

@@ -265,7 +265,7 @@ class NodeLossRecovery:
             if self.fence.add(node, addresses.get(node, node), why, tuple(peer_ids)):
                 self.events.emit("node_fenced", f"node {addresses.get(node, node)} is fenced off: {why}; the job "
                                  "re-plans onto the other nodes, as for a lost node", node_id=node,
-                                 address=addresses.get(node, ""), unreachable=peers)
+                                 address=addresses.get(node, ""), unreachable=peers, reason=why)
         self.rechecks.start()
         return f"{reason}; nodes fenced off: {', '.join(addresses.get(n, n) for n in unreachable.fence)}"
 

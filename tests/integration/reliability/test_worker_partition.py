@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from libra.cli.cmd_status import live_fields
 from libra.run_dir import RunDir
 
 from ..controller.conftest import (
@@ -85,6 +86,18 @@ def job_on(cluster: LossCluster, root: Path, planner: dict[str, Any] | None = No
     return ws, launches
 
 
+def left_out(run_dir: Path, until_none_s: float = 0.0) -> list[dict[str, Any]]:
+    """The nodes the running job leaves out, as `libra status` reads them from its operator API; with
+    `until_none_s`, read again until none is (the status follows the event just written a moment later)."""
+    deadline = time.monotonic() + until_none_s
+    while True:
+        live = live_fields(str(run_dir))
+        assert live is not None, f"the job of {run_dir} does not answer its operator API"
+        if not live["nodes_left_out"] or time.monotonic() >= deadline:
+            return list(live["nodes_left_out"])
+        time.sleep(0.2)
+
+
 def partition_run(cluster: LossCluster, root: Path, steps: int = STEPS) -> dict[str, Any]:
     """The job on `cluster`; after step 2 and its checkpoint its two training nodes are partitioned, and after
     its recovery the partition heals. The launch's exit code, run directory, output, when the partition began and
@@ -109,14 +122,17 @@ def partition_run(cluster: LossCluster, root: Path, steps: int = STEPS) -> dict[
         wait_for(lambda: any(e["kind"] == "train_recovered" for e in events(run_dir)), STARTUP_S, "the recovery",
                  launch, poll_s=0.1)
         operator(run_dir, "pause", "reliability: the partition heals")
+        left_out_while_fenced = left_out(run_dir)
         healed_at = time.time()
         cluster.ask("heal")
         wait_for(lambda: any(e["kind"] == "capacity_changed" and e["ts"] > healed_at and e["live_gpus"] == 3
                              for e in events(run_dir)), UNFENCED_S, "the fenced node's GPU counted again", launch)
+        left_out_after = left_out(run_dir, until_none_s=30.0)
         operator(run_dir, "resume", "reliability: healed")
         code = launch.wait(timeout=1200)
         return {"code": code, "run_dir": run_dir, "output": launch.output(), "cut_at": cut_at, "before": before,
-                "partitioned": partitioned, "healed_at": healed_at}
+                "partitioned": partitioned, "healed_at": healed_at, "left_out_while_fenced": left_out_while_fenced,
+                "left_out_after": left_out_after}
     finally:
         cluster.ask("heal")
         stop_everything(run_dir, launches)
@@ -171,13 +187,16 @@ def lender_partition_run(cluster: LossCluster, root: Path) -> dict[str, Any]:
         assert held is not None
         wait_for(lambda: borrowed(1.0, held["step"]), STARTUP_S, "a step on the other lender's GPU alone", launch)
         operator(run_dir, "pause", "reliability: the partition heals")
+        left_out_while_held = left_out(run_dir)
         healed_at = time.time()
         cluster.ask("heal")
         wait_for(lambda: event("ehp_lender_back") is not None, UNFENCED_S, "the lender back", launch)
+        left_out_after = left_out(run_dir, until_none_s=30.0)
         operator(run_dir, "resume", "reliability: healed")
         code = launch.wait(timeout=1200)
         return {"code": code, "run_dir": run_dir, "output": launch.output(), "cut_at": cut_at, "before": before,
-                "partitioned": cut["partitioned"], "lender": cut["lender"], "healed_at": healed_at}
+                "partitioned": cut["partitioned"], "lender": cut["lender"], "healed_at": healed_at,
+                "left_out_while_held": left_out_while_held, "left_out_after": left_out_after}
     finally:
         cluster.ask("heal")
         stop_everything(run_dir, launches)
@@ -235,6 +254,14 @@ def test_one_node_of_the_pair_is_fenced_off_and_the_job_re_plans_onto_the_rest(
     # the rollout instance was on the third node: it served on, nothing of it failed
     assert not [e for e in log if e["kind"] == "member_failed" and e["pool"] == "rollout"]
     assert not [e["message"] for e in log if e["kind"] == "action_error"]
+
+
+def test_the_status_names_the_fenced_node_until_it_counts_again(partitioned_job: dict[str, Any]) -> None:
+    (node,) = partitioned_job["left_out_while_fenced"]
+    (fenced,) = [e for e in events(partitioned_job["run_dir"]) if e["kind"] == "node_fenced"]
+    assert (node["address"], node["left_out"]) == (fenced["address"], "fenced"), node
+    assert all(peer in node["reason"] for peer in fenced["unreachable"]), node
+    assert partitioned_job["left_out_after"] == []
 
 
 def test_the_fenced_node_counts_again_once_it_reaches_its_peer(partitioned_job: dict[str, Any]) -> None:
@@ -320,6 +347,11 @@ def test_a_lender_cut_from_the_training_node_is_held_back_until_it_reaches_it_ag
     alone = after.index(2.0) if 2.0 in after else len(after)
     assert alone >= 1 and set(after[:alone]) == {1.0} and set(after[alone:]) == {2.0}, (held["step"], replicas)
     assert replicas[LENDER_STEPS] == 2.0, replicas
+    # `libra status` named the held-back node while it was, and none once it lent again
+    (node,) = run["left_out_while_held"]
+    assert (node["address"], node["left_out"], node["step"]) == (run["lender"], "held back from lending",
+                                                                  held["step"]), node
+    assert run["left_out_after"] == []
     assert not [e for e in log if e["kind"] == "node_fenced" or (e["kind"] == "member_failed"
                                                                  and e["pool"] == "rollout")]
     assert any(line.startswith("WARNING") and "ehp_held_back" in line and run["lender"] in line
