@@ -118,9 +118,10 @@ def _frozen_borrowed_worker(run: EhpRun, core: TrainingPool, fixed: TrainingPool
 
 
 def _spec(model: str) -> Any:
-    # hang deadlines short enough to find a frozen borrowed worker in a test (step 7)
-    return pool_spec(model, 2, config={"optimizer": {"lr": 1e-3}, "train_hang_timeout_s": 10.0,
-                                       "train_hang_timeout_factor": 4.0},
+    # hang deadlines short enough to find a frozen borrowed worker in a test (step 7: from 16 s), long enough for the
+    # pool's own steps on a loaded machine (the frozen step's rerun on the pool alone among them)
+    return pool_spec(model, 2, config={"optimizer": {"lr": 1e-3}, "train_hang_timeout_s": 20.0,
+                                       "train_hang_timeout_factor": 6.0},
                      tp=2, micro_batch_size=1, recompute_micro_batch_size=2, recompute_logprobs=True)
 
 
