@@ -193,7 +193,6 @@ def _drain(prompts: int, serve: Callable[..., Awaitable[list[Any]]], version: di
               for i in range(prompts + tail))
     buffer = SampleBuffer(BATCH_SIZE, N_SAMPLES, max_offpolicyness=1, max_concurrent_samples=MAX_CONCURRENT_ROLLOUTS)
     in_flight = {"now": 0, "max": 0, "samples": 0}
-    cancelled: set[int] = set()  # requests cancelled in flight (each request is seeded with its prompt's index)
     lock = threading.Lock()
 
     async def generate(prompt_ids: list[int], n: int, seed: int, **sampling: Any) -> list[Any]:
@@ -202,9 +201,6 @@ def _drain(prompts: int, serve: Callable[..., Awaitable[list[Any]]], version: di
             in_flight["max"] = max(in_flight["max"], in_flight["now"])
         try:
             completions = await serve(prompt_ids, n=n, seed=seed, **sampling)
-        except asyncio.CancelledError:
-            cancelled.add(seed)
-            raise
         finally:
             with lock:
                 in_flight["now"] -= n
@@ -229,6 +225,7 @@ def _drain(prompts: int, serve: Callable[..., Awaitable[list[Any]]], version: di
                 buffer.set_rollout_version(step + 1)  # what a publish does after the step
                 version["served"] = step + 1
             producer.pause()  # nothing is admitted any more; what is in flight finishes into the buffer
+            producer.wait_paused(COLLECT_TIMEOUT_S)  # a group admitted as the pause came is running by then
             deadline = time.monotonic() + COLLECT_TIMEOUT_S
             while buffer.depth()["running_groups"] and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -237,6 +234,7 @@ def _drain(prompts: int, serve: Callable[..., Awaitable[list[Any]]], version: di
     seconds = time.monotonic() - started
     leftover = [g.index for g in buffer.drain()]
     retry = [index for index, _ in producer._retry]  # noqa: SLF001 (the producer's own retry queue)
+    cancelled = set(producer.cancelled_prompts)  # by the stop, whether their generation had begun or not
     counts = Counter(trained + leftover + retry)
     drawn = producer.prompts_drawn
     lost = [i for i in range(drawn) if i not in counts]

@@ -8,11 +8,16 @@ pauses all admissions for a back-off that doubles with each consecutive failure 
 never stops the producer. Generations that were already in flight when a failure set the back-off fail of the
 same cause (the only instance died under all of them) and do not double it again: counted one by one, a burst
 of N would wait 2^N times the first back-off after the cause was gone.
+
+A stop cancels what is in flight: every drawn prompt whose generation it cancelled is recorded
+(`cancelled_prompts`), and the buffer slot of a generation that had not begun yet is released as a begun one's
+is. `wait_paused` returns once the loop has seen a pause, after which nothing more is admitted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -107,6 +112,9 @@ class RolloutProducer:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._begun: set[int] = set()  # the prompts whose generation task has begun running
+        self.cancelled_prompts: list[int] = []  # drawn prompts whose generation a stop cancelled
+        self._pause_seen = threading.Event()
         self._last_error_event = 0.0
 
     # ---- lifecycle ------------------------------------------------------------------------------------
@@ -128,7 +136,15 @@ class RolloutProducer:
 
     def pause(self) -> None:
         """Admit no new groups (in-flight ones finish)."""
+        self._pause_seen.clear()
         self._paused.set()
+
+    def wait_paused(self, timeout: float) -> bool:
+        """Wait until the loop has seen the pause (a group it was admitting when `pause` came is drawn by
+        then); True at once when the producer does not run. False after `timeout`."""
+        if not self.running:
+            return True
+        return self._pause_seen.wait(timeout)
 
     def resume(self) -> None:
         self._paused.clear()
@@ -171,6 +187,8 @@ class RolloutProducer:
         self.buffer.add_listener(wake)
         while not self._stop.is_set():
             changed.clear()
+            if self._paused.is_set():
+                self._pause_seen.set()
             if (self._paused.is_set() or time.monotonic() < self._pause_until) or not self.buffer.admit():
                 # woken by the buffer (a batch taken, new weights served, a group done) or after poll_s
                 try:
@@ -191,13 +209,23 @@ class RolloutProducer:
                 self.prompts_drawn += 1
             task = asyncio.create_task(self._one(index, prompt))
             self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(functools.partial(self._task_done, index))
+        self._pause_seen.set()  # nothing is admitted any more
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def _task_done(self, index: int, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            self.cancelled_prompts.append(index)
+            if index not in self._begun:  # cancelled before it ran: its slot is released here, not in _one
+                self.buffer.cancel()
+        self._begun.discard(index)
+
     async def _one(self, index: int, prompt: Any) -> None:
+        self._begun.add(index)
         s = self.sampling
         started, started_monotonic = time.time(), time.monotonic()
         self.busy.enter()

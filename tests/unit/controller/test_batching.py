@@ -8,6 +8,7 @@ import asyncio
 import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
@@ -228,3 +229,79 @@ def test_the_back_off_doubles_per_failed_attempt_not_per_request_in_flight(
     assert len(batch) == together and producer.failures == failing
     waited = done_at - failed_at[0]
     assert least_s <= waited <= most_s, f"{waited:.2f}s from the first failure to the batch"
+
+
+@pytest.mark.parametrize("begun", [
+    pytest.param(False, id="cancelled-before-its-generation-began"),
+    pytest.param(True, id="cancelled-while-generating"),
+])
+def test_a_stop_records_every_cancelled_prompt_and_releases_its_slot(tmp_path: Path, begun: bool) -> None:
+    """Three prompts admitted; the stop cancels their generations, before they began (it comes while the third
+    is drawn, before the loop yields) or while they run. Either way each prompt is recorded as cancelled and the
+    buffer holds no slot for it any more."""
+    calls: list[int] = []
+    stoppers: list[threading.Thread] = []
+    drawn = 3
+
+    async def never_answers(prompt_ids: list[int], **kw: object) -> list[FakeCompletion]:
+        calls.append(prompt_ids[0])
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    def prompts() -> Iterator[P]:
+        for i in count():
+            if i == drawn - 1 and not begun:
+                stopper = threading.Thread(target=producer.stop)
+                stopper.start()
+                stoppers.append(stopper)
+                time.sleep(0.2)  # the stop is requested while this prompt is drawn
+            yield P([i])
+
+    buf = SampleBuffer(batch_size=drawn, group_size=1, max_offpolicyness=0, max_concurrent_samples=drawn)
+    producer = RolloutProducer(never_answers, prompts(), lambda p, r: 1.0, buf,
+                               SamplingSettings(n_samples=1, max_new_tokens=1), EventLog(tmp_path / "e.jsonl"),
+                               poll_s=0.01)
+    producer.start()
+    deadline = time.monotonic() + 10
+    while len(calls if begun else stoppers) < (drawn if begun else 1) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if begun:
+        producer.stop()
+    else:
+        stoppers[0].join(timeout=10)
+    assert not producer.running
+    assert calls == (list(range(drawn)) if begun else [])
+    assert sorted(producer.cancelled_prompts) == list(range(drawn)) == list(range(producer.prompts_drawn))
+    assert buf.depth()["running_groups"] == 0
+
+
+def test_wait_paused_returns_once_nothing_more_is_admitted(tmp_path: Path) -> None:
+    started: list[int] = []
+
+    async def slow(prompt_ids: list[int], **kw: object) -> list[FakeCompletion]:
+        started.append(prompt_ids[0])
+        await asyncio.sleep(0.05)
+        return [FakeCompletion([1], [-1.0], "stop", 0)]
+
+    buf = SampleBuffer(batch_size=1000, group_size=1, max_offpolicyness=0, max_concurrent_samples=4)
+    producer = RolloutProducer(slow, (P([i]) for i in count()), lambda p, r: 1.0, buf,
+                               SamplingSettings(n_samples=1, max_new_tokens=1), EventLog(tmp_path / "e.jsonl"),
+                               poll_s=0.01)
+    assert producer.wait_paused(0.0), "a producer that does not run admits nothing"
+    producer.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(started) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        producer.pause()
+        assert producer.wait_paused(10)
+        drawn = producer.prompts_drawn
+        time.sleep(0.3)  # in-flight generations finish; none is admitted after them
+        assert producer.prompts_drawn == drawn and buf.depth()["running_groups"] == 0
+        producer.resume()
+        deadline = time.monotonic() + 10
+        while producer.prompts_drawn == drawn and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert producer.prompts_drawn > drawn, "admitting again after resume"
+    finally:
+        producer.stop()
