@@ -71,6 +71,7 @@ class CollectStats:
     discarded_groups: int = 0
     discarded_samples: int = 0
     max_lag: int = 0
+    discarded_indices: list[int] = field(default_factory=list)  # the prompts of the groups discarded as stale
 
 
 class SampleBuffer:
@@ -164,6 +165,7 @@ class SampleBuffer:
                 self.discarded_samples += group.size
                 stats.discarded_groups += 1
                 stats.discarded_samples += group.size
+                stats.discarded_indices.append(group.index)
             else:
                 kept.append(group)
         self._ready = kept

@@ -49,7 +49,8 @@ class ControllerState:
     """What the controller needs, besides the model, to continue a run exactly where it stopped."""
 
     step: int = 0  # completed training steps (= policy version of the trainer)
-    prompts_drawn: int = 0
+    prompts_drawn: int = 0  # every prompt of the stream before this index is done (`PromptLedger.position`)
+    prompts_done_ahead: list[int] = field(default_factory=list)  # the prompts done past it
     discarded_groups: int = 0
     discarded_samples: int = 0
     rollout_failures: int = 0
@@ -85,6 +86,11 @@ def read_controller_state(path: Path, step: int) -> ControllerState:
     bad = {k: v for k, v in numbers.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0}
     if bad:
         raise CorruptRunStateError(f"{path} has invalid counters {bad} (each must be an integer >= 0)")
+    ahead = state.prompts_done_ahead
+    if not isinstance(ahead, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                              and i > state.prompts_drawn for i in ahead):
+        raise CorruptRunStateError(f"{path} has invalid prompts_done_ahead {ahead!r} (a list of prompt indices, "
+                                   f"each past prompts_drawn {state.prompts_drawn})")
     if state.step != step:
         raise CorruptRunStateError(f"{path} is of step {state.step}, but its folder is of step {step}")
     return state

@@ -12,6 +12,9 @@ of N would wait 2^N times the first back-off after the cause was gone.
 A stop cancels what is in flight: every drawn prompt whose generation it cancelled is recorded
 (`cancelled_prompts`), and the buffer slot of a generation that had not begun yet is released as a begun one's
 is. `wait_paused` returns once the loop has seen a pause, after which nothing more is admitted.
+
+A resume hands the producer the stream from the first prompt not done (`prompts_drawn`, the index it starts
+counting from) and the indices done past it (`skip`), as `libra.controller.prompt_ledger` kept them.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +88,7 @@ class RolloutProducer:
         sampling: SamplingSettings,
         events: EventLog,
         prompts_drawn: int = 0,
+        skip: Collection[int] = (),
         poll_s: float = 0.1,
         error_backoff_s: float = 1.0,
         max_error_backoff_s: float = 30.0,
@@ -96,6 +100,7 @@ class RolloutProducer:
         self.sampling = sampling
         self.events = events
         self.prompts_drawn = prompts_drawn
+        self.skip = frozenset(skip)
         self.poll_s = poll_s
         self.error_backoff_s = error_backoff_s
         self.max_error_backoff_s = max_error_backoff_s
@@ -200,13 +205,11 @@ class RolloutProducer:
                 index, prompt = self._retry.popleft()
             else:
                 try:
-                    prompt = next(self.prompts)
+                    index, prompt = self._draw()
                 except StopIteration:
                     self.buffer.cancel()
                     self.events.emit("error", "the prompt stream is exhausted")
                     break
-                index = self.prompts_drawn
-                self.prompts_drawn += 1
             task = asyncio.create_task(self._one(index, prompt))
             self._tasks.add(task)
             task.add_done_callback(functools.partial(self._task_done, index))
@@ -215,6 +218,15 @@ class RolloutProducer:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _draw(self) -> tuple[int, Any]:
+        """The next prompt of the stream and its index, past those in `skip` (done before a resume)."""
+        while True:
+            prompt = next(self.prompts)
+            index = self.prompts_drawn
+            self.prompts_drawn += 1
+            if index not in self.skip:
+                return index, prompt
 
     def _task_done(self, index: int, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

@@ -59,6 +59,7 @@ from libra.controller.checkpoints import (
 )
 from libra.controller.events import EventLog
 from libra.controller.producer import RolloutProducer, SamplingSettings
+from libra.controller.prompt_ledger import PromptLedger
 from libra.controller.reporting import Reporter
 from libra.controller.rl_step import build_samples, rollout_metrics
 from libra.controller.services import JobSession
@@ -94,6 +95,7 @@ class RLLoop:
         self.rows: list[dict[str, Any]] = []
         self.buffer: SampleBuffer | None = None
         self.producer: RolloutProducer | None = None
+        self.prompt_ledger = PromptLedger()  # which prompts are done: where a resume draws from
         self.store = CheckpointStore(run, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
         self.mirror = self._make_mirror(cfg.checkpoint.mirror_dir)
         self._last_checkpoint_step = -1
@@ -197,8 +199,9 @@ class RLLoop:
     def _make_producer(self) -> None:
         cfg = self.cfg
         prompts = self.task.train_prompts(cfg.seed)
-        if self.state.prompts_drawn:
-            prompts = itertools.islice(prompts, self.state.prompts_drawn, None)
+        self.prompt_ledger = PromptLedger(self.state.prompts_drawn, set(self.state.prompts_done_ahead))
+        if self.prompt_ledger.position:
+            prompts = itertools.islice(prompts, self.prompt_ledger.position, None)
         self.buffer = SampleBuffer(
             batch_size=cfg.batch_size,
             group_size=cfg.n_samples,
@@ -214,7 +217,8 @@ class RLLoop:
             self.buffer,
             SamplingSettings(cfg.n_samples, cfg.max_new_tokens, cfg.rollout_temperature, cfg.rollout_top_p, cfg.seed),
             self.events,
-            prompts_drawn=self.state.prompts_drawn,
+            prompts_drawn=self.prompt_ledger.position,
+            skip=self.prompt_ledger.done_ahead,
         )
 
     async def _generate(self, prompt_ids: list[int], **sampling: Any) -> list[Any]:
@@ -383,7 +387,9 @@ class RLLoop:
                 evaluation = self._take_pending_evaluation()
                 eval_wait = time.monotonic() - t
             self.state.step = number
-            self.state.prompts_drawn = self.producer.prompts_drawn - self.buffer.running - self.buffer.buffered
+            self.prompt_ledger.done([g.index for g in groups] + stats.discarded_indices)
+            self.state.prompts_drawn = self.prompt_ledger.position
+            self.state.prompts_done_ahead = sorted(self.prompt_ledger.done_ahead)
             self.state.discarded_groups = self.buffer.discarded_groups
             self.state.discarded_samples = self.buffer.discarded_samples
             self.state.rollout_failures = self.producer.failures

@@ -171,3 +171,22 @@ def test_registry_entry_with_a_wrong_number_is_refused(tmp_path: Path, field: st
     with pytest.raises(RegistryError, match=f"invalid .*'{field}'"):
         InstanceRegistry(str(tmp_path)).load()
     assert InstanceRegistry(str(tmp_path / "none")).load().entries == {}
+
+
+@pytest.mark.parametrize("ahead", [
+    pytest.param("[5, 6]", id="not-a-list"),
+    pytest.param([8, 3], id="an-index-before-the-position"),
+    pytest.param([8], id="the-position-itself"),
+    pytest.param([9, True], id="not-an-index"),
+])
+def test_prompts_done_ahead_that_cannot_be_falls_back_to_the_previous_checkpoint(tmp_path: Path, ahead: object) -> None:
+    run, store = run_with_checkpoints(tmp_path)
+    state_file = run.checkpoint_dir(4) / "controller_state.json"
+    data = json.loads(state_file.read_text())
+    data["prompts_done_ahead"] = ahead
+    data["prompts_drawn"] = 8
+    state_file.write_text(json.dumps(data))
+    warnings: list[str] = []
+    state, _, loaded = restore_newest(store, fake_pool_load, warnings.append)  # type: ignore[misc]
+    assert (state.step, loaded) == (2, 2)
+    assert len(warnings) == 1 and "prompts_done_ahead" in warnings[0], warnings
