@@ -4,7 +4,6 @@ each prompt not done once and none that was; and the producer resumed from it.""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from itertools import count, islice
 from pathlib import Path
 
@@ -14,6 +13,8 @@ from libra.controller.batching import SampleBuffer
 from libra.controller.events import EventLog
 from libra.controller.producer import RolloutProducer, SamplingSettings
 from libra.controller.prompt_ledger import PromptLedger
+
+from .test_batching import FakeCompletion, P
 
 
 @pytest.mark.parametrize(("batches", "position", "ahead"), [
@@ -47,19 +48,6 @@ def test_a_ledger_made_from_a_checkpoint_moves_past_what_it_holds() -> None:
     assert (PromptLedger(3, {3, 4, 6}).position, PromptLedger(3, {3, 4, 6}).done_ahead) == (5, {6})
 
 
-@dataclass
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    weight_version: int
-
-
-@dataclass
-class Prompt:
-    token_ids: list[int]
-
-
 def test_a_resumed_producer_draws_every_prompt_not_done_once_and_none_that_was(tmp_path: Path) -> None:
     """Groups 0, 1, 2, 4 and 5 were trained before the checkpoint; 3 was generating and 6 waiting for a retry.
     The producer made from the ledger draws 3, 6, 7, ... with their own indices (their seeds) and prompts."""
@@ -67,12 +55,12 @@ def test_a_resumed_producer_draws_every_prompt_not_done_once_and_none_that_was(t
     ledger.done([0, 1, 2, 4, 5])
     drawn: list[tuple[int, int]] = []  # (seed, the prompt's own number)
 
-    async def generate(prompt_ids: list[int], seed: int, **kw: object) -> list[Completion]:
+    async def generate(prompt_ids: list[int], seed: int, **kw: object) -> list[FakeCompletion]:
         drawn.append((seed, prompt_ids[0]))
         await asyncio.sleep(0)
-        return [Completion([1], [-1.0], "stop", 0)]
+        return [FakeCompletion([1], [-1.0], "stop", 0)]
 
-    stream = (Prompt([i]) for i in count())
+    stream = (P([i]) for i in count())
     buffer = SampleBuffer(batch_size=4, group_size=1, max_offpolicyness=0, max_concurrent_samples=1)
     producer = RolloutProducer(generate, islice(stream, ledger.position, None), lambda p, r: 1.0, buffer,
                                SamplingSettings(n_samples=1, max_new_tokens=1), EventLog(tmp_path / "e.jsonl"),
