@@ -14,16 +14,18 @@ partial one. Model and optimizer states are saved as sharded tensors keyed by th
 checkpoint written at TP2/PP2/DP1 loads at TP1/PP1/DP2. RNG states are per rank; they are restored when the
 layout is unchanged and re-derived from (seed, step) otherwise.
 
-The first save of a process pays a one-time start of Megatron's checkpoint writer (a spawned helper process
-that collects the write results and has to import torch): about 3 s on a 2-core machine, against 0.15 s for
-each later save of the dev model. `warm_up_writer` starts it ahead of time; a worker runs it in the
-background while the rest of the job starts.
+Megatron-Core's writer forks one process per write bucket and hands their results back through a module-level
+queue that, left to itself, it creates on first use in a spawned manager process (one more process, which
+imports torch, for every process that saves). Libra's saves are synchronous: the writes are
+collected, and their results read, in the saving process itself, so `save` gives Megatron a plain in-process
+queue instead and no helper process is started.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shutil
 from collections.abc import Iterable
@@ -188,18 +190,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def warm_up_writer() -> None:
-    """Start Megatron's checkpoint write-results queue and pass one write result through it, so that the
-    first save finds the helper process running with torch imported."""
+def use_in_process_results_queue() -> None:
+    """Have Megatron-Core's checkpoint writer pass its write results through an in-process queue (a
+    `queue.Queue`) instead of one in a spawned manager process; nothing happens when a queue exists. Right for
+    synchronous saves only: the results are put and read by the saving process (`AsyncRequest.execute_sync`)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-    from torch.distributed.checkpoint.storage import WriteResult
 
-    # private in megatron-core 0.16.1; every save calls it, and the queue it creates is kept for the process
-    queue = filesystem_async._get_write_results_queue()
-    probe = WriteResult(index=MetadataIndex("warm-up"), size_in_bytes=0, storage_data=None)
-    queue.put(probe)
-    queue.get(timeout=120)
+    # private in megatron-core 0.16.1: the module's queue, created on first use by every save
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def model_sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
@@ -233,6 +232,7 @@ def save(
     dist.barrier()
     state = model_sharded_state_dict(chunks)
     state["optimizer"] = optimizer.sharded_state_dict(state)
+    use_in_process_results_queue()
     dist_checkpointing.save(state, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))

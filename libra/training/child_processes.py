@@ -1,10 +1,9 @@
-"""The processes a training worker starts end when the worker dies, however it dies (`kill -9` included).
+"""The processes a training worker forks end when the worker dies, however it dies (`kill -9` included).
 
-Megatron-Core's checkpoint save forks writer processes, and its write-results queue lives in a spawned
-manager process. A forked child inherits the worker's connection to Ray: while it lives, Ray does not see the
-worker die, and the collective call the worker was in (a checkpoint save) waits forever instead of failing.
-So every child forked from a worker process is killed by the kernel when the worker dies
-(`PR_SET_PDEATHSIG`), and the spawned queue manager exits once it finds itself orphaned.
+Megatron-Core's checkpoint save forks writer processes. A forked child inherits the worker's connection to
+Ray: while it lives, Ray does not see the worker die, and the collective call the worker was in (a checkpoint
+save) waits forever instead of failing. So every child forked from a worker process is killed by the kernel
+when the worker dies (`PR_SET_PDEATHSIG`).
 
 Linux only; elsewhere nothing is set up.
 """
@@ -16,13 +15,10 @@ import logging
 import os
 import signal
 import sys
-import threading
-import time
 
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-ORPHAN_POLL_S = 1.0
 
 _installed = False
 _forking_pid = 0  # written in the parent just before each fork, read in the child
@@ -55,33 +51,3 @@ def install_for_forks() -> None:
         return
     os.register_at_fork(before=_before_fork, after_in_child=lambda: die_with_parent(_forking_pid))
     _installed = True
-
-
-def exit_when_orphaned() -> None:
-    """In a spawned helper process (its initializer): exit once its parent has died. A thread polls the parent,
-    because a kernel death signal would follow the parent's thread that spawned the helper, which may be a
-    short-lived one."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(ORPHAN_POLL_S)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="libra-exit-when-orphaned", daemon=True).start()
-
-
-def start_checkpoint_results_queue() -> None:
-    """Create Megatron-Core's checkpoint write-results queue (a spawned manager process) as one that exits
-    when this worker dies, before Megatron creates its own; nothing happens when it already exists."""
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    # private in megatron-core 0.16.1: the module's queue, created on first use by every save
-    if getattr(filesystem_async, "_results_queue", None) is not None:
-        return
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=exit_when_orphaned)
-    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive

@@ -87,7 +87,6 @@ class TrainingPool:
                 addr = group.rendezvous_host()
                 port = group.call_rank(0, "rendezvous_port", addr, timeout=self.spec.hang.first_call_s)
                 self.rank_info = group.call("setup", addr, port, timeout=self.spec.hang.first_call_s)
-                group.call("start_checkpoint_writer_warm_up", timeout=self.spec.hang.first_call_s)
             except BaseException:
                 self.shutdown()
                 raise

@@ -10,13 +10,11 @@ Each rank writes its phase trace (`phase_trace_rank{1000 + rank}.jsonl`) when th
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
 import random
 import socket
-import threading
 import time
 from typing import Any
 
@@ -39,7 +37,6 @@ from planner.layout import TrainLayout
 from planner.model_spec import ModelSpec
 
 log = logging.getLogger(__name__)
-WARM_UP_NICENESS = 10
 
 METRIC_ORDER = (
     "loss_num", "units", "clip_count", "dual_clip_count", "kl_sum", "entropy_sum", "gap_sum", "tokens", "is_kept"
@@ -103,7 +100,6 @@ class TrainingWorker:
         self.scheduler: Any = None
         self.step = 0
         self.tracer = open_rank_tracer(spec, rank)
-        self._writer_warm_up: threading.Thread | None = None
         self._reach_listener: Any = None  # the reachability check's listener (`reach_listen`)
         self._cpu = GpuHolderSlice(spec.metering, f"train-{rank}")
         # a checkpoint writer forked from this process must not outlive it: Ray would not see the worker die
@@ -147,32 +143,6 @@ class TrainingWorker:
                 timeout=datetime.timedelta(minutes=30),
             )
             return self._build()
-
-    def start_checkpoint_writer_warm_up(self) -> None:
-        """Start megatron-core's checkpoint writer helper on a background thread and return at once
-        (`checkpoint.warm_up_writer`); the first save waits for it. The pool calls this after `setup`. The
-        helper is a spawned process, so a plain script that calls it needs an `if __name__ == "__main__":`
-        guard."""
-        if self._writer_warm_up is None:
-            self._writer_warm_up = threading.Thread(target=self._warm_up_writer, name="libra-ckpt-warm-up",
-                                                    daemon=True)
-            self._writer_warm_up.start()
-
-    def _warm_up_writer(self) -> None:
-        # At a lower CPU priority (Linux: per thread, inherited by the helper process it starts), so that
-        # the warm-up uses spare cycles and does not slow the start of the rest of the job.
-        with contextlib.suppress(AttributeError, OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WARM_UP_NICENESS)
-        try:
-            child_processes.start_checkpoint_results_queue()
-            checkpoint.warm_up_writer()
-        except Exception as exc:  # the first save then starts the writer itself
-            log.warning("checkpoint writer warm-up failed: %s: %s", type(exc).__name__, exc)
-
-    def _await_writer_warm_up(self) -> None:
-        if self._writer_warm_up is not None:
-            self._writer_warm_up.join()
-            self._writer_warm_up = None
 
     def _build(self) -> dict[str, int]:
         from megatron.core import parallel_state as ps
@@ -449,7 +419,6 @@ class TrainingWorker:
             return checksum_hf_weights(out_dir)
 
     def save_checkpoint(self, ckpt_dir: str, step: int) -> str:
-        self._await_writer_warm_up()
         with cpu_compat.device_scope(), self.tracer.span("checkpoint.save", step, path=ckpt_dir):
             retention = self.spec.retention
             return checkpoint.save(

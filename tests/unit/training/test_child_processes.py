@@ -1,5 +1,5 @@
-"""The helper processes of a training worker end with it: a child forked from the worker (Megatron-Core's
-checkpoint writers) and the spawned write-results queue manager, after the worker is killed with SIGKILL."""
+"""A child forked from a training worker (Megatron-Core's checkpoint writers) ends with it, after the worker is
+killed with SIGKILL."""
 
 from __future__ import annotations
 
@@ -25,20 +25,6 @@ child.start()
 print(child.pid, flush=True)
 time.sleep(120)
 """
-
-QUEUE = """
-import multiprocessing, time
-from libra.training import child_processes
-if __name__ == "__main__":
-    child_processes.start_checkpoint_results_queue()
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-    queue = filesystem_async._get_write_results_queue()
-    queue.put("probe")
-    assert queue.get(timeout=60) == "probe"
-    print(" ".join(str(c.pid) for c in multiprocessing.active_children()), flush=True)
-    time.sleep(120)
-"""
-
 
 def _gone_within(pids: list[int], seconds: float) -> bool:
     deadline = time.monotonic() + seconds
@@ -69,16 +55,6 @@ def test_a_forked_child_dies_with_its_killed_parent(hook: str, ends: bool) -> No
     pids = _run_then_kill(FORKED, hook)
     try:
         assert _gone_within(pids, 2.0) is ends
-    finally:
-        for pid in pids:
-            if psutil.pid_exists(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
-def test_the_checkpoint_queue_manager_exits_when_its_worker_is_killed() -> None:
-    pids = _run_then_kill(QUEUE)
-    try:
-        assert _gone_within(pids, 15.0), "the spawned queue manager outlived its worker"
     finally:
         for pid in pids:
             if psutil.pid_exists(pid):
