@@ -162,7 +162,7 @@ class StatusDigest:
                 self._reconfiguration.append(event)
             elif event.get("kind") == REPLAN_KIND:
                 self._replan = event
-            elif NodesLeftOut.reads(event):
+            else:
                 self._left_out.add(event)
 
     @classmethod

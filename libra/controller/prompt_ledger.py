@@ -31,9 +31,6 @@ class PromptLedger:
         self.done_ahead.update(i for i in indices if i >= self.position)
         self._advance()
 
-    def is_done(self, index: int) -> bool:
-        return index < self.position or index in self.done_ahead
-
     def _advance(self) -> None:
         while self.position in self.done_ahead:
             self.done_ahead.remove(self.position)
