@@ -66,6 +66,7 @@ from libra.controller.state import ROLLOUT, TRAIN, DesiredState, ObservedState
 from libra.controller.step_gate import StepGate
 from libra.controller.tracker import MemberTracker
 from libra.controller.train_actions import record_plan_only
+from libra.device import declare_pools_device
 from libra.observability.console import make_console
 from libra.observability.metrics import LibraMetrics
 from libra.observability.phase_trace import ENV_DIR, ENV_ENABLE, PhaseTracer, get_tracer, now_ns, set_tracer
@@ -220,6 +221,8 @@ class Controller:
     def _bootstrap(self) -> None:
         cfg, run = self.cfg, self.run
         assert self.reporter is not None
+        # the pools' checks and defaults follow the cluster the configuration describes, not this node
+        declare_pools_device(cfg.cluster.logical_gpus)
         if cfg.build_tiny_model.enabled:
             self.reporter.set_state("starting", message="building the tiny model")
             bootstrap.ensure_tiny_model(cfg)

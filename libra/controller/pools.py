@@ -21,7 +21,7 @@ from libra.controller.members import MemberState
 from libra.controller.state import RolloutSpec, TrainLayout
 from libra.controller.tracker import MemberView
 from libra.controller.train_plan import layout_fingerprint
-from libra.device import cuda_available
+from libra.device import pools_on_cuda
 from libra.error_chain import causes
 from libra.observability.phase_trace import TraceSettings, get_tracer, now_ns
 from libra.run_dir import RunDir
@@ -49,7 +49,7 @@ _ROLLOUT_STATES = {
 def rollout_spec(cfg: Config, run: RunDir, num_instances: int, trace: TraceSettings | None = None) -> Any:
     """The rollout pool's spec; `trace` (the controller tracer's settings) turns on the instances' traces.
     The pool keeps its registry and server logs under <run_dir>/rollout."""
-    kv_bytes = cfg.rollout_kv_cache_bytes or (0 if cuda_available() else CPU_DEFAULT_KV_CACHE_BYTES)
+    kv_bytes = cfg.rollout_kv_cache_bytes or (0 if pools_on_cuda() else CPU_DEFAULT_KV_CACHE_BYTES)
     return rollout_pool_spec(cfg, num_instances, kv_bytes, run_dir=str(run.root), trace=trace)
 
 
@@ -68,7 +68,7 @@ def check_pool_specs(cfg: Config, run: RunDir, desired: Any) -> None:
 
     rollout_spec(cfg, run, desired.rollout_instances).validate()
     check_spec(training_spec(cfg, run, desired.train_gpus, desired.train_layout), read_training_model(cfg.model_dir()),
-               cuda_available())
+               pools_on_cuda())
 
 
 def training_target_problems(cfg: Config, run: RunDir) -> Callable[[int, TrainLayout], list[str]]:
@@ -83,7 +83,7 @@ def training_target_problems(cfg: Config, run: RunDir) -> Callable[[int, TrainLa
         from planner.memory import train_memory
 
         try:
-            check_spec(training_spec(cfg, run, gpus, layout), read_training_model(cfg.model_dir()), cuda_available())
+            check_spec(training_spec(cfg, run, gpus, layout), read_training_model(cfg.model_dir()), pools_on_cuda())
         except (InvalidTrainingSpecError, NotValidatedOnCPUError) as exc:
             return [line.strip().removeprefix("- ") for line in str(exc).splitlines()[1:] if line.strip()]
         inputs = planner_inputs(cfg)

@@ -71,7 +71,7 @@ from libra.cluster.ehp_workers import BorrowedWorkerGroup, LendersUnreachableErr
 from libra.cluster.node_fence import FencedNode
 from libra.cluster.reachability import nodes_to_fence
 from libra.cluster.training_workers import CollectiveCallError, probe_reach
-from libra.device import cuda_available
+from libra.device import pools_on_cuda
 from libra.metering.spec import OFF as METERING_OFF
 from libra.training.ehp_steps import GRADS_NOT_RECEIVED
 from libra.training.pool import TrainingPool
@@ -364,7 +364,7 @@ class EhpSession:
         try:
             for i, world_gpus in enumerate(chunks):
                 spec = borrowed_spec(pool.spec, len(world_gpus))
-                check_spec(spec, pool.arch, cuda_available())
+                check_spec(spec, pool.arch, pools_on_cuda())
                 group = BorrowedWorkerGroup(pool.runtime, TrainingWorker, (spec,), world_gpus, f"{self.name}{i}")
                 world = BorrowedWorld(group, spec, holders=[g.holder for g in world_gpus])
                 self.worlds.append(world)

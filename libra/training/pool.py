@@ -26,7 +26,7 @@ from typing import Any
 
 from libra.cluster.ray_runtime import RayRuntime
 from libra.cluster.training_workers import TrainingWorkerGroup
-from libra.device import cuda_available
+from libra.device import pools_on_cuda
 from libra.training import checkpoint
 from libra.training.call_deadlines import CallDeadlines
 from libra.training.hf_arch import read_training_model
@@ -46,7 +46,7 @@ class TrainingPool:
         self.spec = spec
         self.name = name
         self.arch = read_training_model(spec.model_path)
-        self.layout: TrainLayout = check_spec(spec, self.arch, cuda_available())
+        self.layout: TrainLayout = check_spec(spec, self.arch, pools_on_cuda())
         self._group: TrainingWorkerGroup | None = None
         self.rank_info: list[dict[str, int]] = []
         self.step = 0  # the last optimizer step taken or loaded
@@ -149,7 +149,7 @@ class TrainingPool:
         error) before anything is stopped."""
         spec = dataclasses.replace(self.spec, num_gpus=gpus, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
                                    vpp=layout.vpp)
-        check_spec(spec, self.arch, cuda_available())
+        check_spec(spec, self.arch, pools_on_cuda())
         return spec
 
     def relayout(self, gpus: int, layout: TrainLayout, checkpoint_root: str,
@@ -165,7 +165,7 @@ class TrainingPool:
         Raises TrainingResizeError naming the phase that failed; the workers are then stopped."""
         with self._lock:
             new_spec = self.spec_for(gpus, layout)
-            new_layout = check_spec(new_spec, self.arch, cuda_available())
+            new_layout = check_spec(new_spec, self.arch, pools_on_cuda())
             was_running = self.running
             from_model = self.fresh
             cost = ResizeCost(
@@ -223,7 +223,7 @@ class TrainingPool:
                 raise RuntimeError(f"training pool '{self.name}' is running; restart() is for a stopped pool")
             if gpus is not None or layout is not None:
                 self.spec = self.spec_for(gpus or self.spec.num_gpus, layout or self.layout)
-                self.layout = check_spec(self.spec, self.arch, cuda_available())
+                self.layout = check_spec(self.spec, self.arch, pools_on_cuda())
             self.start()
             try:
                 return self.load_checkpoint(checkpoint_dir)
@@ -239,7 +239,7 @@ class TrainingPool:
         `recovered` set."""
         with self._lock:
             new_spec = self.spec_for(gpus or self.spec.num_gpus, layout or self.layout)
-            new_layout = check_spec(new_spec, self.arch, cuda_available())
+            new_layout = check_spec(new_spec, self.arch, pools_on_cuda())
             cost = ResizeCost(from_gpus=self.spec.num_gpus, from_layout=self.layout.dims(self.spec.num_gpus),
                               to_gpus=new_spec.num_gpus, to_layout=new_layout.dims(new_spec.num_gpus), step=self.step,
                               checkpoint="", recovered=True)

@@ -139,6 +139,33 @@ def test_pool_refuses_cpu_only_gaps_before_placing_workers() -> None:
         TrainingPool(runtime, replace(spec, num_gpus=3, cp=1))
 
 
+@pytest.mark.parametrize(("logical_gpus", "refused"), [pytest.param(False, False, id="gpu-cluster"),
+                                                      pytest.param(True, True, id="logical-gpus")])
+def test_a_controller_checks_the_pool_for_the_cluster_its_configuration_declares(
+        monkeypatch: pytest.MonkeyPatch, logical_gpus: bool, refused: bool) -> None:
+    """A controller on a node without CUDA (a CPU-only Ray head) that drives a GPU cluster: its pool accepts the
+    GPU-only settings its workers will run; with logical GPUs declared it refuses them, naming each."""
+    import os
+
+    from libra import device
+    from libra.cluster.ray_runtime import RayRuntime
+    from libra.training.pool import TrainingPool
+
+    monkeypatch.setattr(device, "cuda_available", lambda: False)
+    monkeypatch.setattr(device, "_declared_pools_on_cuda", None)
+    device.declare_pools_device(logical_gpus)
+    model = os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "models", "qwen2.5-7b")
+    runtime = RayRuntime(address="", owned=False, namespace="unused")
+    spec = replace(BASE, model_path=model, num_gpus=4, tp=2, cp=2, params_dtype="bf16",
+                   optimizer=replace(BASE.optimizer, clip_grad=1.0))
+    if not refused:
+        assert TrainingPool(runtime, spec).layout.cp == 2
+        return
+    with pytest.raises(NotValidatedOnCPUError) as info:
+        TrainingPool(runtime, spec)
+    assert all(part in str(info.value) for part in ("training.cp=2", "clip_grad=1.0", "params_dtype='bf16'"))
+
+
 def torch_cuda() -> bool:
     from libra.device import cuda_available
 
