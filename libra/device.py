@@ -17,7 +17,7 @@ import os
 
 FORCE_CPU_ENV = "LIBRA_FORCE_CPU"
 
-_declared_pools_on_cuda: bool | None = None  # set by the controller (`declare_pools_device`)
+_declared_logical_gpus: bool | None = None  # set by the controller (`declare_pools_device`)
 
 
 @functools.cache
@@ -46,11 +46,13 @@ def torch_device(local_rank: int = 0) -> str:
     return f"cuda:{local_rank}" if cuda_available() else "cpu"
 
 
-def declare_pools_device(logical_gpus: bool) -> None:
-    """In the controller: the job's pools run on logical GPUs (CPU processes) when `logical_gpus`, else on
-    CUDA GPUs, whatever this process's node has (`cluster.logical_gpus` of the job's configuration)."""
-    global _declared_pools_on_cuda
-    _declared_pools_on_cuda = not logical_gpus
+def declare_pools_device(logical_gpus: bool | None) -> bool | None:
+    """In the controller, while its job runs: the job's pools run on logical GPUs (CPU processes) when
+    `logical_gpus`, else on CUDA GPUs, whatever this process's node has (`cluster.logical_gpus` of the job's
+    configuration); None withdraws the declaration. Returns the declaration it replaced."""
+    global _declared_logical_gpus
+    previous, _declared_logical_gpus = _declared_logical_gpus, logical_gpus
+    return previous
 
 
 def pools_on_cuda() -> bool:
@@ -58,6 +60,6 @@ def pools_on_cuda() -> bool:
     pool from the machine it runs on) as this process sees it. `LIBRA_FORCE_CPU=1` means the CPU either way."""
     if os.environ.get(FORCE_CPU_ENV) == "1":
         return False
-    if _declared_pools_on_cuda is not None:
-        return _declared_pools_on_cuda
+    if _declared_logical_gpus is not None:
+        return not _declared_logical_gpus
     return cuda_available()

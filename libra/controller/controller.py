@@ -146,6 +146,7 @@ class Controller:
         self._tracer: PhaseTracer | None = None
         self._log_handlers: list[logging.Handler] = []
         self._saved_env: dict[str, str | None] = {}
+        self._restore_pools_device: Callable[[], object] = lambda: None
 
     # ---- entry point ----------------------------------------------------------------------------------
     def run_job(self) -> RunResult:
@@ -222,7 +223,8 @@ class Controller:
         cfg, run = self.cfg, self.run
         assert self.reporter is not None
         # the pools' checks and defaults follow the cluster the configuration describes, not this node
-        declare_pools_device(cfg.cluster.logical_gpus)
+        previous = declare_pools_device(cfg.cluster.logical_gpus)
+        self._restore_pools_device = lambda: declare_pools_device(previous)
         if cfg.build_tiny_model.enabled:
             self.reporter.set_state("starting", message="building the tiny model")
             bootstrap.ensure_tiny_model(cfg)
@@ -550,6 +552,7 @@ class Controller:
             ("close the tracer", self._close_tracer),
             ("close the metrics exporter", self._close_metrics),
             ("stop the operator API", self._stop_operator_api),
+            ("withdraw the pools' device declaration", self._restore_pools_device),
         ]
         if self.reporter is not None:
             self.reporter.set_state("stopping", message=outcome)

@@ -9,7 +9,7 @@ from libra import device
 
 @pytest.fixture(autouse=True)
 def undeclared(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(device, "_declared_pools_on_cuda", None)
+    monkeypatch.setattr(device, "_declared_logical_gpus", None)
     monkeypatch.delenv(device.FORCE_CPU_ENV, raising=False)
 
 

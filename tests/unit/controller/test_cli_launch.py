@@ -114,3 +114,29 @@ def test_the_exporter_starts_only_with_the_prometheus_backend(tmp_path: Path, mo
     with pytest.raises(_StopBeforeTheModel):
         controller.run_job()
     assert (controller.metrics is not None and controller.metrics.port == port) is serves
+
+
+def test_the_controller_declares_its_pools_device_while_its_job_runs_and_withdraws_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`libra.device.pools_on_cuda` answers from the configuration while the job runs (logical GPUs here) and
+    from this process again once it ended, a failed job included, as the environment the controller set is
+    restored."""
+    from libra import device
+    from libra.config import load
+    from libra.controller import Controller, LaunchOptions, bootstrap
+    from libra.run_dir import RunDir
+
+    declared: list[bool | None] = []
+
+    def note_then_stop(*args: object) -> None:
+        declared.append(device._declared_logical_gpus)
+        raise _StopBeforeTheModel
+
+    cfg = load(str(_dataset_job(tmp_path, range(100, 104))), [f"run_dir={tmp_path / 'run'}"])
+    monkeypatch.setattr(device, "_declared_logical_gpus", None)
+    monkeypatch.setattr(bootstrap, "ensure_tiny_model", note_then_stop)
+    controller = Controller(cfg, RunDir.at(cfg.run_dir), LaunchOptions(console="off", install_signal_handlers=False))
+    with pytest.raises(_StopBeforeTheModel):
+        controller.run_job()
+    assert declared == [cfg.cluster.logical_gpus] == [True]
+    assert device._declared_logical_gpus is None

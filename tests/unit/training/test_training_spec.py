@@ -152,7 +152,7 @@ def test_a_controller_checks_the_pool_for_the_cluster_its_configuration_declares
     from libra.training.pool import TrainingPool
 
     monkeypatch.setattr(device, "cuda_available", lambda: False)
-    monkeypatch.setattr(device, "_declared_pools_on_cuda", None)
+    monkeypatch.setattr(device, "_declared_logical_gpus", None)
     device.declare_pools_device(logical_gpus)
     model = os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "models", "qwen2.5-7b")
     runtime = RayRuntime(address="", owned=False, namespace="unused")
