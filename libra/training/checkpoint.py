@@ -24,6 +24,7 @@ queue instead and no helper process is started.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import re
@@ -33,6 +34,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 LATEST = "latest"
 META = "libra_meta.json"
@@ -190,15 +193,26 @@ def set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def use_in_process_results_queue() -> None:
+def use_in_process_results_queue() -> int:
     """Have Megatron-Core's checkpoint writer pass its write results through an in-process queue (a
-    `queue.Queue`) instead of one in a spawned manager process; nothing happens when a queue exists. Right for
-    synchronous saves only: the results are put and read by the saving process (`AsyncRequest.execute_sync`)."""
+    `queue.Queue`) instead of one in a spawned manager process, and empty the queue of results an earlier save
+    left there (one that failed between writing and reading its results): the writer reads the oldest result,
+    which would describe the files of that earlier save. Right for synchronous saves only: the results are put
+    and read by the saving process (`AsyncRequest.execute_sync`). Returns how many stale results were dropped."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     # private in megatron-core 0.16.1: the module's queue, created on first use by every save
-    if getattr(filesystem_async, "_results_queue", None) is None:
+    results = getattr(filesystem_async, "_results_queue", None)
+    if results is None:
         filesystem_async._results_queue = queue.Queue()
+        return 0
+    dropped = 0
+    while True:
+        try:
+            results.get_nowait()
+        except queue.Empty:
+            return dropped
+        dropped += 1
 
 
 def model_sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
@@ -232,7 +246,9 @@ def save(
     dist.barrier()
     state = model_sharded_state_dict(chunks)
     state["optimizer"] = optimizer.sharded_state_dict(state)
-    use_in_process_results_queue()
+    stale = use_in_process_results_queue()
+    if stale:
+        log.warning("checkpoint step %d: dropped %d write result(s) an earlier failed save left", step, stale)
     dist_checkpointing.save(state, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
