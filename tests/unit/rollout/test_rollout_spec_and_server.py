@@ -181,7 +181,8 @@ def test_a_started_server_runs_with_the_launchs_eager_setting(
             started.append(dict(kwargs, command=command))
 
     monkeypatch.setattr(subprocess, "Popen", RecordedStart)
-    server = ServerProcess.start(launch(enforce_eager=eager, log_path=os.path.join(tmp_path, "s.log")), ["0"], "cpu")
+    server = ServerProcess.start(launch(enforce_eager=eager, log_path=os.path.join(tmp_path, "s.log"),
+                                        fork_from_forker=False), ["0"], "cpu")
     (call,) = started
     env = call["env"]
     assert isinstance(env, dict) and ("TORCH_COMPILE_DISABLE" in env) is eager
