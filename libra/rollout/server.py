@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from libra import device as libra_device
 from libra.rollout import forked_engine_main, forker_client, server_guard
 from libra.rollout.idle_wait import IDLE_WAIT_ENV
+from libra.rollout.server_guard import pid_alive, process_start_ticks
 from libra.rollout.spec import ServerStalledError, ServerStartError
 
 WORKER_EXTENSION = "libra.rollout.worker_extension.LibraWorkerExtension"
@@ -200,36 +201,6 @@ def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def process_start_ticks(pid: int) -> int:
-    """The kernel start time of `pid` (clock ticks since boot), 0 if unknown; guards against pid reuse."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
-            stat = fh.read()
-    except OSError:
-        return 0
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return int(fields[19]) if len(fields) > 19 else 0
-
-
-def pid_alive(pid: int, start_ticks: int = 0) -> bool:
-    """True when `pid` runs (and, given `start_ticks`, is the same process that was recorded)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
-            if fh.read().split(")")[-1].split()[0] == "Z":
-                return False  # a zombie has exited
-    except OSError:
-        return False
-    return not start_ticks or process_start_ticks(pid) == start_ticks
-
-
 def group_cpu_ticks(pgid: int) -> int:
     """CPU clock ticks (user + system) used so far by the processes of process group `pgid` other than its leader
     (a server's guard, which only watches), read from /proc."""
@@ -272,7 +243,7 @@ class ServerProcess:
         with open(launch.log_path, "ab") as log:
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} start {launch.model_path}\n".encode())
             log.flush()
-            if uses_forker(launch, device) and command[1:3] == ["-m", forked_engine_main.__name__]:
+            if uses_forker(launch, device):
                 try:
                     pid = cls._fork(launch, command, guard, env, log.fileno(), owner_pid)
                     return cls(launch, pid, None)
@@ -296,8 +267,9 @@ class ServerProcess:
         """Have the node's server forker start the server (`command`: python -m <module> <args>, guarded as
         `server_guard` guards a started one); returns the guard's pid."""
         job_dir = os.path.dirname(os.path.abspath(launch.log_path))
+        _python, _m, module, *args = command
         return forker_client.fork_server(
-            command[2], command[3:], env, log_fd, owner_pid, process_start_ticks(owner_pid) if owner_pid else 0,
+            module, args, env, log_fd, owner_pid, process_start_ticks(owner_pid) if owner_pid else 0,
             guard_title=" ".join(guard + command), server_title=" ".join(command), job_dir=job_dir,
             forker_log_path=os.path.join(job_dir, f"server-forker-{socket.gethostname()}.log"),
             modules=FORKER_IMPORTS)

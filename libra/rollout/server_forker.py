@@ -39,19 +39,6 @@ ACCEPT_POLL_S = 1.0
 MAX_REQUEST_BYTES = 4 * 2**20
 
 
-def owner_alive(pid: int, start_ticks: int) -> bool:
-    """Whether process `pid` runs and, given `start_ticks` (its kernel start time), is the process recorded."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
-            stat = fh.read()
-    except OSError:
-        return False
-    fields = stat[stat.rfind(")") + 2 :].split()
-    if not fields or fields[0] == "Z":
-        return False
-    return not start_ticks or (len(fields) > 19 and int(fields[19]) == start_ticks)
-
-
 def exit_status(exc: SystemExit) -> int:
     if exc.code is None:
         return 0
@@ -125,7 +112,7 @@ def become_guard(request: dict[str, Any], log_fd: int) -> None:
               "which imported the server's modules", flush=True)
         set_title(request.get("guard_title"))
         owner_pid, owner_ticks = int(request["owner_pid"]), int(request.get("owner_start_ticks", 0))
-        owner_gone = (lambda: not owner_alive(owner_pid, owner_ticks)) if owner_pid else None
+        owner_gone = (lambda: not server_guard.pid_alive(owner_pid, owner_ticks)) if owner_pid else None
 
         def fork_server() -> server_guard.ForkedChild:
             pid = os.fork()

@@ -53,6 +53,36 @@ def group_members(pgid: int) -> list[int]:
     return [pid for pid, fields in group_stat_fields(pgid).items() if fields[0] != "Z"]
 
 
+def process_start_ticks(pid: int) -> int:
+    """The kernel start time of `pid` (clock ticks since boot), 0 if unknown; guards against pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            stat = fh.read()
+    except OSError:
+        return 0
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return int(fields[19]) if len(fields) > 19 else 0
+
+
+def pid_alive(pid: int, start_ticks: int = 0) -> bool:
+    """True when `pid` runs (and, given `start_ticks`, is the same process that was recorded)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            if fh.read().split(")")[-1].split()[0] == "Z":
+                return False  # a zombie has exited
+    except OSError:
+        return False
+    return not start_ticks or process_start_ticks(pid) == start_ticks
+
+
 PR_SET_PDEATHSIG = 1
 
 

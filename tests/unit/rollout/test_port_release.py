@@ -75,7 +75,8 @@ def test_abandon_kills_a_server_mid_start_without_waiting_for_the_start(monkeypa
     monkeypatch.setattr(server, "server_command",
                         lambda launch, device: [sys.executable, "-c", STUBBORN_SERVER, str(marker)])
     launch = ServerLaunch(model_path="/nonexistent", port=0, host="127.0.0.1", max_model_len=64,
-                          kv_cache_bytes=1 << 20, log_path=str(tmp_path / "server.log"))
+                          kv_cache_bytes=1 << 20, log_path=str(tmp_path / "server.log"),
+                          fork_from_forker=False)  # the stand-in command runs in a new interpreter
     subject = ServerHost("rollout-1")
     assert subject.abandon() == 0  # nothing started yet
     outcome: list[BaseException | None] = []
