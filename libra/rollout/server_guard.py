@@ -30,20 +30,25 @@ from typing import Protocol
 STOP_GRACE_S = 10.0
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (the state first; `proc(5)` numbers them from 3),
+    None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2 :].split()
+
+
 def group_stat_fields(pgid: int) -> dict[int, list[str]]:
-    """Per process of process group `pgid`: the fields of its /proc/PID/stat after the command name (the state
-    first; `proc(5)` numbers them from 3)."""
+    """Per process of process group `pgid`: its `stat_fields`."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and int(fields[2]) == pgid:
+        fields = stat_fields(entry)
+        if fields is not None and len(fields) > 2 and int(fields[2]) == pgid:
             found[int(entry)] = fields
     return found
 
@@ -55,13 +60,8 @@ def group_members(pgid: int) -> list[int]:
 
 def process_start_ticks(pid: int) -> int:
     """The kernel start time of `pid` (clock ticks since boot), 0 if unknown; guards against pid reuse."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
-            stat = fh.read()
-    except OSError:
-        return 0
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return int(fields[19]) if len(fields) > 19 else 0
+    fields = stat_fields(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else 0
 
 
 def pid_alive(pid: int, start_ticks: int = 0) -> bool:
@@ -74,13 +74,10 @@ def pid_alive(pid: int, start_ticks: int = 0) -> bool:
         return False
     except PermissionError:
         pass
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
-            if fh.read().split(")")[-1].split()[0] == "Z":
-                return False  # a zombie has exited
-    except OSError:
+    fields = stat_fields(pid)
+    if not fields or fields[0] == "Z":  # gone, or a zombie: it has exited
         return False
-    return not start_ticks or process_start_ticks(pid) == start_ticks
+    return not start_ticks or (len(fields) > 19 and int(fields[19]) == start_ticks)
 
 
 PR_SET_PDEATHSIG = 1
