@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from server_bench import bystander, tiny_model, write_result  # noqa: E402
 
+from libra.proc_stat import group_members  # noqa: E402
 from libra.rollout import forker_client  # noqa: E402
 from libra.rollout.server import ServerLaunch, ServerProcess, pick_free_port  # noqa: E402
-from libra.rollout.server_guard import group_members  # noqa: E402
 
 STARTUP_S = 600.0
 ARMS = ("spawn", "fork", "forker")

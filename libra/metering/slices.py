@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import psutil
 
 from libra.metering.cgroup import PROBE_NAME, CpuCgroup
+from libra.proc_stat import pid_alive, process_start_ticks
 
 log = logging.getLogger(__name__)
 
@@ -30,19 +31,6 @@ _PROBE = re.compile(rf"^{PROBE_NAME}-(?P<pid>\d+)$")
 def safe_part(text: str) -> str:
     """`text` as a part of a slice name (letters, digits, '_', '.', '-'; at most 80 characters)."""
     return (_UNSAFE.sub("-", text).strip("-") or "x")[:PART_MAX]
-
-
-def start_ticks(pid: int) -> int:
-    """The kernel start time of `pid` in clock ticks since boot; 0 when it does not run."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
-            stat = fh.read()
-    except OSError:
-        return 0
-    fields = stat[stat.rfind(")") + 2:].split()
-    if not fields or fields[0] == "Z":  # a zombie has exited
-        return 0
-    return int(fields[19]) if len(fields) > 19 else 0
 
 
 @dataclass(frozen=True)
@@ -66,7 +54,7 @@ class SliceName:
         return cls(m["job"], m["holder"], int(m["pid"]), int(m["ticks"]))
 
     def owner_alive(self) -> bool:
-        return start_ticks(self.owner_pid) == self.owner_ticks != 0
+        return self.owner_ticks != 0 and pid_alive(self.owner_pid, self.owner_ticks)
 
 
 @dataclass(frozen=True)
@@ -89,7 +77,7 @@ class CpuSlices:
         """The slice of `holder` owned by `owner_pid` (default: this process) with a quota of `cores`, made
         if missing (its quota set if it exists). Orphaned slices of any job are removed first."""
         owner = os.getpid() if owner_pid is None else owner_pid
-        ticks = start_ticks(owner)
+        ticks = process_start_ticks(owner) if pid_alive(owner) else 0
         if not ticks:
             raise ProcessLookupError(f"the owner of slice {holder!r} (pid {owner}) does not run")
         self.sweep_orphans()
@@ -159,7 +147,7 @@ def sweep_orphans(cgroup: CpuCgroup) -> list[SliceName]:
     gone = []
     for entry in cgroup.names():
         probe = _PROBE.match(entry)
-        if probe and not start_ticks(int(probe["pid"])):
+        if probe and not pid_alive(int(probe["pid"])):
             cgroup.remove(cgroup.path(entry))
         name = SliceName.parse(entry)
         if name is None or name.owner_alive():

@@ -4,14 +4,14 @@ answers.
 One forker serves a job's servers on a node that share the environment vLLM and torch read while they are
 imported (`import_env_key`: everything but the variables that place one server, read when it runs); its socket
 lives in the node's temporary directory, named after the Python, the job's server log folder and that key. The
-host that finds none starts it, under a file lock, so hosts that start servers together wait for one import
-instead of each paying for its own; the forker ends with that host. Anything that keeps a forker from answering
-is a `ForkerUnavailable`, on which the caller starts the server in a new interpreter.
+host that finds none starts it, under a file lock (`server_forker.start_lock`), so hosts that start servers
+together wait for one import instead of each paying for its own; the forker ends with that host and removes its
+socket and lock file. Anything that keeps a forker from answering is a `ForkerUnavailable`, on which the caller
+starts the server in a new interpreter.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -26,6 +26,9 @@ from libra.rollout import server_forker
 
 # the variables that place one server (its logical GPUs and their cores): read when the server runs, not at import
 PER_SERVER_ENV = ("CUDA_VISIBLE_DEVICES", "VLLM_CPU_OMP_THREADS_BIND")
+# the variables that differ between the host actors of one job on one node and that no import reads: a Ray worker
+# started ahead of its first task (Ray starts some when a job's driver connects) keeps a placeholder job id
+PER_HOST_ENV = ("RAY_JOB_ID",)
 # Ray sets it in its workers: it keeps setproctitle from using the environment's memory, which a forked server's
 # command line needs (it is longer than the forker's)
 TITLE_ENV = "SPT_NOENV"
@@ -42,8 +45,9 @@ class ForkerUnavailable(RuntimeError):
 
 def import_env_key(env: Mapping[str, str]) -> str:
     """A digest of the environment a forker imports under: servers whose environments differ only in
-    `PER_SERVER_ENV` share a forker."""
-    kept = sorted((k, v) for k, v in env.items() if k not in PER_SERVER_ENV and k != TITLE_ENV)
+    `PER_SERVER_ENV` and `PER_HOST_ENV` share a forker."""
+    left_out = {*PER_SERVER_ENV, *PER_HOST_ENV, TITLE_ENV}
+    kept = sorted((k, v) for k, v in env.items() if k not in left_out)
     return hashlib.sha256(json.dumps(kept).encode()).hexdigest()[:16]
 
 
@@ -91,8 +95,7 @@ def ensure_forker(path: str, env: Mapping[str, str], log_path: str, modules: Seq
     """Make sure a forker answers at `path`: start one (importing `modules`, writing to `log_path`) when none
     does, and wait until it answers; ForkerUnavailable when it exits or does not answer within `timeout_s`."""
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    with open(path + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with server_forker.start_lock(path):
         if answers(path):
             return
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)

@@ -22,11 +22,12 @@ from typing import Any
 
 import aiohttp
 
+from libra.proc_stat import pid_alive
 from libra.rollout.client import ServerClient
 from libra.rollout.host import LocalHostHandle, ServerHost
 from libra.rollout.registry import InstanceRegistry, PoolRecord, RegistryEntry
 from libra.rollout.router import READY, STARTING, InstanceSlot
-from libra.rollout.server import ServerLaunch, pid_alive
+from libra.rollout.server import ServerLaunch
 from libra.rollout.spec import (
     HostGoneError,
     HostUnreachableError,

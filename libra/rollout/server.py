@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from libra import device as libra_device
+from libra.proc_stat import group_stat_fields, pid_alive, process_start_ticks
 from libra.rollout import forked_engine_main, forker_client, server_guard
 from libra.rollout.idle_wait import IDLE_WAIT_ENV
-from libra.rollout.server_guard import pid_alive, process_start_ticks
 from libra.rollout.spec import ServerStalledError, ServerStartError
 
 WORKER_EXTENSION = "libra.rollout.worker_extension.LibraWorkerExtension"
@@ -205,7 +205,7 @@ def group_cpu_ticks(pgid: int) -> int:
     """CPU clock ticks (user + system) used so far by the processes of process group `pgid` other than its leader
     (a server's guard, which only watches), read from /proc."""
     return sum(int(fields[11]) + int(fields[12])  # utime, stime
-               for pid, fields in server_guard.group_stat_fields(pgid).items() if pid != pgid and len(fields) > 12)
+               for pid, fields in group_stat_fields(pgid).items() if pid != pgid and len(fields) > 12)
 
 
 def http_healthy(host: str, port: int, timeout_s: float = 2.0) -> bool:

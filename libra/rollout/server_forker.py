@@ -12,7 +12,8 @@ answered with the pid of a new guard: forked from here, it leads its own session
 environment and working directory, writes to the log, shows the command line a started guard would show, and
 forks the server (which runs the module named in the request, its modules already imported) as `server_guard`
 runs one, stopping it when the request's owner (the host that asked) is gone. The guards are not this process's
-to keep: they outlive it, and this process ends when its owner (the host that started it) does.
+to keep: they outlive it, and this process ends when its owner (the host that started it) does, removing its
+socket and the lock its starters took (`start_lock`).
 
 Why a fork is safe here: this process runs no model and no thread of its own (what vLLM's API server already is
 when it forks a TP-1 engine core, `forked_engine_main`), and the server applies its own environment before
@@ -23,6 +24,8 @@ this process serves, see `forker_client.import_env_key`).
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import importlib
 import json
 import os
@@ -31,8 +34,10 @@ import signal
 import socket
 import sys
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
+from libra import proc_stat
 from libra.rollout import server_guard
 
 ACCEPT_POLL_S = 1.0
@@ -112,7 +117,7 @@ def become_guard(request: dict[str, Any], log_fd: int) -> None:
               "which imported the server's modules", flush=True)
         set_title(request.get("guard_title"))
         owner_pid, owner_ticks = int(request["owner_pid"]), int(request.get("owner_start_ticks", 0))
-        owner_gone = (lambda: not server_guard.pid_alive(owner_pid, owner_ticks)) if owner_pid else None
+        owner_gone = (lambda: not proc_stat.pid_alive(owner_pid, owner_ticks)) if owner_pid else None
 
         def fork_server() -> server_guard.ForkedChild:
             pid = os.fork()
@@ -200,6 +205,39 @@ def handle(conn: socket.socket, listener: socket.socket) -> None:
         raise
 
 
+@contextlib.contextmanager
+def start_lock(socket_path: str) -> Iterator[None]:
+    """Held while a forker for `socket_path` is started, and while an ending one removes its files: a file
+    beside the socket, taken again when the file it was taken on was removed meanwhile (by the forker that
+    held it to remove it), so a lock is never held on a file nobody else can open."""
+    lock_path = socket_path + ".lock"
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                yield
+                return
+        finally:
+            os.close(fd)
+
+
+def remove_files(socket_path: str, socket_inode: int) -> None:
+    """An ending forker's socket and start lock, unless a forker started after it serves at that path."""
+    with start_lock(socket_path):
+        try:
+            if os.stat(socket_path).st_ino != socket_inode:
+                return
+            os.unlink(socket_path)
+        except FileNotFoundError:
+            pass
+        os.unlink(socket_path + ".lock")
+
+
 def serve(socket_path: str, owner_pid: int, modules: list[str]) -> int:
     for module in modules:
         importlib.import_module(module)
@@ -208,6 +246,7 @@ def serve(socket_path: str, owner_pid: int, modules: list[str]) -> int:
         os.unlink(socket_path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
+    socket_inode = os.stat(socket_path).st_ino
     listener.listen(16)
     listener.settimeout(ACCEPT_POLL_S)
     print(f"[libra server forker] pid {os.getpid()} serves {socket_path} (imported: {', '.join(modules)})",
@@ -227,10 +266,7 @@ def serve(socket_path: str, owner_pid: int, modules: list[str]) -> int:
                     print(f"[libra server forker] request failed: {exc}", file=sys.stderr, flush=True)
     finally:
         listener.close()
-        try:
-            os.unlink(socket_path)
-        except FileNotFoundError:
-            pass
+        remove_files(socket_path, socket_inode)
     print(f"[libra server forker] owner {owner_pid} is gone; exiting", flush=True)
     return 0
 

@@ -27,57 +27,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from libra.proc_stat import group_members
+
 STOP_GRACE_S = 10.0
-
-
-def stat_fields(pid: int | str) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (the state first; `proc(5)` numbers them from 3),
-    None when the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    return stat[stat.rfind(")") + 2 :].split()
-
-
-def group_stat_fields(pgid: int) -> dict[int, list[str]]:
-    """Per process of process group `pgid`: its `stat_fields`."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        fields = stat_fields(entry)
-        if fields is not None and len(fields) > 2 and int(fields[2]) == pgid:
-            found[int(entry)] = fields
-    return found
-
-
-def group_members(pgid: int) -> list[int]:
-    """Pids of the live (not zombie) processes in process group `pgid` (from /proc)."""
-    return [pid for pid, fields in group_stat_fields(pgid).items() if fields[0] != "Z"]
-
-
-def process_start_ticks(pid: int) -> int:
-    """The kernel start time of `pid` (clock ticks since boot), 0 if unknown; guards against pid reuse."""
-    fields = stat_fields(pid)
-    return int(fields[19]) if fields is not None and len(fields) > 19 else 0
-
-
-def pid_alive(pid: int, start_ticks: int = 0) -> bool:
-    """True when `pid` runs (and, given `start_ticks`, is the same process that was recorded)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    fields = stat_fields(pid)
-    if not fields or fields[0] == "Z":  # gone, or a zombie: it has exited
-        return False
-    return not start_ticks or (len(fields) > 19 and int(fields[19]) == start_ticks)
 
 
 PR_SET_PDEATHSIG = 1

@@ -95,6 +95,17 @@ def vllm_servers(root: Path) -> list[int]:
     return [pid for pid, parent in found.items() if parent not in found]
 
 
+def server_process_view(root: Path) -> list[str]:
+    """Every live process whose command line names a vLLM or Libra module or `root`, as `vllm_servers` sees it
+    (pid, parent, state, command line): what a failure message shows when the scan missed a server."""
+    lines = []
+    for proc in psutil.process_iter(["pid", "ppid", "cmdline", "status"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "vllm" in cmdline or "libra" in cmdline or str(root) in cmdline:
+            lines.append(f"{proc.info['pid']} <- {proc.info['ppid']} [{proc.info['status']}] {cmdline[:300]}")
+    return lines
+
+
 # ---- 1. drain vs abort under the producer's stream -------------------------------------------------------
 @dataclasses.dataclass
 class Call:
@@ -387,6 +398,7 @@ class MidSwitchKill:
     first_server: set[int]  # rollout-0's server (the one registered)
     desired_before: dict[str, Any]  # desired_state.json right after the kill
     at_done: set[int]  # servers alive when the relaunch finished the change
+    view_at_done: list[str]  # server_process_view when the relaunch finished the change
     seen: set[int]  # every server seen from the kill on
     exit_code: int  # of the relaunch, which runs `extra_steps` more steps
     end_step: int
@@ -427,6 +439,7 @@ def sigkill_mid_switch(ws: dict[str, Any], extra_steps: int = 3) -> MidSwitchKil
              "the operator API of the relaunch", second)
     seen: set[int] = set(before)
     at_done: set[int] = set()
+    view_at_done: list[str] = []
 
     def watch() -> bool:
         servers = vllm_servers(root)
@@ -434,6 +447,7 @@ def sigkill_mid_switch(ws: dict[str, Any], extra_steps: int = 3) -> MidSwitchKil
         done = bool(kinds_after(run_dir, "reconfigure_done"))
         if done:
             at_done.update(servers)
+            view_at_done.extend(server_process_view(root))
         return done
 
     wait_for(watch, STARTUP_S, "the change to finish after the restart", second)
@@ -443,8 +457,8 @@ def sigkill_mid_switch(ws: dict[str, Any], extra_steps: int = 3) -> MidSwitchKil
     assert not live(sorted(leftover)), f"the leftover server {leftover} outlived the restarted change"
     assert operator_call(run_dir, "resume", "the change is done")
     code = second.wait(timeout=STARTUP_S)
-    return MidSwitchKill(killed_at, steps_before, before, first_server, desired, at_done, seen, code, end_step,
-                         second)
+    return MidSwitchKill(killed_at, steps_before, before, first_server, desired, at_done, view_at_done, seen, code,
+                         end_step, second)
 
 
 def test_sigkill_mid_switch_then_launch_finishes_it(job: dict[str, Any]) -> None:
@@ -454,7 +468,7 @@ def test_sigkill_mid_switch_then_launch_finishes_it(job: dict[str, Any]) -> None
     leftover = set(kill.servers_before) - kill.first_server
     # rollout-0 adopted and serving, plus the new rollout-1; the leftover was killed before rollout-1 started
     assert kill.first_server <= kill.at_done and len(kill.at_done) == 2 and not kill.at_done & leftover, (
-        kill.servers_before, kill.at_done, kill.relaunch.output()[-6000:])
+        kill.servers_before, kill.at_done, "\n".join(kill.view_at_done), kill.relaunch.output()[-6000:])
     assert kill.exit_code == 0, kill.relaunch.output()[-4000:]
 
     assert kinds_after(run_dir, "reconfigure_resumed"), "the launch continues the recorded change"

@@ -17,8 +17,9 @@ import pytest
 
 from libra.metering.cgroup import CgroupFs, CgroupUnavailable, CpuCgroup, cgroup_at
 from libra.metering.holder import GpuHolderSlice, MeteringError, end_job
-from libra.metering.slices import CpuSlices, SliceName, safe_part, start_ticks, sweep_orphans
+from libra.metering.slices import CpuSlices, SliceName, safe_part, sweep_orphans
 from libra.metering.spec import CpuMetering
+from libra.proc_stat import process_start_ticks
 
 V1_FILES = {"cgroup.procs": "", "cpu.cfs_quota_us": "-1", "cpu.cfs_period_us": "100000", "cpu.shares": "1024"}
 V2_FILES = {"cgroup.procs": "", "cgroup.controllers": "cpu io memory", "cgroup.subtree_control": "",
@@ -94,7 +95,7 @@ def test_slice_quota_join_resize_remove(version: int, tmp_path: Path, sleepers: 
     slices = CpuSlices(cgroup, "dev job/run")
     pid = spawn(sleepers)
     piece = slices.open("rollout-0", 0.5)
-    assert piece.name == SliceName("dev-job-run", "rollout-0", os.getpid(), start_ticks(os.getpid()))
+    assert piece.name == SliceName("dev-job-run", "rollout-0", os.getpid(), process_start_ticks(os.getpid()))
     assert cgroup.quota(piece.path) == 0.5
     # Written literally, not from PERIOD_US: a slice's period is 20 ms (metering.md says why not 100 ms)
     if version == 2:
@@ -146,7 +147,7 @@ def test_sweep_removes_slices_of_gone_owners_only(tmp_path: Path, sleepers: list
     assert not Path(orphan.path).exists() and Path(live.path).exists()
     assert worker in procs_of(cgroup.home)
     # a reused pid is not the owner: the start ticks differ
-    stale = SliceName("job-b", "train-1", other_owner, start_ticks(other_owner) + 1)
+    stale = SliceName("job-b", "train-1", other_owner, process_start_ticks(other_owner) + 1)
     cgroup.make(str(stale), 0.25)
     assert mine.open("train-2", 0.5).name.holder == "train-2"  # opening a slice sweeps first
     assert str(stale) in fs.removals

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from libra.proc_stat import group_members, pid_alive
 from libra.rollout import host, server
 from libra.rollout.host import ServerHost
-from libra.rollout.server import ServerLaunch, pid_alive
-from libra.rollout.server_guard import group_members
+from libra.rollout.server import ServerLaunch
 from libra.rollout.spec import ServerStartError
 
 

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from libra.rollout.server import pid_alive
-from libra.rollout.server_guard import group_members
+from libra.proc_stat import group_members, pid_alive
 
 # A "server" that leaves a long-lived grandchild behind (as vLLM's API server leaves its engine core).
 SERVER_WITH_ORPHAN = """

@@ -7,12 +7,14 @@ A forker that cannot start is a `ForkerUnavailable`, and `ServerProcess.start` t
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,9 +23,11 @@ from typing import Any
 import psutil
 import pytest
 
+from libra.proc_stat import pid_alive, process_start_ticks
 from libra.rollout import forker_client, server
 from libra.rollout.forker_client import ForkerUnavailable, ask, fork_server, socket_path
-from libra.rollout.server import ServerLaunch, ServerProcess, pid_alive, process_start_ticks
+from libra.rollout.server import ServerLaunch, ServerProcess
+from libra.rollout.server_forker import start_lock
 
 PROBE = """
 import json, os, sys, time
@@ -100,8 +104,10 @@ def report(out: Path) -> dict[str, Any]:
 
 def test_forked_servers_run_with_their_own_environment_session_and_command_line(
         probe_dir: Path, started: list[int]) -> None:
-    first_env = {**base_env(probe_dir), "CUDA_VISIBLE_DEVICES": "0", "VLLM_CPU_OMP_THREADS_BIND": "0"}
-    second_env = {**base_env(probe_dir), "CUDA_VISIBLE_DEVICES": "1"}
+    # as on two host actors of a job: the second on a worker Ray started for the job, the first ahead of it
+    first_env = {**base_env(probe_dir), "CUDA_VISIBLE_DEVICES": "0", "VLLM_CPU_OMP_THREADS_BIND": "0",
+                 "RAY_JOB_ID": "ffffffff"}
+    second_env = {**base_env(probe_dir), "CUDA_VISIBLE_DEVICES": "1", "RAY_JOB_ID": "01000000"}
     guards, reports = [], []
     for name, env in (("first", first_env), ("second", second_env)):
         guard, out, _log = start_probe(probe_dir, started, name, env)
@@ -157,11 +163,41 @@ def test_the_forker_ends_with_its_starter_and_its_servers_run_on(probe_dir: Path
     started.append(forker_pid)  # its own group (the starter's, which is gone): killed after the test if left
     wait_until(lambda: not pid_alive(forker_pid), 30, "the forker exited after its starter")
     assert "is gone; exiting" in (logs / "forker.log").read_text()
+    path = socket_path(str(logs), env)
+    assert not os.path.exists(path) and not os.path.exists(path + ".lock"), "an ended forker leaves no file"
     guard, out, _log = start_probe(probe_dir, started, "after", env)  # a new forker, started by this process
     server_pid = report(out)["pid"]
     forker_client._started.pop(socket_path(str(logs), env)).kill()
     time.sleep(2)
     assert pid_alive(guard) and pid_alive(server_pid), "a forker's servers do not end with it"
+
+
+def test_a_start_lock_whose_file_was_removed_is_taken_again_on_the_new_file(tmp_path: Path) -> None:
+    """What an ending forker does (remove the lock file while holding it) leaves a waiting starter holding the
+    lock on the file the next starter opens, not on the removed one."""
+    path = str(tmp_path / "forker.sock")
+    seen: list[tuple[bool, bool]] = []
+
+    def next_starter() -> None:
+        with start_lock(path):
+            fd = os.open(path + ".lock", os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                excludes = False
+            except BlockingIOError:
+                excludes = True
+            finally:
+                os.close(fd)
+            seen.append((os.path.exists(path + ".lock"), excludes))
+
+    with start_lock(path):
+        waiting = threading.Thread(target=next_starter)
+        waiting.start()
+        time.sleep(0.3)
+        assert seen == [], "the lock is held"
+        os.unlink(path + ".lock")
+    waiting.join(10)
+    assert seen == [(True, True)], "the waiting starter holds the lock on the file a later starter opens"
 
 
 def test_a_forker_that_cannot_start_is_unavailable(probe_dir: Path, started: list[int]) -> None:
@@ -170,6 +206,27 @@ def test_a_forker_that_cannot_start_is_unavailable(probe_dir: Path, started: lis
     with pytest.raises(ForkerUnavailable, match="exited with code 1 before serving"):
         forker_client.ensure_forker(path, env, str(probe_dir / "logs" / "forker.log"), ["no_such_module_here"], 60)
     assert "No module named 'no_such_module_here'" in (probe_dir / "logs" / "forker.log").read_text()
+
+
+BASE = {"PATH": "/usr/bin", "RAY_RAYLET_PID": "100", "TORCH_COMPILE_DISABLE": "1"}
+
+
+@pytest.mark.parametrize(("other", "shared"), [
+    ({**BASE, "CUDA_VISIBLE_DEVICES": "3"}, True),
+    ({**BASE, "VLLM_CPU_OMP_THREADS_BIND": "4-5"}, True),
+    ({**BASE, "RAY_JOB_ID": "ffffffff"}, True),
+    ({**BASE, "SPT_NOENV": "1"}, True),
+    ({**BASE, "TORCH_COMPILE_DISABLE": "0"}, False),
+    ({**BASE, "RAY_RAYLET_PID": "200"}, False),
+    ({**BASE, "VLLM_USE_V1": "1"}, False),
+    ({k: v for k, v in BASE.items() if k != "PATH"}, False),
+], ids=["placement", "cores", "placeholder-job-id", "title-setting", "import-read-variable", "other-node",
+        "variable-added", "variable-removed"])
+def test_which_environments_share_a_forker(other: dict[str, str], shared: bool) -> None:
+    first = {**BASE, "CUDA_VISIBLE_DEVICES": "0", "RAY_JOB_ID": "01000000"}
+    assert (forker_client.import_env_key(first) == forker_client.import_env_key(other)) is shared
+    assert (socket_path("/job/logs", first) == socket_path("/job/logs", other)) is shared
+    assert socket_path("/job/logs", first) != socket_path("/other-job/logs", first)
 
 
 def test_server_process_starts_a_new_interpreter_when_no_forker_answers(

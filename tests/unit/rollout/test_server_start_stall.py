@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from libra.rollout.server import ServerLaunch, ServerProcess, group_cpu_ticks, pick_free_port, pid_alive
-from libra.rollout.server_guard import group_stat_fields
+from libra.proc_stat import group_stat_fields, pid_alive
+from libra.rollout.server import ServerLaunch, ServerProcess, group_cpu_ticks, pick_free_port
 from libra.rollout.spec import ServerStalledError, ServerStartError
 
 BUSY = "while True: pass"

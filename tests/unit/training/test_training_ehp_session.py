@@ -329,10 +329,11 @@ class _ProcsFs:
                                                pytest.param("rollout-7", False, id="no-slice-of-that-instance")])
 def test_a_borrowed_rank_joins_the_lenders_slice(tmp_path: Any, holder: str, joins: bool) -> None:
     from libra.metering.cgroup import CpuCgroup
-    from libra.metering.slices import SliceName, start_ticks
+    from libra.metering.slices import SliceName
+    from libra.proc_stat import process_start_ticks
     from libra.training.ehp_steps import join_holder_slice
 
-    me, ticks = os.getpid(), start_ticks(os.getpid())
+    me, ticks = os.getpid(), process_start_ticks(os.getpid())
     cgroup = CpuCgroup(str(tmp_path), 1, str(tmp_path), fs=_ProcsFs(str(tmp_path)))  # type: ignore[arg-type]
     os.makedirs(cgroup.base)
     names = [SliceName("job", "rollout-0", me, ticks), SliceName("job", "rollout-1", me, ticks),
@@ -385,13 +386,14 @@ def test_borrowed_timings_take_the_slowest_rank() -> None:
 
 def test_a_parked_rank_leaves_the_lenders_slice_for_home_and_joins_it_again(tmp_path: Any) -> None:
     from libra.metering.cgroup import CpuCgroup
-    from libra.metering.slices import CpuSlices, SliceName, start_ticks
+    from libra.metering.slices import CpuSlices, SliceName
+    from libra.proc_stat import process_start_ticks
     from libra.training.ehp_steps import join_holder_slice
 
     me = os.getpid()
     cgroup = CpuCgroup(str(tmp_path), 1, str(tmp_path), fs=_ProcsFs(str(tmp_path)))  # type: ignore[arg-type]
     os.makedirs(cgroup.base)
-    lender = SliceName("job", "rollout-1", me, start_ticks(me))
+    lender = SliceName("job", "rollout-1", me, process_start_ticks(me))
     os.makedirs(cgroup.path(str(lender)))
     slice_procs = Path(cgroup.path(str(lender))) / "cgroup.procs"
     slice_procs.write_text("")
