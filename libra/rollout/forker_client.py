@@ -5,8 +5,9 @@ One forker serves a job's servers on a node that share the environment vLLM and 
 imported (`import_env_key`: everything but the variables that place one server, read when it runs); its socket
 lives in the node's temporary directory, named after the Python, the job's server log folder and that key. The
 host that finds none starts it, under a file lock (`server_forker.start_lock`), so hosts that start servers
-together wait for one import instead of each paying for its own; the forker ends with that host and removes its
-socket and lock file. Anything that keeps a forker from answering is a `ForkerUnavailable`, on which the caller
+together wait for one import instead of each paying for its own; the forker ends with that host (removing its
+socket and lock file when it can; a host that starts a forker first removes what killed ones left, see
+`sweep_killed_forkers`). Anything that keeps a forker from answering is a `ForkerUnavailable`, on which the caller
 starts the server in a new interpreter.
 """
 
@@ -16,6 +17,7 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -58,6 +60,26 @@ def socket_path(job_dir: str, env: Mapping[str, str]) -> str:
     return os.path.join(tempfile.gettempdir(), f"libra-forker-{os.getuid()}", key.hexdigest()[:24] + ".sock")
 
 
+def private_dir(path: str) -> None:
+    """Make `path` (this user's folder of forker sockets) when missing, and make sure it is a folder this user
+    owns that nobody else may enter: in a temporary directory shared with other users, someone else could have
+    made it first and answer in the forker's place (and read the environment of every server it is asked for).
+    ForkerUnavailable when it is not."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ForkerUnavailable(f"cannot make the server forker's folder {path}: {exc}") from exc
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        kind = "folder" if stat.S_ISDIR(info.st_mode) else "link" if stat.S_ISLNK(info.st_mode) else "file"
+        raise ForkerUnavailable(
+            f"the server forker's folder {path} is a {kind} of user {info.st_uid} with mode "
+            f"{stat.S_IMODE(info.st_mode):o}, not a folder of user {os.getuid()} closed to others (mode 700): "
+            "remove it, or find out who made it")
+
+
 def ask(path: str, message: Mapping[str, object], fds: Sequence[int] = (), timeout_s: float = REQUEST_TIMEOUT_S
         ) -> dict[str, object]:
     """Send one request to the forker at `path` and return its answer; ForkerUnavailable when none answers."""
@@ -90,14 +112,56 @@ def answers(path: str) -> bool:
         return False
 
 
+def listens(path: str) -> bool:
+    """Whether a process listens on the Unix socket at `path` (a forker, answering or not)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True  # a full backlog or a slow accept: someone is there
+        try:  # a ping, so that the forker logs no unreadable request
+            sock.sendall(json.dumps({"ping": True}).encode() + b"\n")
+            sock.recv(65536)
+        except OSError:
+            pass
+        return True
+
+
+def sweep_killed_forkers(folder: str) -> list[str]:
+    """Remove what forkers that were killed left in `folder` (a forker ends with the host that started it, and
+    Ray kills a host's child processes when the host ends, so most never remove their own files): each socket
+    nobody listens on, with its lock file, under that lock taken without waiting (a lock someone holds is a
+    forker being started there). Returns the socket paths whose files were removed."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for path in sorted({os.path.join(folder, n.removesuffix(".lock")) for n in names if ".sock" in n}):
+        with server_forker.start_lock(path, wait=False) as held:
+            if not held or listens(path):
+                continue
+            for leftover in (path, path + ".lock"):
+                try:
+                    os.unlink(leftover)
+                except FileNotFoundError:
+                    pass
+            removed.append(path)
+    return removed
+
+
 def ensure_forker(path: str, env: Mapping[str, str], log_path: str, modules: Sequence[str],
                   timeout_s: float = FORKER_START_S) -> None:
     """Make sure a forker answers at `path`: start one (importing `modules`, writing to `log_path`) when none
     does, and wait until it answers; ForkerUnavailable when it exits or does not answer within `timeout_s`."""
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    private_dir(os.path.dirname(path))
     with server_forker.start_lock(path):
         if answers(path):
             return
+        sweep_killed_forkers(os.path.dirname(path))
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
         with open(log_path, "ab") as log:
             process = subprocess.Popen([sys.executable, "-m", server_forker.__name__], stdin=subprocess.PIPE,

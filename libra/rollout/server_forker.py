@@ -12,8 +12,9 @@ answered with the pid of a new guard: forked from here, it leads its own session
 environment and working directory, writes to the log, shows the command line a started guard would show, and
 forks the server (which runs the module named in the request, its modules already imported) as `server_guard`
 runs one, stopping it when the request's owner (the host that asked) is gone. The guards are not this process's
-to keep: they outlive it, and this process ends when its owner (the host that started it) does, removing its
-socket and the lock its starters took (`start_lock`).
+to keep: they outlive it, and this process ends when its owner (the host that started it) does: Ray kills it
+with that host, and when it ends on its own it removes its socket and the lock its starters took (`start_lock`;
+`forker_client.sweep_killed_forkers` removes a killed forker's).
 
 Why a fork is safe here: this process runs no model and no thread of its own (what vLLM's API server already is
 when it forks a TP-1 engine core, `forked_engine_main`), and the server applies its own environment before
@@ -206,21 +207,26 @@ def handle(conn: socket.socket, listener: socket.socket) -> None:
 
 
 @contextlib.contextmanager
-def start_lock(socket_path: str) -> Iterator[None]:
-    """Held while a forker for `socket_path` is started, and while an ending one removes its files: a file
-    beside the socket, taken again when the file it was taken on was removed meanwhile (by the forker that
-    held it to remove it), so a lock is never held on a file nobody else can open."""
+def start_lock(socket_path: str, wait: bool = True) -> Iterator[bool]:
+    """Held while a forker for `socket_path` is started, and while an ending forker's files are removed: a file
+    beside the socket, taken again when the file it was taken on was removed meanwhile (by whoever held it to
+    remove it), so a lock is never held on a file nobody else can open. Yields whether it is held: always when
+    `wait`, else False at once when someone else holds it."""
     lock_path = socket_path + ".lock"
     while True:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
             try:
                 current = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
                 current = False
             if current:
-                yield
+                yield True
                 return
         finally:
             os.close(fd)

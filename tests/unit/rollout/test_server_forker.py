@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -200,12 +201,73 @@ def test_a_start_lock_whose_file_was_removed_is_taken_again_on_the_new_file(tmp_
     assert seen == [(True, True)], "the waiting starter holds the lock on the file a later starter opens"
 
 
+def dead_socket(path: Path) -> None:
+    """What a killed forker leaves: a socket file nobody listens on."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(str(path))
+
+
+def test_a_sweep_removes_what_killed_forkers_left_and_nothing_else(tmp_path: Path) -> None:
+    folder = tmp_path / "forkers"
+    folder.mkdir()
+    killed, lone_socket, lone_lock = folder / "killed.sock", folder / "lone.sock", folder / "lone-lock.sock"
+    live, starting = folder / "live.sock", folder / "starting.sock"
+    dead_socket(killed)
+    Path(f"{killed}.lock").write_text("")
+    dead_socket(lone_socket)
+    Path(f"{lone_lock}.lock").write_text("")
+    dead_socket(starting)  # bound, not yet listening, while its starter holds the lock
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, start_lock(str(starting)):
+        listener.bind(str(live))
+        listener.listen(1)
+        Path(f"{live}.lock").write_text("")
+        removed = forker_client.sweep_killed_forkers(str(folder))
+    assert removed == sorted(map(str, (killed, lone_lock, lone_socket)))
+    assert sorted(p.name for p in folder.iterdir()) == ["live.sock", "live.sock.lock", "starting.sock",
+                                                          "starting.sock.lock"]
+    assert forker_client.sweep_killed_forkers(str(tmp_path / "missing")) == []
+
+
 def test_a_forker_that_cannot_start_is_unavailable(probe_dir: Path, started: list[int]) -> None:
     env = base_env(probe_dir)
     path = socket_path(str(probe_dir / "logs"), env)
     with pytest.raises(ForkerUnavailable, match="exited with code 1 before serving"):
         forker_client.ensure_forker(path, env, str(probe_dir / "logs" / "forker.log"), ["no_such_module_here"], 60)
     assert "No module named 'no_such_module_here'" in (probe_dir / "logs" / "forker.log").read_text()
+
+
+def made_as(kind: str, path: Path) -> None:
+    if kind == "own-closed":
+        path.mkdir(mode=0o700)
+    elif kind == "own-open":
+        path.mkdir()
+        path.chmod(0o755)
+    elif kind == "link":
+        (path.parent / "real").mkdir(mode=0o700)
+        path.symlink_to(path.parent / "real")
+    elif kind == "file":
+        path.write_text("")
+    elif kind == "another-user":
+        if os.getuid() != 0:
+            pytest.skip("giving a folder to another user needs root")
+        path.mkdir(mode=0o700)
+        os.chown(path, 4242, 4242)
+
+
+@pytest.mark.parametrize(("kind", "usable"), [
+    ("missing", True), ("own-closed", True), ("own-open", False), ("link", False), ("file", False),
+    ("another-user", False),
+])
+def test_the_socket_folder_is_this_users_alone(tmp_path: Path, kind: str, usable: bool) -> None:
+    path = tmp_path / "libra-forker"
+    made_as(kind, path)
+    if usable:
+        forker_client.private_dir(str(path))
+        info = path.lstat()
+        assert path.is_dir() and info.st_uid == os.getuid() and info.st_mode & 0o777 == 0o700
+    else:
+        with pytest.raises(ForkerUnavailable, match=f"the server forker's folder {path} is a .* remove it"):
+            forker_client.private_dir(str(path))
 
 
 BASE = {"PATH": "/usr/bin", "RAY_RAYLET_PID": "100", "TORCH_COMPILE_DISABLE": "1"}
