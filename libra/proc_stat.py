@@ -41,17 +41,15 @@ def process_start_ticks(pid: int) -> int:
     return int(fields[19]) if fields is not None and len(fields) > 19 else 0
 
 
+def running_start_ticks(pid: int) -> int:
+    """The kernel start time of `pid` while it runs; 0 when it is gone or a zombie (it has exited)."""
+    fields = stat_fields(pid) if pid > 0 else None
+    if not fields or fields[0] == "Z" or len(fields) <= 19:
+        return 0
+    return int(fields[19])
+
+
 def pid_alive(pid: int, start_ticks: int = 0) -> bool:
     """True when `pid` runs (and, given `start_ticks`, is the same process that was recorded)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    fields = stat_fields(pid)
-    if not fields or fields[0] == "Z":  # gone, or a zombie: it has exited
-        return False
-    return not start_ticks or (len(fields) > 19 and int(fields[19]) == start_ticks)
+    ticks = running_start_ticks(pid)
+    return ticks != 0 and (not start_ticks or ticks == start_ticks)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import psutil
 
 from libra.metering.cgroup import PROBE_NAME, CpuCgroup
-from libra.proc_stat import pid_alive, process_start_ticks
+from libra.proc_stat import pid_alive, running_start_ticks
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class CpuSlices:
         """The slice of `holder` owned by `owner_pid` (default: this process) with a quota of `cores`, made
         if missing (its quota set if it exists). Orphaned slices of any job are removed first."""
         owner = os.getpid() if owner_pid is None else owner_pid
-        ticks = process_start_ticks(owner) if pid_alive(owner) else 0
+        ticks = running_start_ticks(owner)
         if not ticks:
             raise ProcessLookupError(f"the owner of slice {holder!r} (pid {owner}) does not run")
         self.sweep_orphans()

@@ -113,21 +113,14 @@ def answers(path: str) -> bool:
 
 
 def listens(path: str) -> bool:
-    """Whether a process listens on the Unix socket at `path` (a forker, answering or not)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(1.0)
-        try:
-            sock.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            return False
-        except OSError:
-            return True  # a full backlog or a slow accept: someone is there
-        try:  # a ping, so that the forker logs no unreadable request
-            sock.sendall(json.dumps({"ping": True}).encode() + b"\n")
-            sock.recv(65536)
-        except OSError:
-            pass
-        return True
+    """Whether a process listens on the Unix socket at `path` (a forker, answering or not): anything but a
+    refused connection or a missing socket is someone there. Asked with a ping, so a forker logs no unreadable
+    request."""
+    try:
+        ask(path, {"ping": True}, timeout_s=1.0)
+    except ForkerUnavailable as exc:
+        return not isinstance(exc.__cause__, (ConnectionRefusedError, FileNotFoundError))
+    return True
 
 
 def sweep_killed_forkers(folder: str) -> list[str]:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from libra.proc_stat import group_members, pid_alive, process_start_ticks, stat_fields
+from libra.proc_stat import group_members, pid_alive, process_start_ticks, running_start_ticks, stat_fields
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def zombie() -> subprocess.Popen[bytes]:
 
 def test_a_running_process_is_alive_with_its_own_start_time(sleeper: subprocess.Popen[bytes]) -> None:
     ticks = process_start_ticks(sleeper.pid)
-    assert ticks > 0
+    assert ticks > 0 and running_start_ticks(sleeper.pid) == ticks
     assert pid_alive(sleeper.pid) and pid_alive(sleeper.pid, ticks)
 
 
@@ -45,7 +45,7 @@ def test_another_start_time_is_another_process(sleeper: subprocess.Popen[bytes])
 
 @pytest.mark.parametrize("pid", [0, -1, 2**22 + 1], ids=["zero", "negative", "beyond-pid-max"])
 def test_no_such_process(pid: int) -> None:
-    assert not pid_alive(pid) and process_start_ticks(pid) == 0
+    assert not pid_alive(pid) and process_start_ticks(pid) == 0 and running_start_ticks(pid) == 0
 
 
 def test_a_zombie_has_exited() -> None:
@@ -53,6 +53,7 @@ def test_a_zombie_has_exited() -> None:
     try:
         assert stat_fields(proc.pid) is not None  # it still has a stat line
         assert not pid_alive(proc.pid) and not pid_alive(proc.pid, process_start_ticks(proc.pid))
+        assert running_start_ticks(proc.pid) == 0 < process_start_ticks(proc.pid)
     finally:
         proc.wait()
     assert stat_fields(proc.pid) is None
