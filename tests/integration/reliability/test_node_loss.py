@@ -79,10 +79,10 @@ def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_pol
                   silent: bool = False, frozen: bool = False, raylet_only: bool = False) -> dict[str, Any]:
     """The job on `cluster`; after step 2 and its checkpoint the node of its training rank is removed; the job's
     exit code, run directory, output, when the node went, the metric rows written by then and the GPUs left.
-    `wait_policy`: the job runs `runtime_node_loss_policy: wait`, and once it waits a node is added back (when,
-    as `added_at`). `silent`: the node dies without telling the cluster (its processes killed at once), so Ray
-    declares it dead only when its health checks fail. `frozen`: the node's processes are stopped instead (alive
-    but unreachable, as behind a network partition), Ray declares it dead the same way, and once the job has
+    `wait_policy`: the job runs `runtime_node_loss_policy: wait`, and once it waits a node is added back (when it
+    was asked for, as `added_at`). `silent`: the node dies without telling the cluster (its processes killed at
+    once), so Ray declares it dead only when its health checks fail. `frozen`: the node's processes are stopped
+    instead (alive but unreachable, as behind a network partition), Ray declares it dead the same way, and once the job has
     restarted its training pool on what remains they are continued (the partition heals: `thawed`, the holder's
     answer); with `raylet_only`, only the node's raylet is stopped and continued. Shared with
     benchmarks/reliability.py."""
@@ -130,8 +130,10 @@ def node_loss_run(cluster: LossCluster, root: Path, steps: int = STEPS, wait_pol
             # the lost rollout instance's replacement serves
             operator(run_dir, "pause", "reliability: the lost node comes back")
             first = set(serving(run_dir))
-            cluster.ask("add-node")
+            # taken before the request: the job can see the new node register before the holder's answer, which
+            # waits for every node (under load, seconds later)
             added_at = time.time()
+            cluster.ask("add-node")
             wait_for(lambda: len(serving(run_dir)) == len(first) and bool(set(serving(run_dir)) - first),
                      STARTUP_S, "the lost rollout instance's replacement serving", launch)
             replaced_at = time.time()
